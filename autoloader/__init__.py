@@ -1,0 +1,41 @@
+"""autoloader: the fastest safe PyTorch DataLoader settings for your pipeline and machine.
+
+Example::
+
+    import autoloader
+
+    result = autoloader.tune(dataset, train_step, batch_size=64)
+    result.save("best.json")
+    loader = result.make_loader(dataset)
+"""
+
+from autoloader._environment import Environment
+from autoloader._exceptions import (
+    AutoloaderError,
+    BaselineError,
+    EnvironmentMismatchWarning,
+    InvalidInputError,
+    ResultFileError,
+    UnpicklableError,
+)
+from autoloader._result import TrialRecord, TuneResult, load
+from autoloader._search_space import SearchSpace
+from autoloader._tune import tune
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoloaderError",
+    "BaselineError",
+    "Environment",
+    "EnvironmentMismatchWarning",
+    "InvalidInputError",
+    "ResultFileError",
+    "SearchSpace",
+    "TrialRecord",
+    "TuneResult",
+    "UnpicklableError",
+    "__version__",
+    "load",
+    "tune",
+]

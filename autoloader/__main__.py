@@ -1,0 +1,5 @@
+import sys
+
+from autoloader._cli import main
+
+sys.exit(main())

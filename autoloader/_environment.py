@@ -1,0 +1,118 @@
+"""The machine a result was measured on, and how another machine differs from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoloader._device import accelerator
+from autoloader._memory import format_bytes, total_memory
+
+# Memory sizes that differ by less than this are the same machine (kernels and
+# firmware reserve slightly different amounts).
+_MEMORY_TOLERANCE = 0.05
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _accelerator_name() -> str | None:
+    device = accelerator()
+    if device is None:
+        return None
+    count = torch.accelerator.device_count()
+    name = device.type
+    if device.type == "cuda":
+        name = f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"{name} x{count}"
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """What about a machine decides the best DataLoader settings.
+
+    Attributes:
+        cpu_count: logical CPUs of the machine.
+        usable_cpus: CPUs this process may run on (affinity, e.g. ``taskset``).
+        memory_total: bytes of memory, or the cgroup limit where that is smaller.
+        torch_version: ``torch.__version__``.
+        python_version: ``platform.python_version()``.
+        platform: ``platform.platform()``.
+        accelerator: e.g. ``"cuda: NVIDIA A100 x8"``, or ``None``.
+        start_method: the multiprocessing start method DataLoader workers use by default.
+    """
+
+    cpu_count: int
+    usable_cpus: int
+    memory_total: int
+    torch_version: str
+    python_version: str
+    platform: str
+    accelerator: str | None
+    start_method: str
+
+    @classmethod
+    def current(cls) -> Environment:
+        return cls(
+            cpu_count=os.cpu_count() or 1,
+            usable_cpus=_usable_cpus(),
+            memory_total=total_memory(),
+            torch_version=torch.__version__,
+            python_version=platform.python_version(),
+            platform=platform.platform(),
+            accelerator=_accelerator_name(),
+            start_method=default_start_method(),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Environment:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def differences(self, other: Environment) -> list[str]:
+        """How ``other`` differs from this environment, one phrase per difference."""
+        found = []
+        if self.usable_cpus != other.usable_cpus or self.cpu_count != other.cpu_count:
+            found.append(
+                f"CPUs: {self.usable_cpus} usable of {self.cpu_count} when measured, "
+                f"{other.usable_cpus} usable of {other.cpu_count} now"
+            )
+        largest = max(self.memory_total, other.memory_total, 1)
+        if abs(self.memory_total - other.memory_total) / largest > _MEMORY_TOLERANCE:
+            found.append(
+                f"memory: {format_bytes(self.memory_total)} when measured, "
+                f"{format_bytes(other.memory_total)} now"
+            )
+        if self.torch_version != other.torch_version:
+            found.append(f"torch: {self.torch_version} when measured, {other.torch_version} now")
+        if self.accelerator != other.accelerator:
+            found.append(
+                f"accelerator: {self.accelerator or 'none'} when measured, "
+                f"{other.accelerator or 'none'} now"
+            )
+        return found
+
+
+def default_start_method() -> str:
+    """The start method workers get when ``multiprocessing_context`` is not given.
+
+    Reads it without fixing it: ``multiprocessing.get_start_method()`` would set the
+    process-wide default as a side effect.
+    """
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or (multiprocessing.get_all_start_methods()[0])
+    )

@@ -1,0 +1,42 @@
+"""Exceptions raised by autoloader.
+
+The tree::
+
+    AutoloaderError
+    ├── InvalidInputError (also a ValueError)   bad arguments, found before any work starts
+    │   └── UnpicklableError                    an object workers need cannot be pickled
+    ├── BaselineError                           the num_workers=0 run failed: the dataset,
+    │                                           collate_fn or step_fn is broken, not a setting
+    └── ResultFileError                         a saved result cannot be read back
+
+    EnvironmentMismatchWarning (a UserWarning)  a loaded result was measured elsewhere
+"""
+
+from __future__ import annotations
+
+
+class AutoloaderError(Exception):
+    """Base class of every error autoloader raises on purpose."""
+
+
+class InvalidInputError(AutoloaderError, ValueError):
+    """An argument is wrong; raised before any loader is built or any trial is run."""
+
+
+class UnpicklableError(InvalidInputError):
+    """An object the DataLoader workers need cannot be pickled under the start method."""
+
+
+class BaselineError(AutoloaderError):
+    """The ``num_workers=0`` baseline failed, so no setting can be measured.
+
+    The original exception is chained as ``__cause__``.
+    """
+
+
+class ResultFileError(AutoloaderError):
+    """A result file is missing, malformed or of an unknown schema version."""
+
+
+class EnvironmentMismatchWarning(UserWarning):
+    """A loaded result was measured on a machine that differs from this one."""

@@ -1,0 +1,271 @@
+"""The outcome of a tuning run: per-trial records, the tuned settings, and their JSON file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from autoloader._environment import Environment
+from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
+from autoloader._loader import merge_loader_kwargs
+from autoloader._search_space import TUNED_KEYS, normalize_params
+
+SCHEMA_VERSION = 1
+
+# Fixed DataLoader options of these types are written to the JSON file; others
+# (a collate_fn, a sampler, a generator) live only in the result returned by tune().
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRecord:
+    """One measured setting.
+
+    Attributes:
+        number: the trial's number in the Optuna study.
+        phase: ``"baseline"`` (``num_workers=0`` defaults), ``"search"`` or ``"runoff"``
+            (a close candidate measured again to decide between settings).
+        params: the DataLoader settings measured.
+        state: ``"complete"``, ``"pruned"`` or ``"failed"``.
+        samples_per_second: steady rate of the training loop.
+        epoch_samples_per_second: the objective: samples per second over a whole
+            epoch, worker start-up included (see ``NOTE [ Epoch model ]``).
+        data_wait_fraction: share of loop time blocked waiting for a batch.
+        time_to_first_batch: seconds from ``iter(loader)`` to the first batch.
+        peak_memory: bytes, highest PSS of the process tree.
+        relative_error: 95% confidence half-width of ``samples_per_second``, relative.
+        duration: seconds the trial took.
+        reason: why the trial was pruned or failed.
+    """
+
+    number: int
+    phase: str
+    params: dict[str, Any]
+    state: str
+    samples_per_second: float | None = None
+    epoch_samples_per_second: float | None = None
+    data_wait_fraction: float | None = None
+    time_to_first_batch: float | None = None
+    peak_memory: int | None = None
+    relative_error: float | None = None
+    duration: float | None = None
+    reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """Tuned DataLoader settings and how they were measured.
+
+    Attributes:
+        params: the tuned settings (``num_workers``, ``prefetch_factor``,
+            ``persistent_workers``, ``pin_memory``).
+        throughput: samples/s of the training loop with ``params``.
+        baseline: samples/s of the loop with ``num_workers=0`` defaults, measured in
+            the same run.
+        batch_size: the batch size tuned for.
+        trials: one record per trial, in the order they ran.
+        environment: the machine the figures were measured on.
+        tuning_seconds: wall time of the tuning run.
+        memory_budget: bytes the process tree was allowed during trials.
+        notes: facts about the run a user should know (settings fixed, limits hit).
+        fixed_loader_kwargs: the user's fixed DataLoader options that the file keeps.
+        unsaved_loader_kwargs: names of fixed options the file cannot keep (a
+            collate_fn, a sampler...): pass them to :meth:`make_loader` after
+            :func:`autoloader.load`.
+
+    Example::
+
+        result = autoloader.tune(dataset, step, batch_size=64)
+        result.save("best.json")
+        loader = result.make_loader(dataset)
+    """
+
+    params: dict[str, Any]
+    throughput: float
+    baseline: float
+    batch_size: int
+    trials: tuple[TrialRecord, ...]
+    environment: Environment
+    tuning_seconds: float
+    memory_budget: int
+    notes: tuple[str, ...] = ()
+    fixed_loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    unsaved_loader_kwargs: tuple[str, ...] = ()
+    _in_memory_kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def speedup(self) -> float:
+        """``throughput / baseline``."""
+        return self.throughput / self.baseline if self.baseline > 0 else math.inf
+
+    def loader_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        """Keyword arguments for ``torch.utils.data.DataLoader``: the batch size, the
+        user's fixed options and the tuned settings, with ``overrides`` winning."""
+        missing = [k for k in self.unsaved_loader_kwargs if k not in overrides]
+        missing = [k for k in missing if k not in self._in_memory_kwargs]
+        if missing:
+            warnings.warn(
+                f"The tuning run used {', '.join(missing)}, which a JSON file cannot keep; "
+                f"pass {'it' if len(missing) == 1 else 'them'} as keyword arguments "
+                f"(e.g. make_loader(dataset, {missing[0]}=...)) to load as tuned.",
+                stacklevel=3,
+            )
+        fixed = {**self.fixed_loader_kwargs, **self._in_memory_kwargs}
+        return merge_loader_kwargs(
+            self.params, batch_size=self.batch_size, fixed=fixed, overrides=overrides
+        )
+
+    def make_loader(self, dataset: Dataset[Any], **overrides: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` with the tuned settings; overrides win."""
+        kwargs = self.loader_kwargs(**overrides)
+        with warnings.catch_warnings():
+            # torch warns when workers outnumber cores; this count was measured to pay.
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            return DataLoader(dataset, **kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON-able content of the result file."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "params": dict(self.params),
+            "throughput": self.throughput,
+            "baseline": self.baseline,
+            "speedup": self.speedup,
+            "batch_size": self.batch_size,
+            "fixed_loader_kwargs": dict(self.fixed_loader_kwargs),
+            "unsaved_loader_kwargs": list(self.unsaved_loader_kwargs),
+            "tuning_seconds": self.tuning_seconds,
+            "memory_budget": self.memory_budget,
+            "notes": list(self.notes),
+            "environment": self.environment.as_dict(),
+            "trials": [t.as_dict() for t in self.trials],
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the result as JSON; the file is replaced atomically.
+
+        Returns:
+            The path written.
+        """
+        path = Path(path)
+        text = json.dumps(self.as_dict(), indent=2, allow_nan=False) + "\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(descriptor, "w") as file:
+                file.write(text)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TuneResult:
+        """Rebuild a result from :meth:`as_dict` output.
+
+        Raises:
+            ResultFileError: the content is not a result of a known schema version.
+        """
+        if not isinstance(data, Mapping):
+            raise ResultFileError("a result must be a JSON object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ResultFileError(
+                f"schema_version is {version!r}, but this autoloader reads version "
+                f"{SCHEMA_VERSION}; tune again with this version"
+            )
+        try:
+            params = normalize_params(_typed(data, "params", dict))
+            if set(_typed(data, "params", dict)) - set(TUNED_KEYS):
+                raise ResultFileError(f"params has keys other than {', '.join(TUNED_KEYS)}")
+            record_names = {f.name for f in fields(TrialRecord)}
+            trials = []
+            for raw in _typed(data, "trials", list):
+                if not isinstance(raw, dict) or not {"number", "phase", "params", "state"} <= set(
+                    raw
+                ):
+                    raise ResultFileError(f"malformed trial record {raw!r}")
+                trials.append(TrialRecord(**{k: v for k, v in raw.items() if k in record_names}))
+            fixed = _typed(data, "fixed_loader_kwargs", dict)
+            if not all(isinstance(v, _JSON_SCALARS) for v in fixed.values()):
+                raise ResultFileError("fixed_loader_kwargs holds a value that is not a scalar")
+            return cls(
+                params=params,
+                throughput=float(_typed(data, "throughput", int | float)),
+                baseline=float(_typed(data, "baseline", int | float)),
+                batch_size=_typed(data, "batch_size", int),
+                trials=tuple(trials),
+                environment=Environment.from_dict(_typed(data, "environment", dict)),
+                tuning_seconds=float(_typed(data, "tuning_seconds", int | float)),
+                memory_budget=_typed(data, "memory_budget", int),
+                notes=tuple(str(n) for n in _typed(data, "notes", list)),
+                fixed_loader_kwargs=fixed,
+                unsaved_loader_kwargs=tuple(
+                    str(n) for n in _typed(data, "unsaved_loader_kwargs", list)
+                ),
+            )
+        except (TypeError, ValueError) as error:
+            raise ResultFileError(f"malformed result: {error}") from None
+
+
+def _typed(data: Mapping[str, Any], key: str, kind: Any) -> Any:
+    if key not in data:
+        raise ResultFileError(f"missing field {key!r}")
+    value = data[key]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise ResultFileError(f"field {key!r} has the wrong type: {value!r}")
+    return value
+
+
+def split_loader_kwargs(fixed: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Separate the fixed options a JSON file can keep from those it cannot."""
+    saved = {k: v for k, v in fixed.items() if isinstance(v, _JSON_SCALARS)}
+    return saved, tuple(k for k in fixed if k not in saved)
+
+
+def load(path: str | os.PathLike[str]) -> TuneResult:
+    """Read a result written by :meth:`TuneResult.save`.
+
+    Only JSON is parsed; nothing in the file is executed. Warns with
+    :class:`~autoloader.EnvironmentMismatchWarning` when this machine differs from the
+    one the result was measured on (CPUs, memory, torch version, accelerator).
+
+    Raises:
+        ResultFileError: the file is missing, not JSON, or not a result.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise ResultFileError(f"cannot read {path}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise ResultFileError(f"{path} is not valid JSON: {error}") from None
+    try:
+        result = TuneResult.from_dict(data)
+    except ResultFileError as error:
+        raise ResultFileError(f"{path}: {error}") from None
+    differences = result.environment.differences(Environment.current())
+    if differences:
+        warnings.warn(
+            f"{path} was measured on a different machine ({'; '.join(differences)}); "
+            "its settings may not be the best here. Run autoloader.tune() again on this "
+            "machine.",
+            EnvironmentMismatchWarning,
+            stacklevel=2,
+        )
+    return result

@@ -1,0 +1,372 @@
+"""The search: an Optuna study whose trials are measured loader settings.
+
+A run has three phases, each a set of trials in one study:
+
+1. ``baseline``: ``num_workers=0`` defaults. It validates the dataset, collate_fn and
+   step_fn; its failure stops the run (:class:`~autoloader.BaselineError`).
+2. ``search``: a doubling ladder of worker counts, then settings the sampler proposes.
+3. ``runoff``: the closest candidates and the baseline measured again, interleaved,
+   so the final choice and the speedup rest on repeated, side-by-side measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autoloader._exceptions import BaselineError
+from autoloader._measure import Measurement, TrialError, TrialRunner
+from autoloader._memory import MemoryBudgetExceeded, format_bytes, is_oom_error
+from autoloader._result import TrialRecord
+from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace
+
+_logger = logging.getLogger(__name__)
+
+# Share of the time budget kept for the runoff, and how it is spent.
+_RUNOFF_SHARE = 0.2
+_RUNOFF_CANDIDATES = 3
+_RUNOFF_ROUNDS = 2
+# Candidates whose median value is within this fraction of the best are ties; the
+# cheapest of them (fewest workers, then smallest prefetch) is chosen.
+_TIE_TOLERANCE = 0.02
+# Bounds on one trial's measurement time, and its share of the time budget.
+_TRIAL_SHARE = 0.1
+_MIN_TRIAL_SECONDS = 1.0
+_MAX_TRIAL_SECONDS = 15.0
+
+
+class _TrialFailed(Exception):
+    """A setting made user code fail; the trial is recorded FAILED and the run goes on."""
+
+
+def trial_seconds(time_budget: float) -> float:
+    """The longest one trial may measure, from the whole run's time budget."""
+    return min(_MAX_TRIAL_SECONDS, max(_MIN_TRIAL_SECONDS, _TRIAL_SHARE * time_budget))
+
+
+# NOTE [ Epoch model ]
+# Trials are ranked by the samples per second of a whole training epoch, not by the
+# steady rate alone, so that worker start-up is charged where training pays it:
+#
+#   epoch_seconds = startup + (batches_per_epoch - 1) * steady_seconds_per_batch
+#
+# - Without persistent workers every epoch spawns workers again: startup is the
+#   measured time to first batch (spawn + first load), or a measured epoch restart.
+# - With persistent workers only the pipeline refills at an epoch's start: startup is
+#   a measured restart if the trial crossed an epoch, else one batch loaded with an
+#   empty pipeline, i.e. the baseline's load time per batch. The very first spawn is
+#   paid once per training run and is ignored.
+# An iterable dataset without __len__ has no known epoch: the steady rate is used.
+def epoch_samples_per_second(
+    params: Mapping[str, Any],
+    measurement: Measurement,
+    *,
+    batch_size: int,
+    batches_per_epoch: int | None,
+    refill_seconds: float,
+) -> float:
+    rate = measurement.samples_per_second
+    if batches_per_epoch is None or rate <= 0:
+        return rate
+    if params["persistent_workers"]:
+        startup = measurement.epoch_restart_seconds or refill_seconds
+    else:
+        startup = measurement.epoch_restart_seconds or measurement.time_to_first_batch
+    seconds = startup + (batches_per_epoch - 1) * batch_size / rate
+    return batches_per_epoch * batch_size / seconds
+
+
+def params_key(params: Mapping[str, Any]) -> str:
+    return json.dumps(dict(params), sort_keys=True)
+
+
+@dataclass
+class Search:
+    """Runs the phases of one tuning run against a study.
+
+    Args:
+        runner: measures one setting.
+        space: the resolved search space.
+        study: the Optuna study (``direction="maximize"``) trials are recorded in.
+        batches_per_epoch: ``len(loader)``, or ``None`` if unknown.
+        deadline: ``perf_counter()`` time when the run must end.
+        time_budget: seconds of the whole run.
+        n_trials: cap on search-phase trials, or ``None``.
+        on_trial: called after each trial with its record.
+    """
+
+    runner: TrialRunner
+    space: SearchSpace
+    study: optuna.Study
+    batches_per_epoch: int | None
+    deadline: float
+    time_budget: float
+    n_trials: int | None = None
+    on_trial: Callable[[TrialRecord], None] | None = None
+
+    def __post_init__(self) -> None:
+        self._plan: deque[tuple[str, Params | None, float]] = deque()
+        self._refill_seconds = 0.0
+        self._numbers: list[int] = []
+        self._trial_seconds = trial_seconds(self.time_budget)
+
+    # The phases -------------------------------------------------------------------
+
+    def run(self) -> list[TrialRecord]:
+        """Run every phase and return the records of this run's trials."""
+        self._run_baseline()
+        self._run_search()
+        self._run_runoff()
+        return self.records()
+
+    def _run_baseline(self) -> None:
+        self._execute([("baseline", BASELINE_PARAMS, self._trial_seconds)])
+        baseline = self._trial(self._numbers[-1])
+        measurement = baseline.user_attrs.get("measurement", {})
+        self._refill_seconds = float(measurement.get("load_seconds", 0.0))
+
+    def _run_search(self) -> None:
+        search_end = self.deadline - _RUNOFF_SHARE * self.time_budget
+        for params in self.space.ladder():
+            # skip_if_exists: a study resumed from storage already measured these.
+            self.study.enqueue_trial(
+                {k: v for k, v in params.items() if v is not None}, skip_if_exists=True
+            )
+        remaining = self.n_trials
+        while remaining is None or remaining > 0:
+            seconds = min(self._trial_seconds, self._seconds_left(search_end))
+            if seconds < 0.5 * _MIN_TRIAL_SECONDS:
+                break
+            self._execute([("search", None, seconds)])
+            if remaining is not None:
+                remaining -= 1
+
+    def _run_runoff(self) -> None:
+        groups = self._groups(phases=("search", "runoff"))
+        ranked = sorted(groups.values(), key=lambda group: -statistics.median(group[1]))
+        candidates = [_params_of(trials[0]) for trials, _ in ranked[:_RUNOFF_CANDIDATES]]
+        if not candidates:
+            return
+        order = list({params_key(p): p for p in [*candidates, BASELINE_PARAMS]}.values())
+        # Runoff trials get the same time as search trials: shorter ones catch the CPU
+        # burst of many workers starting on few cores and understate those settings.
+        for _ in range(_RUNOFF_ROUNDS):
+            expected = sum(self._typical_duration(p) for p in order)
+            if self._seconds_left(self.deadline) < expected:
+                _logger.info("no time left for another runoff round")
+                return
+            self._execute([("runoff", p, self._trial_seconds) for p in order])
+
+    def _typical_duration(self, params: Params) -> float:
+        """Median seconds the trials of ``params`` took in this run."""
+        trials, _ = self._groups(phases=("baseline", "search", "runoff")).get(
+            params_key(params), ([], [])
+        )
+        durations = [t.user_attrs["measurement"]["duration"] for t in trials]
+        return statistics.median(durations) if durations else self._trial_seconds
+
+    # The choice ---------------------------------------------------------------------
+
+    def best(self) -> tuple[Params, float, float]:
+        """The chosen settings, their steady samples/s, and the baseline's (see :func:`choose`)."""
+        return choose(self._trials())
+
+    # Trials ---------------------------------------------------------------------
+
+    def _execute(self, plan: Iterable[tuple[str, Params | None, float]]) -> None:
+        self._plan.extend(plan)
+        count = len(self._plan)
+        self.study.optimize(
+            self._objective,
+            n_trials=count,
+            catch=(_TrialFailed,),
+            callbacks=[self._after_trial],
+            gc_after_trial=True,
+        )
+
+    def _after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        record = self._record(trial.number)
+        _logger.info(describe(record))
+        if self.on_trial is not None:
+            self.on_trial(record)
+
+    def _objective(self, trial: optuna.Trial) -> float:
+        phase, planned, seconds = self._plan.popleft()
+        self._numbers.append(trial.number)
+        params = planned if planned is not None else self.space.suggest(trial)
+        trial.set_user_attr("phase", phase)
+        trial.set_user_attr("params", params)
+        return self._measure(trial, phase, params, seconds)
+
+    def _measure(self, trial: optuna.Trial, phase: str, params: Params, seconds: float) -> float:
+        def value_of(measurement: Measurement) -> float:
+            return epoch_samples_per_second(
+                params,
+                measurement,
+                batch_size=self.runner.batch_size,
+                batches_per_epoch=self.batches_per_epoch,
+                refill_seconds=self._refill_seconds,
+            )
+
+        def on_window(step: int, measurement: Measurement) -> None:
+            trial.set_user_attr("measurement", measurement.as_dict())
+            trial.report(value_of(measurement), step)
+            if phase == "search" and trial.should_prune():
+                raise optuna.TrialPruned("clearly slower than the best setting so far")
+
+        try:
+            measurement = self.runner.measure(params, max_seconds=seconds, on_window=on_window)
+        except optuna.TrialPruned as pruned:
+            trial.set_user_attr("reason", str(pruned))
+            raise
+        except MemoryBudgetExceeded as error:
+            trial.set_user_attr("peak_memory", error.peak)
+            if phase == "baseline":
+                raise BaselineError(
+                    f"The baseline (num_workers=0) alone went over the memory budget: "
+                    f"{error}. Raise memory_budget or use a smaller batch_size."
+                ) from None
+            trial.set_user_attr("reason", f"memory: {error}")
+            raise optuna.TrialPruned(f"memory: {error}") from error
+        except TrialError as error:
+            trial.set_user_attr("peak_memory", error.peak_memory)
+            cause = error.error
+            reason = error.summary
+            if phase == "baseline":
+                where = f" at {error.where}" if error.where else ""
+                raise BaselineError(
+                    f"The baseline (num_workers=0) failed while {error.stage}: {reason}"
+                    f"{where}. This is a fault in the dataset, collate_fn or step_fn, not "
+                    "in a loader setting; fix it and tune again."
+                ) from cause
+            if is_oom_error(cause):
+                trial.set_user_attr("reason", f"memory: {reason}")
+                raise optuna.TrialPruned(f"memory: {reason}") from error
+            trial.set_user_attr("reason", f"{reason} (while {error.stage})")
+            raise _TrialFailed(reason) from error
+        trial.set_user_attr("measurement", measurement.as_dict())
+        return value_of(measurement)
+
+    # Records --------------------------------------------------------------------
+
+    def _trial(self, number: int) -> FrozenTrial:
+        return self.study.get_trials(deepcopy=False)[number]
+
+    def records(self) -> list[TrialRecord]:
+        return [self._record(number) for number in self._numbers]
+
+    def _record(self, number: int) -> TrialRecord:
+        frozen = self._trial(number)
+        attrs = frozen.user_attrs
+        measurement = attrs.get("measurement") or {}
+        state = _STATES.get(frozen.state, "running")
+        value = frozen.value
+        if value is None and frozen.intermediate_values:
+            value = frozen.intermediate_values[max(frozen.intermediate_values)]
+        relative_error = measurement.get("relative_error")
+        return TrialRecord(
+            number=number,
+            phase=attrs.get("phase", "search"),
+            params=attrs.get("params", {}),
+            state=state,
+            samples_per_second=measurement.get("samples_per_second"),
+            epoch_samples_per_second=value,
+            data_wait_fraction=measurement.get("data_wait_fraction"),
+            time_to_first_batch=measurement.get("time_to_first_batch"),
+            peak_memory=attrs.get("peak_memory", measurement.get("peak_memory")),
+            relative_error=None if relative_error in (None, math.inf) else relative_error,
+            duration=measurement.get("duration"),
+            reason=attrs.get("reason"),
+        )
+
+    def _groups(self, phases: tuple[str, ...]) -> dict[str, tuple[list[FrozenTrial], list[float]]]:
+        return group_complete(self._trials(), phases)
+
+    def _trials(self) -> list[FrozenTrial]:
+        return [self._trial(n) for n in self._numbers]
+
+    def _seconds_left(self, until: float) -> float:
+        return max(0.0, until - perf_counter())
+
+
+_STATES = {
+    TrialState.COMPLETE: "complete",
+    TrialState.PRUNED: "pruned",
+    TrialState.FAIL: "failed",
+}
+
+
+def choose(trials: Iterable[FrozenTrial]) -> tuple[Params, float, float]:
+    """The chosen settings, their steady samples/s, and the baseline's.
+
+    Each distinct setting is scored by the median objective over all its complete
+    trials; among those within ``_TIE_TOLERANCE`` of the best score, the cheapest wins:
+    more workers or prefetch only cost memory and start-up.
+    """
+    groups = group_complete(trials, ("baseline", "search", "runoff"))
+    scores = {key: statistics.median(values) for key, (_, values) in groups.items()}
+    top = max(scores.values())
+    ties = [key for key, score in scores.items() if score >= (1 - _TIE_TOLERANCE) * top]
+    chosen = min(ties, key=lambda key: _cost(json.loads(key)))
+    baseline = groups[params_key(BASELINE_PARAMS)][0]
+    return json.loads(chosen), _median_rate(groups[chosen][0]), _median_rate(baseline)
+
+
+def group_complete(
+    trials: Iterable[FrozenTrial], phases: tuple[str, ...]
+) -> dict[str, tuple[list[FrozenTrial], list[float]]]:
+    """Complete trials in ``phases``, grouped by their settings, with their values."""
+    groups: dict[str, tuple[list[FrozenTrial], list[float]]] = {}
+    for trial in trials:
+        if trial.state != TrialState.COMPLETE or trial.value is None:
+            continue
+        if trial.user_attrs.get("phase") not in phases:
+            continue
+        members, values = groups.setdefault(params_key(_params_of(trial)), ([], []))
+        members.append(trial)
+        values.append(trial.value)
+    return groups
+
+
+def _params_of(trial: FrozenTrial) -> Params:
+    params: Params = trial.user_attrs["params"]
+    return params
+
+
+def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool]:
+    return (params["num_workers"], params["prefetch_factor"] or 0, params["pin_memory"])
+
+
+def _median_rate(trials: list[FrozenTrial]) -> float:
+    return float(
+        statistics.median(t.user_attrs["measurement"]["samples_per_second"] for t in trials)
+    )
+
+
+def describe(record: TrialRecord) -> str:
+    """One line for the log: the setting and what it measured."""
+    p = record.params
+    setting = f"num_workers={p.get('num_workers')}"
+    if p.get("num_workers"):
+        setting += f" prefetch={p.get('prefetch_factor')} persistent={p.get('persistent_workers')}"
+    if p.get("pin_memory"):
+        setting += " pin_memory=True"
+    if record.state != "complete":
+        return f"trial {record.number} [{record.phase}] {setting}: {record.state} ({record.reason})"
+    rate = record.samples_per_second or 0.0
+    wait = record.data_wait_fraction or 0.0
+    memory = format_bytes(record.peak_memory or 0)
+    return (
+        f"trial {record.number} [{record.phase}] {setting}: {rate:.0f} samples/s, "
+        f"waits {wait:.0%} for data, peak {memory}"
+    )

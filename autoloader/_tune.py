@@ -1,0 +1,233 @@
+"""``tune()``: check the arguments, run the search, and return the tuned settings."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from time import perf_counter
+from typing import Any
+
+import optuna
+import torch
+from torch.utils.data import Dataset
+
+from autoloader._device import resolve_device
+from autoloader._environment import Environment
+from autoloader._exceptions import InvalidInputError
+from autoloader._measure import TrialRunner
+from autoloader._memory import default_memory_budget, format_bytes, parse_bytes, tree_memory
+from autoloader._progress import Progress
+from autoloader._pruner import ClearlyWorsePruner
+from autoloader._result import TuneResult, split_loader_kwargs
+from autoloader._search_space import SearchSpace
+from autoloader._study import Search
+from autoloader._validation import (
+    check_batch_size,
+    check_dataset,
+    check_loader_kwargs,
+    check_n_trials,
+    check_picklable,
+    check_positive_number,
+    check_search_space,
+    check_step_fn,
+    check_storage,
+    count_batches,
+    start_method,
+)
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_TIME_BUDGET = 60.0
+
+
+def tune(
+    dataset: Dataset[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    batch_size: int,
+    time_budget: float | None = None,
+    n_trials: int | None = None,
+    memory_budget: int | str | None = None,
+    search_space: SearchSpace | Mapping[str, Any] | None = None,
+    loader_kwargs: Mapping[str, Any] | None = None,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    storage: str | optuna.storages.BaseStorage | None = None,
+    show_progress: bool = True,
+) -> TuneResult:
+    """Find the fastest DataLoader settings for ``dataset`` and ``step_fn`` on this machine.
+
+    Runs the training loop (``next(loader)``, then ``step_fn(batch)``) with settings
+    proposed by an Optuna study: first ``num_workers=0`` defaults as the baseline, then
+    the search, then the closest candidates again, side by side. Settings are ranked by
+    samples per second over a training epoch, worker start-up included.
+
+    Args:
+        dataset (Dataset): a map-style dataset with ``__len__``, or an
+            ``IterableDataset`` that shards itself across workers with
+            ``torch.utils.data.get_worker_info()`` (as DataLoader requires).
+        step_fn (callable): one training step; receives a batch. Its return value is
+            ignored.
+        batch_size (int): samples per batch, as in training.
+        time_budget (float, optional): seconds for the whole run. ``None`` means 60.
+            (default: ``None``)
+        n_trials (int, optional): cap on search trials; ``None`` means no cap.
+            (default: ``None``)
+        memory_budget (int or str, optional): bytes the process tree may use during a
+            trial, e.g. ``"6GiB"``; a trial passing it is stopped and recorded
+            PRUNED. ``None`` means what the tree uses now plus 80% of the memory
+            available (cgroup limits respected). (default: ``None``)
+        search_space (SearchSpace or dict, optional): ranges to search. (default: ``None``)
+        loader_kwargs (dict, optional): DataLoader options kept in every trial and in
+            the tuned loader: ``shuffle``, ``sampler``, ``collate_fn``, ``drop_last``,
+            ``generator``, ``worker_init_fn``... (default: ``None``)
+        device (str or torch.device, optional): if set, each batch is moved there before
+            ``step_fn`` (``non_blocking`` when pinned) and the device is synchronised at
+            the edges of each timing window. (default: ``None``)
+        seed (int, optional): seed of the sampler. (default: ``0``)
+        storage (str or optuna.storages.BaseStorage, optional): where the study is
+            kept, e.g. ``"sqlite:///tuning.db"``; ``None`` keeps it in memory.
+            (default: ``None``)
+        show_progress (bool, optional): a progress bar on stderr when it is a terminal.
+            (default: ``True``)
+
+    Returns:
+        TuneResult: the tuned settings, throughput against the baseline, and every trial.
+
+    Raises:
+        InvalidInputError: an argument is wrong; raised before any trial runs.
+        UnpicklableError: the start method pickles the dataset or collate_fn into
+            workers, and it does not pickle.
+        BaselineError: the ``num_workers=0`` baseline failed.
+
+    Example::
+
+        result = autoloader.tune(dataset, train_step, batch_size=64, time_budget=120)
+        result.save("best.json")
+        loader = result.make_loader(dataset)
+    """
+    started = perf_counter()
+    dataset_length = check_dataset(dataset)
+    batch_size = check_batch_size(batch_size, dataset_length)
+    step_fn = check_step_fn(step_fn)
+    budget = check_positive_number(
+        "time_budget",
+        DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
+        hint=" It is the seconds the whole tuning run may take.",
+    )
+    n_trials = check_n_trials(n_trials)
+    space = check_search_space(search_space)
+    fixed = check_loader_kwargs(loader_kwargs)
+    resolved_device = resolve_device(device)
+    storage = check_storage(storage)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
+    batches_per_epoch = count_batches(dataset, batch_size, fixed)
+    environment = Environment.current()
+    check_picklable(
+        {
+            "dataset": dataset,
+            "collate_fn": fixed.get("collate_fn"),
+            "worker_init_fn": fixed.get("worker_init_fn"),
+        },
+        start_method(fixed, environment.start_method),
+    )
+    memory_bytes = _memory_budget(memory_budget)
+    space, notes = space.resolve(
+        usable_cpus=environment.usable_cpus,
+        has_accelerator=environment.accelerator is not None,
+        batches_per_epoch=batches_per_epoch,
+    )
+    _logger.info(
+        "tuning %s for %.0f s, memory budget %s, space %s",
+        type(dataset).__name__,
+        budget,
+        format_bytes(memory_bytes),
+        space.as_dict(),
+    )
+    runner = TrialRunner(
+        dataset,
+        step_fn,
+        batch_size=batch_size,
+        memory_budget=memory_bytes,
+        fixed_kwargs=fixed,
+        device=resolved_device,
+    )
+    with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
+        study = optuna.create_study(
+            storage=storage,
+            study_name=_study_name(dataset, dataset_length, batch_size, space),
+            direction="maximize",
+            sampler=optuna.samplers.TPESampler(seed=seed),
+            pruner=ClearlyWorsePruner(),
+            load_if_exists=True,
+        )
+        search = Search(
+            runner=runner,
+            space=space,
+            study=study,
+            batches_per_epoch=batches_per_epoch,
+            deadline=started + budget,
+            time_budget=budget,
+            n_trials=n_trials,
+            on_trial=progress.trial_done,
+        )
+        records = search.run()
+        params, throughput, baseline = search.best()
+    saved, unsaved = split_loader_kwargs(fixed)
+    return TuneResult(
+        params=params,
+        throughput=throughput,
+        baseline=baseline,
+        batch_size=batch_size,
+        trials=tuple(records),
+        environment=environment,
+        tuning_seconds=perf_counter() - started,
+        memory_budget=memory_bytes,
+        notes=tuple(notes),
+        fixed_loader_kwargs=saved,
+        unsaved_loader_kwargs=unsaved,
+        _in_memory_kwargs={k: fixed[k] for k in unsaved},
+    )
+
+
+def _memory_budget(memory_budget: int | str | None) -> int:
+    in_use = tree_memory()
+    if memory_budget is None:
+        return default_memory_budget()
+    budget = parse_bytes(memory_budget)
+    if budget <= in_use:
+        raise InvalidInputError(
+            f"memory_budget {format_bytes(budget)} is below what this process tree already "
+            f"uses ({format_bytes(in_use)}); every trial would be stopped. Give a larger "
+            "budget, or None for a safe share of the available memory."
+        )
+    return budget
+
+
+def _study_name(
+    dataset: Dataset[Any], length: int | None, batch_size: int, space: SearchSpace
+) -> str:
+    """A name that is the same for the same tuning problem, so a stored study resumes."""
+    problem = f"{type(dataset).__qualname__}|{length}|{batch_size}|{space.as_dict()}"
+    digest = hashlib.sha256(problem.encode()).hexdigest()[:12]
+    return f"autoloader-{type(dataset).__name__}-{digest}"
+
+
+@contextlib.contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's per-trial log lines: autoloader logs each trial itself.
+
+    The verbosity is restored afterwards, whatever happens.
+    """
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)

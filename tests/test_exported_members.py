@@ -1,0 +1,27 @@
+import autoloader
+
+
+def test_public_names_change_only_on_purpose() -> None:
+    assert set(autoloader.__all__) == {
+        "AutoloaderError",
+        "BaselineError",
+        "Environment",
+        "EnvironmentMismatchWarning",
+        "InvalidInputError",
+        "ResultFileError",
+        "SearchSpace",
+        "TrialRecord",
+        "TuneResult",
+        "UnpicklableError",
+        "__version__",
+        "load",
+        "tune",
+    }
+    for name in autoloader.__all__:
+        assert getattr(autoloader, name) is not None
+
+
+def test_errors_share_one_root() -> None:
+    for name in ("BaselineError", "InvalidInputError", "ResultFileError", "UnpicklableError"):
+        assert issubclass(getattr(autoloader, name), autoloader.AutoloaderError)
+    assert issubclass(autoloader.InvalidInputError, ValueError)

@@ -1,0 +1,141 @@
+"""The trial runner against real DataLoaders and real worker processes."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+from autoloader._measure import TrialError, TrialRunner
+from autoloader._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
+from autoloader._search_space import normalize_params
+
+from .workloads import (
+    FailingDataset,
+    MemoryHogDataset,
+    SleepDataset,
+    failing_step,
+    noop_step,
+    oom_step,
+    sleep_step,
+)
+
+GiB = 1024**3
+
+
+def _runner(dataset: Any, step: Any = sleep_step, **kwargs: Any) -> TrialRunner:
+    kwargs.setdefault("memory_budget", tree_memory() + 4 * GiB)
+    return TrialRunner(dataset, step, batch_size=4, **kwargs)
+
+
+def _params(num_workers: int, **extra: Any) -> dict[str, Any]:
+    return normalize_params({"num_workers": num_workers, "prefetch_factor": 2, **extra})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_measurement_figures_are_consistent(workers: int) -> None:
+    windows: list[tuple[int, float]] = []
+    m = _runner(SleepDataset(2048)).measure(
+        _params(workers, persistent_workers=True),
+        max_seconds=3,
+        on_window=lambda step, est: windows.append((step, est.samples_per_second)),
+    )
+    assert m.samples_per_second > 0
+    assert m.batches > 0
+    assert 0.0 <= m.data_wait_fraction <= 1.0
+    assert m.load_seconds > 0 and m.step_seconds > 0
+    assert 0 < m.time_to_first_batch < m.duration
+    assert m.peak_memory > 0
+    assert [step for step, _ in windows] == list(range(1, len(windows) + 1))
+    assert len(windows) >= 1
+
+
+def test_crossing_epochs_records_the_restart() -> None:
+    # 32 items / batch 4 = 8 batches an epoch: a trial of 2 s crosses many.
+    m = _runner(SleepDataset(32, latency=0.001)).measure(_params(1), max_seconds=2)
+    assert m.epoch_restart_seconds is not None
+    assert m.epoch_restart_seconds > 0
+
+
+def test_on_window_can_stop_the_trial_and_workers_are_released() -> None:
+    class Stop(Exception):
+        pass
+
+    def stop(step: int, estimate: object) -> None:
+        raise Stop
+
+    with pytest.raises(Stop):
+        _runner(SleepDataset(2048)).measure(_params(3), max_seconds=5, on_window=stop)
+
+
+def test_dataset_error_names_the_stage() -> None:
+    with pytest.raises(
+        TrialError,
+        match=r"ValueError: corrupt record 3 \(in DataLoader worker process \d\) while loading",
+    ) as info:
+        _runner(FailingDataset(64)).measure(_params(2), max_seconds=2)
+    assert isinstance(info.value.error, ValueError)
+
+
+def test_step_error_names_the_stage() -> None:
+    with pytest.raises(
+        TrialError, match="RuntimeError: shape mismatch in step while running step_fn"
+    ):
+        _runner(SleepDataset(64), failing_step).measure(_params(0), max_seconds=2)
+
+
+def test_oom_in_step_is_recognised() -> None:
+    with pytest.raises(TrialError) as info:
+        _runner(SleepDataset(64), oom_step).measure(_params(1), max_seconds=2)
+    assert is_oom_error(info.value.error)
+
+
+def test_workers_over_the_memory_budget_are_stopped() -> None:
+    hog = 400 * 1024**2
+    budget = tree_memory() + 600 * 1024**2
+    runner = _runner(MemoryHogDataset(hog), noop_step, memory_budget=budget)
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        runner.measure(_params(4, persistent_workers=True), max_seconds=20)
+    assert info.value.peak > budget
+    assert info.value.budget == budget
+
+
+def test_batches_go_to_the_device_and_it_is_synchronised_at_window_edges() -> None:
+    seen: list[torch.device] = []
+
+    def step(batch: torch.Tensor) -> None:
+        seen.append(batch.device)
+
+    with mock.patch("autoloader._measure.synchronize") as synchronize:
+        m = _runner(SleepDataset(512, latency=0.0005), step, device=torch.device("meta")).measure(
+            _params(0), max_seconds=1
+        )
+    assert set(seen) == {torch.device("meta")}
+    # One call opens the first window, one closes each window.
+    assert synchronize.call_count >= 2
+    assert all(call.args == (torch.device("meta"),) for call in synchronize.call_args_list)
+    assert m.batches > 0
+
+
+def test_pinned_batches_move_non_blocking() -> None:
+    calls: list[bool] = []
+
+    def fake_move(batch: Any, device: torch.device, *, non_blocking: bool) -> Any:
+        calls.append(non_blocking)
+        return batch
+
+    with mock.patch("autoloader._measure.move_to_device", fake_move):
+        _runner(SleepDataset(64, latency=0.0), noop_step, device=torch.device("meta")).measure(
+            _params(1, pin_memory=True), max_seconds=0.5
+        )
+    assert calls and all(calls)
+
+
+def test_worker_errors_are_summarised_with_their_origin() -> None:
+    with pytest.raises(TrialError) as info:
+        _runner(FailingDataset(64)).measure(_params(1), max_seconds=2)
+    assert "\n" not in info.value.summary
+    assert re.search(r"tests/workloads\.py:\d+ in __getitem__$", info.value.where)

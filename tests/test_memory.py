@@ -1,0 +1,161 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from autoloader import InvalidInputError
+from autoloader._memory import (
+    MemoryBudgetExceeded,
+    MemoryWatch,
+    available_memory,
+    format_bytes,
+    is_oom_error,
+    parse_bytes,
+    total_memory,
+    tree_memory,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (1024, 1024),
+        ("6GiB", 6 * 1024**3),
+        ("6G", 6 * 1024**3),
+        ("2GB", 2 * 1000**3),
+        ("512 MiB", 512 * 1024**2),
+        ("1.5GiB", int(1.5 * 1024**3)),
+        ("100", 100),
+        (" 3kb ", 3000),
+    ],
+)
+def test_parse_bytes(text: int | str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("6 gigs", "is not a size"),
+        ("GiB", "is not a size"),
+        ("", "is not a size"),
+        (0, "must be positive"),
+        (-5, "must be positive"),
+        ("0GiB", "must be positive"),
+        (True, "must be a number of bytes"),
+        (1.5, "must be a number of bytes"),
+    ],
+)
+def test_parse_bytes_rejects(value: object, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        parse_bytes(value)  # type: ignore[arg-type]
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(6 * 1024**3) == "6.0 GiB"
+
+
+def test_cgroup_v2_limit_caps_total_and_available(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text(f"{1024**3}\n")
+    (tmp_path / "memory.current").write_text(f"{768 * 1024**2}\n")
+    assert total_memory(cgroup_root=tmp_path) == 1024**3
+    assert available_memory(cgroup_root=tmp_path) == 256 * 1024**2
+
+
+def test_cgroup_v2_unlimited(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text("max\n")
+    assert total_memory(cgroup_root=tmp_path) == psutil.virtual_memory().total
+
+
+def test_cgroup_v1_limit(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2 * 1024**3}\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text(f"{1024**3}\n")
+    assert total_memory(cgroup_root=tmp_path) == 2 * 1024**3
+    assert available_memory(cgroup_root=tmp_path) <= 1024**3
+
+
+def test_cgroup_v1_unlimited_is_ignored(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert total_memory(cgroup_root=tmp_path) == psutil.virtual_memory().total
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        MemoryError(),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 1099511627776 bytes."
+        ),
+        RuntimeError("HIP out of memory"),
+    ],
+)
+def test_is_oom_error(error: BaseException) -> None:
+    assert is_oom_error(error)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("shape mismatch"), ValueError("out of memory")])
+def test_is_not_oom_error(error: BaseException) -> None:
+    assert not is_oom_error(error)
+
+
+def _hog(megabytes: int, *, wait_ready: bool = True) -> subprocess.Popen[bytes]:
+    """A real process holding ``megabytes`` of touched memory."""
+    code = (
+        f"import time; block = bytearray({megabytes} * 1024 * 1024); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    if wait_ready:
+        assert process.stdout.readline().strip() == b"ready"
+    return process
+
+
+def test_tree_memory_counts_children() -> None:
+    alone = tree_memory()
+    child = _hog(200)
+    try:
+        assert tree_memory() >= alone + 190 * 1024**2
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_watch_kills_new_children_over_budget() -> None:
+    budget = tree_memory() + 100 * 1024**2
+    with MemoryWatch(budget, interval=0.05) as watch:
+        child = _hog(300, wait_ready=False)
+        try:
+            child.wait(timeout=10)
+        finally:
+            child.kill()
+            child.wait()
+        assert watch.exceeded
+        assert child.returncode == -9
+        assert watch.peak > budget
+        with pytest.raises(MemoryBudgetExceeded, match="over the memory budget"):
+            watch.check()
+
+
+def test_watch_under_budget_records_peak_and_kills_nothing() -> None:
+    with MemoryWatch(tree_memory() + 2 * 1024**3, interval=0.05) as watch:
+        child = _hog(100)
+        time.sleep(0.7)  # past the children refresh, so the child is read
+        assert child.poll() is None
+        child.kill()
+        child.wait()
+    assert not watch.exceeded
+    assert watch.peak >= 100 * 1024**2
+    watch.check()

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import autoloader
+from autoloader import EnvironmentMismatchWarning, ResultFileError, TrialRecord, TuneResult
+from autoloader._environment import Environment
+
+from .workloads import SleepDataset
+
+
+def _result(**changes: Any) -> TuneResult:
+    fields: dict[str, Any] = {
+        "params": {
+            "num_workers": 3,
+            "prefetch_factor": 4,
+            "persistent_workers": True,
+            "pin_memory": False,
+        },
+        "throughput": 700.0,
+        "baseline": 150.0,
+        "batch_size": 8,
+        "trials": (
+            TrialRecord(
+                number=0,
+                phase="baseline",
+                params={"num_workers": 0},
+                state="complete",
+                samples_per_second=150.0,
+                relative_error=0.02,
+            ),
+            TrialRecord(
+                number=1,
+                phase="search",
+                params={"num_workers": 9},
+                state="pruned",
+                reason="memory: process tree reached 5.0 GiB",
+            ),
+        ),
+        "environment": Environment.current(),
+        "tuning_seconds": 31.5,
+        "memory_budget": 6 * 1024**3,
+        "notes": ("pin_memory fixed to False: this machine has no accelerator.",),
+        "fixed_loader_kwargs": {"shuffle": True, "drop_last": True},
+        "unsaved_loader_kwargs": (),
+    }
+    fields.update(changes)
+    return TuneResult(**fields)
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    result = _result()
+    path = result.save(tmp_path / "nested" / "best.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same machine: no warning
+        again = autoloader.load(path)
+    assert again == result
+    assert json.loads(path.read_text())["schema_version"] == 1
+    assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
+
+
+def test_speedup() -> None:
+    assert _result().speedup == pytest.approx(700 / 150)
+
+
+def test_loader_kwargs_merge_fixed_and_tuned_and_overrides_win() -> None:
+    result = _result()
+    assert result.loader_kwargs() == {
+        "batch_size": 8,
+        "shuffle": True,
+        "drop_last": True,
+        "num_workers": 3,
+        "prefetch_factor": 4,
+        "persistent_workers": True,
+        "pin_memory": False,
+    }
+    assert result.loader_kwargs(shuffle=False, prefetch_factor=6)["prefetch_factor"] == 6
+    no_workers = result.loader_kwargs(num_workers=0)
+    assert "prefetch_factor" not in no_workers
+    assert no_workers["persistent_workers"] is False
+
+
+def test_make_loader_builds_a_working_loader() -> None:
+    loader = _result().make_loader(SleepDataset(20, latency=0.0), persistent_workers=False)
+    assert loader.num_workers == 3 and loader.prefetch_factor == 4
+    assert loader.drop_last
+    assert sum(batch.shape[0] for batch in loader) == 16
+    del loader
+
+
+def test_options_the_file_cannot_keep_are_asked_for(tmp_path: Path) -> None:
+    result = _result(unsaved_loader_kwargs=("collate_fn",))
+    again = autoloader.load(result.save(tmp_path / "best.json"))
+    with pytest.warns(UserWarning, match="collate_fn, which a JSON file cannot keep"):
+        again.loader_kwargs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert again.loader_kwargs(collate_fn=list)["collate_fn"] is list
+
+
+def test_another_machine_is_warned_about(tmp_path: Path) -> None:
+    here = Environment.current()
+    there = dataclasses.replace(
+        here,
+        usable_cpus=here.usable_cpus + 62,
+        cpu_count=here.cpu_count + 62,
+        torch_version="1.0.0",
+        accelerator="cuda: NVIDIA H100 x8",
+        memory_total=here.memory_total * 10,
+    )
+    path = _result(environment=there).save(tmp_path / "best.json")
+    with pytest.warns(EnvironmentMismatchWarning) as caught:
+        autoloader.load(path)
+    message = str(caught[0].message)
+    for part in (
+        "CPUs",
+        "memory",
+        "torch: 1.0.0 when measured",
+        "accelerator: cuda: NVIDIA H100 x8",
+        "tune() again",
+    ):
+        assert part in message
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ("[]", "a result must be a JSON object"),
+        ('{"schema_version": 99}', "schema_version is 99, but this autoloader reads version 1"),
+        ('{"schema_version": 1}', "missing field 'params'"),
+    ],
+)
+def test_malformed_files_are_rejected(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "best.json"
+    path.write_text(content)
+    with pytest.raises(ResultFileError, match=message):
+        autoloader.load(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("throughput", "fast", "field 'throughput' has the wrong type"),
+        ("batch_size", True, "field 'batch_size' has the wrong type"),
+        ("trials", [{"number": 0}], "malformed trial record"),
+        ("params", {"num_workers": 2, "evil": "__import__('os')"}, "params has keys other than"),
+        ("fixed_loader_kwargs", {"collate_fn": {"py/function": "os.system"}}, "not a scalar"),
+    ],
+)
+def test_wrong_fields_are_rejected(tmp_path: Path, key: str, value: object, message: str) -> None:
+    data = _result().as_dict()
+    data[key] = value
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match=message):
+        autoloader.load(path)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ResultFileError, match="cannot read"):
+        autoloader.load("/nonexistent/best.json")
+
+
+def test_environment_differences_tolerate_small_memory_changes() -> None:
+    here = Environment.current()
+    assert (
+        here.differences(dataclasses.replace(here, memory_total=int(here.memory_total * 1.01)))
+        == []
+    )

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from autoloader import InvalidInputError, SearchSpace
+from autoloader._search_space import normalize_params
+
+
+def test_defaults_resolve_for_the_machine() -> None:
+    space, notes = SearchSpace().resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    assert space.num_workers == (0, 16)
+    assert space.prefetch_factor == (1, 8)
+    assert space.persistent_workers == (False, True)
+    assert space.pin_memory == (False,)
+    assert any("no accelerator" in note for note in notes)
+
+
+def test_many_cpus_widen_the_worker_range() -> None:
+    space, _ = SearchSpace().resolve(usable_cpus=32, has_accelerator=True, batches_per_epoch=None)
+    assert space.num_workers == (0, 64)
+    assert space.pin_memory == (False, True)
+
+
+def test_workers_capped_at_batches_per_epoch() -> None:
+    space, notes = SearchSpace().resolve(usable_cpus=2, has_accelerator=False, batches_per_epoch=5)
+    assert space.num_workers == (0, 5)
+    assert any("only 5 batches" in note for note in notes)
+
+
+def test_user_range_is_kept_and_single_values_fix() -> None:
+    space, _ = SearchSpace(num_workers=(2, 40), prefetch_factor=4, persistent_workers=True).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=10
+    )
+    assert space.num_workers == (2, 40)
+    assert space.prefetch_factor == (4, 4)
+    assert space.persistent_workers == (True,)
+
+
+def test_pin_memory_asked_without_accelerator_is_fixed_off_and_said() -> None:
+    space, notes = SearchSpace(pin_memory=True).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    assert space.pin_memory == (False,)
+    assert any("pin_memory=True was asked for" in note for note in notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": (4, 2)}, r"range \(4, 2\) is empty"),
+        ({"num_workers": -1}, "cannot be negative"),
+        ({"num_workers": (0, 1, 2)}, "pair of ints"),
+        ({"num_workers": "8"}, "pair of ints"),
+        ({"prefetch_factor": 0}, "at least 1"),
+        ({"persistent_workers": ()}, "has no choices"),
+        ({"pin_memory": "yes"}, "bool or a tuple of bools"),
+    ],
+)
+def test_bad_ranges_are_rejected(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        SearchSpace(**kwargs)  # type: ignore[arg-type]
+
+
+def test_from_dict_rejects_unknown_keys_with_a_suggestion() -> None:
+    with pytest.raises(
+        InvalidInputError,
+        match=r"Unknown SearchSpace key 'num_worker'\. Did you mean 'num_workers'",
+    ):
+        SearchSpace.from_dict({"num_worker": 4})
+
+
+def test_from_dict_accepts_json_lists() -> None:
+    assert SearchSpace.from_dict({"num_workers": [1, 4]}).num_workers == (1, 4)
+
+
+def test_ladder_doubles_across_the_range() -> None:
+    space, _ = SearchSpace(num_workers=(0, 12)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    assert [p["num_workers"] for p in space.ladder()] == [1, 2, 4, 8, 12]
+    assert all(p["prefetch_factor"] == 2 and p["persistent_workers"] for p in space.ladder())
+
+
+def test_suggest_draws_worker_options_only_with_workers() -> None:
+    space, _ = SearchSpace(num_workers=(0, 3)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    seen = set()
+    for _ in range(30):
+        trial = study.ask()
+        params = space.suggest(trial)
+        seen.add(params["num_workers"])
+        if params["num_workers"] == 0:
+            assert set(trial.params) == {"num_workers", "pin_memory"}
+            assert params["prefetch_factor"] is None
+            assert params["persistent_workers"] is False
+        else:
+            assert 1 <= params["prefetch_factor"] <= 8
+        study.tell(trial, 1.0)
+    assert seen == {0, 1, 2, 3}
+
+
+def test_unresolved_space_cannot_draw() -> None:
+    with pytest.raises(RuntimeError, match="resolve"):
+        SearchSpace().ladder()
+
+
+def test_normalize_params() -> None:
+    assert normalize_params(
+        {"num_workers": 0, "prefetch_factor": 4, "persistent_workers": True}
+    ) == {
+        "num_workers": 0,
+        "prefetch_factor": None,
+        "persistent_workers": False,
+        "pin_memory": False,
+    }

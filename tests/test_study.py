@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+import pytest
+from optuna.distributions import IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from autoloader._measure import Measurement
+from autoloader._pruner import ClearlyWorsePruner
+from autoloader._search_space import BASELINE_PARAMS, normalize_params
+from autoloader._study import choose, epoch_samples_per_second, trial_seconds
+
+
+def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
+    return Measurement(
+        samples_per_second=rate,
+        relative_error=0.01,
+        data_wait_fraction=0.1,
+        load_seconds=0.5,
+        step_seconds=0.01,
+        time_to_first_batch=ttfb,
+        epoch_restart_seconds=restart,
+        batches=100,
+        duration=2.0,
+        peak_memory=1,
+    )
+
+
+def _params(workers: int, *, persistent: bool = False, prefetch: int = 2) -> dict[str, Any]:
+    return normalize_params(
+        {"num_workers": workers, "prefetch_factor": prefetch, "persistent_workers": persistent}
+    )
+
+
+def test_epoch_model_charges_startup_every_epoch_without_persistent_workers() -> None:
+    # 10 batches of 10 samples at 100 samples/s: the 9 after the first take 0.9 s.
+    value = epoch_samples_per_second(
+        _params(4),
+        _measurement(100.0, ttfb=3.0),
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == pytest.approx(100 / (3.0 + 0.9))
+
+
+def test_epoch_model_charges_only_a_refill_with_persistent_workers() -> None:
+    value = epoch_samples_per_second(
+        _params(4, persistent=True),
+        _measurement(100.0, ttfb=3.0),
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == pytest.approx(100 / (0.5 + 0.9))
+
+
+def test_epoch_model_prefers_a_measured_restart() -> None:
+    value = epoch_samples_per_second(
+        _params(4, persistent=True),
+        _measurement(100.0, ttfb=3.0, restart=0.2),
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == pytest.approx(100 / (0.2 + 0.9))
+
+
+def test_epoch_model_without_epoch_length_is_the_steady_rate() -> None:
+    value = epoch_samples_per_second(
+        _params(4), _measurement(123.0), batch_size=10, batches_per_epoch=None, refill_seconds=0.5
+    )
+    assert value == 123.0
+
+
+def test_trial_seconds_is_a_bounded_share_of_the_budget() -> None:
+    assert trial_seconds(5) == 1.0
+    assert trial_seconds(60) == 6.0
+    assert trial_seconds(3600) == 15.0
+
+
+def _trial(
+    phase: str, params: dict[str, Any], value: float, rate: float
+) -> optuna.trial.FrozenTrial:
+    return create_trial(
+        value=value,
+        user_attrs={"phase": phase, "params": params, "measurement": {"samples_per_second": rate}},
+    )
+
+
+def test_choose_takes_the_best_median_over_repeats() -> None:
+    trials = [
+        _trial("baseline", BASELINE_PARAMS, 100, 100),
+        _trial("search", _params(8), 500, 500),
+        _trial("runoff", _params(8), 400, 400),
+        _trial("runoff", _params(8), 410, 410),
+        _trial("search", _params(4), 460, 460),
+        _trial("runoff", _params(4), 470, 470),
+        _trial("runoff", _params(0), 90, 90),
+    ]
+    params, throughput, baseline = choose(trials)
+    assert params == _params(4)
+    assert throughput == 465
+    assert baseline == 95
+
+
+def test_choose_breaks_ties_towards_the_cheapest_setting() -> None:
+    trials = [
+        _trial("baseline", BASELINE_PARAMS, 100, 100),
+        _trial("search", _params(12, prefetch=8), 700, 700),
+        _trial("search", _params(6, prefetch=4), 690, 690),
+        _trial("search", _params(6, prefetch=2), 689, 689),
+        _trial("search", _params(5), 600, 600),
+    ]
+    params, _, _ = choose(trials)
+    assert params == _params(6, prefetch=2)
+
+
+def test_choose_ignores_pruned_and_failed_trials() -> None:
+    trials = [
+        _trial("baseline", BASELINE_PARAMS, 100, 100),
+        create_trial(state=TrialState.PRUNED, user_attrs={"phase": "search", "params": _params(9)}),
+        create_trial(state=TrialState.FAIL, user_attrs={"phase": "search", "params": _params(7)}),
+    ]
+    assert choose(trials)[0] == BASELINE_PARAMS
+
+
+def _study_with_best(value: float) -> optuna.Study:
+    study = optuna.create_study(
+        direction="maximize", pruner=ClearlyWorsePruner(ratio=0.6, n_warmup_steps=2)
+    )
+    study.add_trial(
+        create_trial(value=value, params={"x": 1}, distributions={"x": IntDistribution(0, 2)})
+    )
+    return study
+
+
+def test_pruner_stops_a_clearly_worse_trial_after_warmup() -> None:
+    study = _study_with_best(1000.0)
+    trial = study.ask()
+    trial.report(100.0, 1)
+    assert not trial.should_prune()  # too early to tell
+    trial.report(500.0, 2)
+    assert trial.should_prune()
+
+
+def test_pruner_keeps_a_trial_within_reach_of_the_best() -> None:
+    study = _study_with_best(1000.0)
+    trial = study.ask()
+    for step in range(1, 5):
+        trial.report(700.0, step)
+        assert not trial.should_prune()
+
+
+def test_pruner_without_a_complete_trial_keeps_everything() -> None:
+    study = optuna.create_study(direction="maximize", pruner=ClearlyWorsePruner())
+    trial = study.ask()
+    for step in range(1, 5):
+        trial.report(1.0, step)
+    assert not trial.should_prune()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"ratio": 1.5}, "ratio"), ({"n_warmup_steps": 0}, "n_warmup_steps")]
+)
+def test_pruner_rejects_bad_options(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClearlyWorsePruner(**kwargs)

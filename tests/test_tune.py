@@ -1,0 +1,325 @@
+"""tune() end to end, with real DataLoaders and real worker processes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import optuna
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import autoloader
+from autoloader import BaselineError, InvalidInputError, SearchSpace, UnpicklableError
+from autoloader._memory import tree_memory
+
+from .workloads import (
+    CountingDataset,
+    FailingDataset,
+    FailsInWorkersDataset,
+    MemoryHogDataset,
+    NoLenDataset,
+    ShardedStream,
+    SleepDataset,
+    failing_step,
+    noop_step,
+    sleep_step,
+)
+
+QUICK = {"time_budget": 5.0, "show_progress": False}
+
+
+def _tune(dataset: Any = None, step: Any = sleep_step, **kwargs: Any) -> autoloader.TuneResult:
+    kwargs = {"batch_size": 4, **QUICK, **kwargs}
+    return autoloader.tune(SleepDataset(1024) if dataset is None else dataset, step, **kwargs)
+
+
+# Bad input: a clear exception before any work starts ------------------------------
+
+
+class Local:
+    def __init__(self) -> None:
+        self.transform = lambda x: x
+
+
+class LambdaDataset(SleepDataset):
+    def __init__(self) -> None:
+        super().__init__(64)
+        self.pipeline = Local()
+
+
+@pytest.mark.parametrize(
+    ("dataset", "kwargs", "error", "message"),
+    [
+        (42, {}, InvalidInputError, "dataset must be a torch.utils.data.Dataset .* got int"),
+        (
+            DataLoader(SleepDataset(8)),
+            {},
+            InvalidInputError,
+            r"dataset is a DataLoader; pass its dataset",
+        ),
+        (NoLenDataset(), {}, InvalidInputError, "map-style dataset without __len__"),
+        (SleepDataset(0), {}, InvalidInputError, "is empty"),
+        (None, {"batch_size": 0}, InvalidInputError, "batch_size must be positive but got 0"),
+        (None, {"batch_size": -3}, InvalidInputError, "batch_size must be positive but got -3"),
+        (None, {"batch_size": 2.5}, InvalidInputError, "batch_size must be a positive int"),
+        (None, {"batch_size": True}, InvalidInputError, "batch_size must be a positive int"),
+        (
+            SleepDataset(10),
+            {"batch_size": 11},
+            InvalidInputError,
+            r"batch_size 11 is larger than the dataset \(10 items\)",
+        ),
+        (None, {"step": "train"}, InvalidInputError, "step_fn must be callable"),
+        (None, {"time_budget": 0}, InvalidInputError, "time_budget must be positive but got 0"),
+        (None, {"time_budget": -1.0}, InvalidInputError, "time_budget must be positive"),
+        (None, {"time_budget": float("nan")}, InvalidInputError, "time_budget must be a number"),
+        (None, {"n_trials": 0}, InvalidInputError, "n_trials must be a positive int or None"),
+        (
+            None,
+            {"search_space": {"num_worker": 4}},
+            InvalidInputError,
+            "Did you mean 'num_workers'",
+        ),
+        (
+            None,
+            {"search_space": "fast"},
+            InvalidInputError,
+            "search_space must be an autoloader.SearchSpace",
+        ),
+        (
+            None,
+            {"loader_kwargs": {"num_workers": 4}},
+            InvalidInputError,
+            r"sets 'num_workers', which autoloader tunes.*SearchSpace\(num_workers=4\)",
+        ),
+        (
+            None,
+            {"loader_kwargs": {"pin_memory": True}},
+            InvalidInputError,
+            "sets 'pin_memory', which autoloader tunes",
+        ),
+        (
+            None,
+            {"loader_kwargs": {"batch_size": 8}},
+            InvalidInputError,
+            "pass it as tune\\(\\)'s own argument",
+        ),
+        (None, {"loader_kwargs": {"batch_sampler": [[0]]}}, InvalidInputError, "batch_sampler"),
+        (
+            None,
+            {"loader_kwargs": {"shuffle": True, "sampler": [0, 1]}},
+            InvalidInputError,
+            "DataLoader rejected loader_kwargs: sampler option is mutually exclusive",
+        ),
+        (
+            None,
+            {"loader_kwargs": {"shufle": True}},
+            InvalidInputError,
+            "DataLoader rejected loader_kwargs: .*shufle",
+        ),
+        (None, {"loader_kwargs": ["shuffle"]}, InvalidInputError, "loader_kwargs must be a dict"),
+        (
+            ShardedStream(),
+            {"loader_kwargs": {"shuffle": True}},
+            InvalidInputError,
+            "DataLoader rejected loader_kwargs",
+        ),
+        (None, {"memory_budget": "lots"}, InvalidInputError, "memory_budget 'lots' is not a size"),
+        (
+            None,
+            {"memory_budget": "1MiB"},
+            InvalidInputError,
+            "below what this process tree already uses",
+        ),
+        (
+            None,
+            {"device": "cuda"},
+            InvalidInputError,
+            "device 'cuda' was requested but this machine's accelerator is absent",
+        ),
+        (None, {"device": "warp-drive"}, InvalidInputError, "not a valid torch device"),
+        (None, {"storage": 5}, InvalidInputError, "storage must be None"),
+        (None, {"seed": "1"}, InvalidInputError, "seed must be an int"),
+        (
+            LambdaDataset(),
+            {"loader_kwargs": {"multiprocessing_context": "spawn"}},
+            UnpicklableError,
+            r"dataset\.pipeline\.transform \(function\) cannot be pickled",
+        ),
+        (
+            None,
+            {"loader_kwargs": {"multiprocessing_context": "spawn", "collate_fn": lambda b: b}},
+            UnpicklableError,
+            r"collate_fn \(function\) cannot be pickled",
+        ),
+    ],
+)
+def test_bad_input_is_rejected_before_any_work(
+    dataset: Any, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    dataset = CountingDataset() if dataset is None else dataset
+    step = kwargs.pop("step", noop_step)
+    with pytest.raises(error, match=message):
+        _tune(dataset, step, **kwargs)
+    if isinstance(dataset, CountingDataset):
+        assert dataset.reads == 0
+
+
+def test_unpicklable_objects_are_fine_under_fork() -> None:
+    result = _tune(
+        LambdaDataset(), noop_step, time_budget=2.0, search_space={"num_workers": (0, 1)}
+    )
+    assert result.throughput > 0
+
+
+# The main path -----------------------------------------------------------------------
+
+
+def test_tune_returns_measured_settings(tmp_path: Path) -> None:
+    result = _tune(SleepDataset(1024), sleep_step, time_budget=6.0)
+    assert result.trials[0].phase == "baseline"
+    assert result.trials[0].params["num_workers"] == 0
+    assert {t.phase for t in result.trials} >= {"baseline", "search"}
+    assert result.params == autoloader._search_space.normalize_params(result.params)
+    assert 0 <= result.params["num_workers"] <= 16
+    assert result.params["pin_memory"] is False
+    assert result.throughput > 0 and result.baseline > 0
+    assert result.speedup == pytest.approx(result.throughput / result.baseline)
+    assert any("no accelerator" in n for n in result.notes)
+    for record in result.trials:
+        assert record.state in {"complete", "pruned", "failed"}
+        if record.state == "complete":
+            assert record.samples_per_second and record.samples_per_second > 0
+            assert 0 <= (record.data_wait_fraction or 0) <= 1
+            assert record.time_to_first_batch and record.time_to_first_batch > 0
+            assert record.peak_memory and record.peak_memory > 0
+    assert result.environment == autoloader.Environment.current()
+
+    loader = result.make_loader(SleepDataset(40, latency=0.0))
+    assert loader.num_workers == result.params["num_workers"]
+    assert sum(batch.shape[0] for batch in loader) == 40
+    del loader
+
+    again = autoloader.load(result.save(tmp_path / "best.json"))
+    assert again.params == result.params
+    assert again.trials == result.trials
+    assert again.throughput == result.throughput
+
+
+def test_n_trials_caps_the_search() -> None:
+    result = _tune(time_budget=30.0, n_trials=2)
+    assert sum(t.phase == "search" for t in result.trials) == 2
+
+
+def test_fixed_options_are_kept_in_every_trial_and_in_the_loader() -> None:
+    calls = {"n": 0}
+
+    def collate(items: list[torch.Tensor]) -> torch.Tensor:
+        calls["n"] += 1
+        return torch.stack(items)
+
+    result = _tune(
+        loader_kwargs={"collate_fn": collate, "drop_last": True},
+        time_budget=3.0,
+        search_space={"num_workers": 0},
+    )
+    assert calls["n"] > 0
+    assert result.fixed_loader_kwargs == {"drop_last": True}
+    assert result.unsaved_loader_kwargs == ("collate_fn",)
+    loader = result.make_loader(SleepDataset(10, latency=0.0))
+    assert loader.collate_fn is collate
+    assert loader.drop_last is True
+    assert len(list(loader)) == 2
+
+
+def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
+    # Each worker holds 300 MiB: one fits the budget, two or more do not.
+    budget = tree_memory() + 450 * 1024**2
+    result = _tune(
+        MemoryHogDataset(300 * 1024**2),
+        noop_step,
+        memory_budget=budget,
+        time_budget=12.0,
+        search_space=SearchSpace(num_workers=(0, 4), persistent_workers=True),
+    )
+    pruned = [t for t in result.trials if t.state == "pruned"]
+    assert pruned, [(t.params, t.state, t.reason) for t in result.trials]
+    assert all(t.reason and t.reason.startswith("memory") for t in pruned)
+    assert all(t.params["num_workers"] >= 2 for t in pruned)
+    assert result.params["num_workers"] <= 1
+    assert result.memory_budget == budget
+
+
+def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:
+    result = _tune(
+        FailsInWorkersDataset(256), noop_step, time_budget=4.0, search_space={"num_workers": (0, 2)}
+    )
+    failed = [t for t in result.trials if t.state == "failed"]
+    assert failed
+    assert all("OSError: too many open files in worker" in (t.reason or "") for t in failed)
+    assert all(t.params["num_workers"] > 0 for t in failed)
+    assert result.params["num_workers"] == 0
+
+
+def test_a_broken_dataset_stops_at_the_baseline_with_its_origin() -> None:
+    with pytest.raises(
+        BaselineError,
+        match=r"while loading a batch: ValueError: corrupt record 3 at .*workloads\.py:\d+ in "
+        r"__getitem__",
+    ) as info:
+        _tune(FailingDataset(64))
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_broken_step_stops_at_the_baseline() -> None:
+    with pytest.raises(
+        BaselineError, match="while running step_fn: RuntimeError: shape mismatch in step"
+    ):
+        _tune(step=failing_step)
+
+
+def test_iterable_datasets_are_tuned() -> None:
+    result = _tune(
+        ShardedStream(512), noop_step, time_budget=4.0, search_space={"num_workers": (0, 2)}
+    )
+    assert result.throughput > 0
+    assert {t.params["num_workers"] for t in result.trials} <= {0, 1, 2}
+
+
+def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    space = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+    # Budgets with room to spare: n_trials, not the clock, decides how many run.
+    _tune(storage=url, n_trials=2, search_space=space, time_budget=20.0)
+    _tune(storage=url, n_trials=1, search_space=space, time_budget=20.0)
+    (summary,) = optuna.get_all_study_summaries(url)
+    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    phases = [t.user_attrs["phase"] for t in study.trials]
+    assert phases.count("baseline") == 2
+    assert phases.count("search") == 3
+
+
+def test_device_batches_reach_the_step_on_that_device() -> None:
+    devices: set[torch.device] = set()
+
+    def step(batch: torch.Tensor) -> None:
+        devices.add(batch.device)
+
+    _tune(step=step, device="meta", time_budget=2.0, search_space={"num_workers": (0, 1)})
+    assert devices == {torch.device("meta")}
+
+
+def test_with_an_accelerator_pin_memory_is_searched() -> None:
+    with (
+        mock.patch("autoloader._environment.accelerator", return_value=torch.device("cuda")),
+        mock.patch("autoloader._environment.torch.accelerator.device_count", return_value=1),
+        mock.patch("autoloader._environment.torch.cuda.get_device_name", return_value="Fake GPU"),
+    ):
+        result = _tune(time_budget=4.0, search_space={"num_workers": (0, 2)})
+    assert result.environment.accelerator == "cuda: Fake GPU x1"
+    assert not any("no accelerator" in n for n in result.notes)
+    assert math.isfinite(result.speedup)

@@ -1,0 +1,104 @@
+"""Datasets and steps for the tests: module-level so spawned workers can import them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class SleepDataset(Dataset[torch.Tensor]):
+    """Each item waits ``latency`` seconds, like a read from remote storage."""
+
+    def __init__(self, length: int = 512, latency: float = 0.002, width: int = 8) -> None:
+        self.length = length
+        self.latency = latency
+        self.width = width
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.latency:
+            time.sleep(self.latency)
+        return torch.full((self.width,), float(index))
+
+
+class CountingDataset(SleepDataset):
+    """Counts reads made in this process (fork workers count in their own copy)."""
+
+    def __init__(self, length: int = 64) -> None:
+        super().__init__(length, latency=0.0)
+        self.reads = 0
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+class FailingDataset(SleepDataset):
+    """Raises on one item, in every process."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 3:
+            raise ValueError("corrupt record 3")
+        return super().__getitem__(index)
+
+
+class FailsInWorkersDataset(SleepDataset):
+    """Works in the main process, raises in DataLoader workers: a setting's fault."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if get_worker_info() is not None:
+            raise OSError("too many open files in worker")
+        return super().__getitem__(index)
+
+
+class MemoryHogDataset(SleepDataset):
+    """Each worker holds ``hog_bytes`` of fresh memory once it starts reading."""
+
+    def __init__(self, hog_bytes: int, length: int = 4096) -> None:
+        super().__init__(length, latency=0.002)
+        self.hog_bytes = hog_bytes
+        self._hog: torch.Tensor | None = None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if get_worker_info() is not None and self._hog is None:
+            self._hog = torch.ones(self.hog_bytes // 4, dtype=torch.float32)  # touched pages
+        return super().__getitem__(index)
+
+
+class NoLenDataset(Dataset[int]):
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class ShardedStream(IterableDataset[torch.Tensor]):
+    """An iterable dataset that splits its items between workers."""
+
+    def __init__(self, length: int = 256) -> None:
+        self.length = length
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for index in range(start, self.length, step):
+            time.sleep(0.001)
+            yield torch.full((4,), float(index))
+
+
+def sleep_step(batch: object) -> None:
+    time.sleep(0.002)
+
+
+def noop_step(batch: object) -> None:
+    return None
+
+
+def failing_step(batch: object) -> None:
+    raise RuntimeError("shape mismatch in step")
+
+
+def oom_step(batch: object) -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
