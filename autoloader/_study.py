@@ -26,7 +26,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._exceptions import BaselineError
 from autoloader._measure import Measurement, TrialError, TrialRunner
-from autoloader._memory import MemoryBudgetExceeded, format_bytes, is_oom_error
+from autoloader._memory import MemoryBudgetExceeded, is_oom_error
+from autoloader._report import describe
 from autoloader._result import TrialRecord
 from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace
 
@@ -137,7 +138,9 @@ class Search:
 
     def _run_search(self) -> None:
         search_end = self.deadline - _RUNOFF_SHARE * self.time_budget
-        for params in self.space.ladder():
+        # No more than the trial cap allows: an enqueued setting left over would be
+        # handed to the next trial the study runs, whatever its phase.
+        for params in self.space.ladder()[: self.n_trials]:
             # skip_if_exists: a study resumed from storage already measured these.
             self.study.enqueue_trial(
                 {k: v for k, v in params.items() if v is not None}, skip_if_exists=True
@@ -350,23 +353,4 @@ def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool]:
 def _median_rate(trials: list[FrozenTrial]) -> float:
     return float(
         statistics.median(t.user_attrs["measurement"]["samples_per_second"] for t in trials)
-    )
-
-
-def describe(record: TrialRecord) -> str:
-    """One line for the log: the setting and what it measured."""
-    p = record.params
-    setting = f"num_workers={p.get('num_workers')}"
-    if p.get("num_workers"):
-        setting += f" prefetch={p.get('prefetch_factor')} persistent={p.get('persistent_workers')}"
-    if p.get("pin_memory"):
-        setting += " pin_memory=True"
-    if record.state != "complete":
-        return f"trial {record.number} [{record.phase}] {setting}: {record.state} ({record.reason})"
-    rate = record.samples_per_second or 0.0
-    wait = record.data_wait_fraction or 0.0
-    memory = format_bytes(record.peak_memory or 0)
-    return (
-        f"trial {record.number} [{record.phase}] {setting}: {rate:.0f} samples/s, "
-        f"waits {wait:.0%} for data, peak {memory}"
     )

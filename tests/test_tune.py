@@ -292,7 +292,7 @@ def test_iterable_datasets_are_tuned() -> None:
 
 def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    space = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+    space = SearchSpace(num_workers=(0, 4), prefetch_factor=2, persistent_workers=True)
     # Budgets with room to spare: n_trials, not the clock, decides how many run.
     _tune(storage=url, n_trials=2, search_space=space, time_budget=20.0)
     _tune(storage=url, n_trials=1, search_space=space, time_budget=20.0)
@@ -301,6 +301,13 @@ def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
     phases = [t.user_attrs["phase"] for t in study.trials]
     assert phases.count("baseline") == 2
     assert phases.count("search") == 3
+    # Only as much of the ladder is queued as n_trials lets run: a trial started from a
+    # queued setting measured that setting, not a runoff candidate.
+    for trial in study.trials:
+        queued = trial.system_attrs.get("fixed_params")
+        if queued is not None:
+            measured = {k: v for k, v in trial.user_attrs["params"].items() if v is not None}
+            assert queued == measured, (trial.number, trial.user_attrs["phase"])
 
 
 def test_device_batches_reach_the_step_on_that_device() -> None:
