@@ -6,7 +6,7 @@ import sys
 from time import perf_counter
 from types import TracebackType
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from autoloader._result import TrialRecord
 

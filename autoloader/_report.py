@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autoloader._memory import format_bytes
-from autoloader._result import TuneResult
+from autoloader._result import TrialRecord, TuneResult
 
 
 def summary(result: TuneResult) -> str:
@@ -36,3 +36,22 @@ def summary(result: TuneResult) -> str:
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)
+
+
+def describe(record: TrialRecord) -> str:
+    """One line for the log: the setting and what it measured."""
+    p = record.params
+    setting = f"num_workers={p.get('num_workers')}"
+    if p.get("num_workers"):
+        setting += f" prefetch={p.get('prefetch_factor')} persistent={p.get('persistent_workers')}"
+    if p.get("pin_memory"):
+        setting += " pin_memory=True"
+    if record.state != "complete":
+        return f"trial {record.number} [{record.phase}] {setting}: {record.state} ({record.reason})"
+    rate = record.samples_per_second or 0.0
+    wait = record.data_wait_fraction or 0.0
+    memory = format_bytes(record.peak_memory or 0)
+    return (
+        f"trial {record.number} [{record.phase}] {setting}: {rate:.0f} samples/s, "
+        f"waits {wait:.0%} for data, peak {memory}"
+    )

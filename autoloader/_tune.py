@@ -195,10 +195,10 @@ def tune(
 
 
 def _memory_budget(memory_budget: int | str | None) -> int:
-    in_use = tree_memory()
     if memory_budget is None:
         return default_memory_budget()
     budget = parse_bytes(memory_budget)
+    in_use = tree_memory()
     if budget <= in_use:
         raise InvalidInputError(
             f"memory_budget {format_bytes(budget)} is below what this process tree already "
