@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -22,6 +23,7 @@ from .workloads import (
     FailsInWorkersDataset,
     MemoryHogDataset,
     NoLenDataset,
+    OutOfMemoryInWorkersDataset,
     ShardedStream,
     SleepDataset,
     failing_step,
@@ -252,6 +254,21 @@ def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
     assert all(t.params["num_workers"] >= 2 for t in pruned)
     assert result.params["num_workers"] <= 1
     assert result.memory_budget == budget
+
+
+def test_out_of_memory_errors_prune_the_setting() -> None:
+    result = _tune(
+        OutOfMemoryInWorkersDataset(256),
+        noop_step,
+        time_budget=4.0,
+        search_space={"num_workers": (0, 2)},
+    )
+    pruned = [t for t in result.trials if t.state == "pruned"]
+    assert pruned
+    assert all(t.params["num_workers"] > 0 for t in pruned)
+    for trial in pruned:
+        assert re.match(r"memory: (MemoryError|OutOfMemoryError)\b", trial.reason or ""), trial
+    assert result.params["num_workers"] == 0
 
 
 def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:

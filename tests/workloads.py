@@ -55,6 +55,18 @@ class FailsInWorkersDataset(SleepDataset):
         return super().__getitem__(index)
 
 
+class OutOfMemoryInWorkersDataset(SleepDataset):
+    """Raises the allocator's real out-of-memory errors, only in DataLoader workers."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = get_worker_info()
+        if info is not None:
+            if info.id % 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise MemoryError
+        return super().__getitem__(index)
+
+
 class MemoryHogDataset(SleepDataset):
     """Each worker holds ``hog_bytes`` of fresh memory once it starts reading."""
 
