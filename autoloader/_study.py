@@ -158,17 +158,21 @@ class Search:
         groups = self._groups(phases=("search", "runoff"))
         ranked = sorted(groups.values(), key=lambda group: -statistics.median(group[1]))
         candidates = [_params_of(trials[0]) for trials, _ in ranked[:_RUNOFF_CANDIDATES]]
-        if not candidates:
-            return
-        order = list({params_key(p): p for p in [*candidates, BASELINE_PARAMS]}.values())
+        candidates = [p for p in candidates if params_key(p) != params_key(BASELINE_PARAMS)]
         # Runoff trials get the same time as search trials: shorter ones catch the CPU
         # burst of many workers starting on few cores and understate those settings.
         for _ in range(_RUNOFF_ROUNDS):
-            expected = sum(self._typical_duration(p) for p in order)
-            if self._seconds_left(self.deadline) < expected:
+            left = self._seconds_left(self.deadline) - self._typical_duration(BASELINE_PARAMS)
+            fitting: list[Params] = []
+            for params in candidates:  # best first: drop the weakest when time is short
+                left -= self._typical_duration(params)
+                if left < 0:
+                    break
+                fitting.append(params)
+            if not fitting:
                 _logger.info("no time left for another runoff round")
                 return
-            self._execute([("runoff", p, self._trial_seconds) for p in order])
+            self._execute([("runoff", p, self._trial_seconds) for p in [*fitting, BASELINE_PARAMS]])
 
     def _typical_duration(self, params: Params) -> float:
         """Median seconds the trials of ``params`` took in this run."""
