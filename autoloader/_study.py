@@ -209,6 +209,8 @@ class Search:
 
     def _objective(self, trial: optuna.Trial) -> float:
         phase, planned, seconds = self._plan.popleft()
+        # A plan is made before its trials run: hold each to the time actually left.
+        seconds = max(0.5 * _MIN_TRIAL_SECONDS, min(seconds, self._seconds_left(self.deadline)))
         self._numbers.append(trial.number)
         params = planned if planned is not None else self.space.suggest(trial)
         trial.set_user_attr("phase", phase)
