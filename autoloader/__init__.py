@@ -11,6 +11,7 @@ Example::
 
 from autoloader._environment import Environment
 from autoloader._exceptions import (
+    AllSettingsFailedError,
     AutoloaderError,
     BaselineError,
     EnvironmentMismatchWarning,
@@ -25,6 +26,7 @@ from autoloader._tune import tune
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllSettingsFailedError",
     "AutoloaderError",
     "BaselineError",
     "Environment",

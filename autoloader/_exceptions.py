@@ -7,6 +7,8 @@ The tree::
     │   └── UnpicklableError                    an object workers need cannot be pickled
     ├── BaselineError                           the num_workers=0 run failed: the dataset,
     │                                           collate_fn or step_fn is broken, not a setting
+    ├── AllSettingsFailedError                  every setting with workers failed: the
+    │                                           pipeline does not run in worker processes
     └── ResultFileError                         a saved result cannot be read back
 
     EnvironmentMismatchWarning (a UserWarning)  a loaded result was measured elsewhere
@@ -31,6 +33,14 @@ class BaselineError(AutoloaderError):
     """The ``num_workers=0`` baseline failed, so no setting can be measured.
 
     The original exception is chained as ``__cause__``.
+    """
+
+
+class AllSettingsFailedError(AutoloaderError):
+    """Every setting tried so far failed while the baseline works.
+
+    The fault is in running the pipeline in worker processes, not in one setting, so
+    the run stops instead of spending its budget on more failures.
     """
 
 

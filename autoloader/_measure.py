@@ -12,6 +12,7 @@ import re
 import signal
 import statistics
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -22,12 +23,13 @@ from typing import Any
 
 import psutil
 import torch
+from torch._C import _error_if_any_worker_fails
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
 
 from autoloader._device import move_to_device, synchronize
 from autoloader._loader import merge_loader_kwargs
-from autoloader._memory import MemoryBudgetExceeded, MemoryWatch
+from autoloader._memory import MemoryBudgetExceeded, MemoryWatch, kill
 
 # Two-sided 95% Student t quantiles by degrees of freedom; 1.96 beyond the table.
 _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14,
@@ -58,6 +60,7 @@ class Measurement:
         batches: batches measured after warm-up.
         duration: seconds the whole trial took.
         peak_memory: bytes, highest PSS of the process tree during the trial.
+        batch_bytes: bytes of the tensors in the first batch.
     """
 
     samples_per_second: float
@@ -70,6 +73,7 @@ class Measurement:
     batches: int
     duration: float
     peak_memory: int
+    batch_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +89,8 @@ class TrialError(Exception):
             traceback that DataLoader folds into the message left out.
         where: ``"file:line in function"`` where it was raised, or ``""``.
         peak_memory: bytes, the tree's peak before the error.
+        worker_signals: signals that killed the trial's workers, if any.
+        worker_exit_codes: non-zero exit codes of the trial's workers, if any.
     """
 
     def __init__(self, stage: str, error: BaseException, peak_memory: int) -> None:
@@ -92,7 +98,76 @@ class TrialError(Exception):
         self.error = error
         self.summary, self.where = describe_error(error)
         self.peak_memory = peak_memory
+        self.worker_signals: tuple[int, ...] = ()
+        self.worker_exit_codes: tuple[int, ...] = ()
         super().__init__(f"{self.summary} while {stage}")
+
+
+class TrialTimeout(Exception):
+    """One step of the loop (loading a batch, or step_fn) overran its deadline."""
+
+    def __init__(self, stage: str, seconds: float) -> None:
+        super().__init__(f"no progress for {seconds:.0f} s while {stage}")
+        self.stage = stage
+        self.seconds = seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Seconds the loop may spend on one batch before the trial is failed as hung.
+
+    Attributes:
+        first: for the first batch of an epoch, worker start-up included.
+        each: for any later batch: loading it plus running ``step_fn`` on it.
+    """
+
+    first: float
+    each: float
+
+
+class _Alarm:
+    """Raises :class:`TrialTimeout` in the main thread when a stage overruns.
+
+    A one-shot ``ITIMER_REAL`` is armed before each stage and disarmed after it: the
+    SIGALRM interrupts a main thread blocked waiting for a hung worker or sleeping in a
+    hung step. Signals reach only the main thread, so elsewhere there is no deadline.
+    A process has one such timer: one already set (by the user's code, or a test
+    runner's timeout) is put back afterwards with the time it had left.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = threading.current_thread() is threading.main_thread()
+        self._stage = ""
+        self._seconds = 0.0
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_Alarm]:
+        if not self.enabled:
+            yield self
+            return
+        delay, interval = signal.getitimer(signal.ITIMER_REAL)
+        started = time.monotonic()
+        previous = signal.signal(signal.SIGALRM, self._fire)
+        try:
+            yield self
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if delay > 0:
+                left = max(delay - (time.monotonic() - started), 1e-3)
+                signal.setitimer(signal.ITIMER_REAL, left, interval)
+
+    def arm(self, stage: str, seconds: float | None) -> None:
+        if self.enabled and seconds is not None:
+            self._stage, self._seconds = stage, seconds
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    def disarm(self) -> None:
+        if self.enabled:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _fire(self, signum: int, frame: FrameType | None) -> None:
+        raise TrialTimeout(self._stage, self._seconds)
 
 
 _WORKER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
@@ -134,6 +209,17 @@ class _Totals:
     step: float = 0.0
 
 
+def _batch_bytes(batch: Any) -> int:
+    """Bytes of every tensor in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.nelement()
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        return sum(_batch_bytes(item) for item in batch)
+    return 0
+
+
 def _batch_length(batch: Any, default: int) -> int:
     """Samples in a collated batch: the leading dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
@@ -147,56 +233,81 @@ def _batch_length(batch: Any, default: int) -> int:
     return default
 
 
-@contextlib.contextmanager
-def _expected_deaths(watch: MemoryWatch) -> Iterator[None]:
-    """Treat the deaths of workers the memory watch killed as expected, not as failures.
+class _WorkerDeaths:
+    """Decides what the death of a trial's worker means while the trial runs.
 
     DataLoader's SIGCHLD handler raises "worker killed by signal" in the main thread,
-    once per death, wherever the main thread is, including in the middle of handling
-    the first such error. While the watch is stopping the trial this handler raises
-    MemoryBudgetExceeded once, which wakes a main thread blocked in next(), and
-    swallows the rest; any other death still reaches DataLoader's handler, which is
-    installed first (DataLoader does so once per process, when workers first start).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set, and only run, in the main thread
-        return
-    _set_SIGCHLD_handler()
-    previous = signal.getsignal(signal.SIGCHLD)
+    once per death, wherever the main thread is, even in the middle of handling the
+    first such error. Blocking the signal does not help: the kernel hands it to another
+    thread, and Python runs the handler in the main thread all the same. So during a
+    trial this handler stands in front of DataLoader's:
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if watch.exceeded:
-            error = watch.claim()
+    - the memory watch killed the workers: raise MemoryBudgetExceeded once, which wakes
+      a main thread blocked in next(), and ignore the other deaths;
+    - the trial is being torn down (``expected``): its workers are being killed on
+      purpose, ignore;
+    - otherwise a worker really died: DataLoader's handler reports it, once; the
+      deaths that follow are part of the same failure.
+
+    DataLoader installs its handler once per process, when workers first start; it is
+    installed first here so that it is the one this handler passes deaths on to.
+    """
+
+    def __init__(self, watch: MemoryWatch) -> None:
+        self.watch = watch
+        self.expected = False
+        self._deferring = False
+        self._deferred = False
+        self._previous: Any = None
+
+    def start(self, loader: DataLoader[Any]) -> Iterator[Any]:
+        """``iter(loader)``, with a worker's death reported after it, not in the middle.
+
+        Starting an iterator puts work on the workers' queues; an error raised there by
+        the handler can leave a queue's lock held, and the next put then waits forever.
+        So a death while the iterator starts is held back and reported once ``iter()``
+        has returned, by DataLoader's own check, which raises its usual error.
+        """
+        self._deferring, self._deferred = True, False
+        try:
+            iterator = iter(loader)
+        finally:
+            self._deferring = False
+        if self._deferred:
+            self._deferred = False
+            try:
+                _error_if_any_worker_fails()
+            finally:
+                _shutdown(iterator, loader, abandon=True)
+        return iterator
+
+    @contextlib.contextmanager
+    def handled(self) -> Iterator[_WorkerDeaths]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set, and only run, in the main thread
+            return
+        _set_SIGCHLD_handler()
+        self._previous = signal.signal(signal.SIGCHLD, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGCHLD, self._previous)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._deferring:
+            self._deferred = True
+            return
+        if self.watch.exceeded:
+            error = self.watch.claim()
             if error is not None:
                 raise error
             return
-        if callable(previous):
-            previous(signum, frame)
-
-    signal.signal(signal.SIGCHLD, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
-
-
-@contextlib.contextmanager
-def _sigchld_deferred() -> Iterator[None]:
-    """Hold SIGCHLD while workers are shut down.
-
-    DataLoader's SIGCHLD handler raises in the main thread when a worker died. While a
-    trial is being torn down after its workers were killed, that error would land in
-    the middle of the clean-up; deferred, it is delivered once the workers are
-    unregistered, when the handler has nothing left to report.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if not self.expected and callable(self._previous):
+            try:
+                self._previous(signum, frame)
+            except BaseException:
+                self.expected = True  # the trial fails with this error; later deaths follow
+                raise
 
 
 class TrialRunner:
@@ -245,6 +356,7 @@ class TrialRunner:
         *,
         max_seconds: float,
         on_window: WindowCallback | None = None,
+        deadlines: Deadlines | None = None,
     ) -> Measurement:
         """Measure the loop with ``params`` for at most about ``max_seconds``.
 
@@ -253,50 +365,90 @@ class TrialRunner:
             max_seconds: time cap; the trial stops earlier once the rate is stable.
             on_window: called after each timing window with the estimate so far; an
                 exception it raises (e.g. ``optuna.TrialPruned``) stops the trial.
+            deadlines: how long one batch may take before the trial is failed as hung;
+                ``None`` waits as long as it takes.
 
         Raises:
             MemoryBudgetExceeded: the process tree passed the memory budget.
-            TrialError: the dataset, collate_fn or step_fn raised.
+            TrialError: the dataset, collate_fn or step_fn raised or hung
+                (``TrialTimeout``), or a worker died.
         """
         started = perf_counter()
         watch = MemoryWatch(self.memory_budget).start()
-        loader: DataLoader[Any] | None = None
-        iterator: Iterator[Any] | None = None
-        with _expected_deaths(watch), warnings.catch_warnings():
+        live = _Live()
+        with (
+            _WorkerDeaths(watch).handled() as deaths,
+            _Alarm().installed() as alarm,
+            warnings.catch_warnings(),
+        ):
             # Trials run more workers than cores on purpose; torch warns against it.
             warnings.filterwarnings("ignore", message="This DataLoader will create")
+            failed = True
             try:
                 kwargs = merge_loader_kwargs(
                     params, batch_size=self.batch_size, fixed=self.fixed_kwargs
                 )
-                loader = DataLoader(self.dataset, **kwargs)
-                iterator = iter(loader)
-                return self._time_loop(
-                    loader, iterator, params, watch, started, started + max_seconds, on_window
+                live.loader = DataLoader(self.dataset, **kwargs)
+                measurement = self._time_loop(
+                    live.loader,
+                    live,
+                    deaths,
+                    params,
+                    watch,
+                    alarm,
+                    deadlines,
+                    started,
+                    max_seconds,
+                    on_window,
                 )
+                failed = False
+                return measurement
             except MemoryBudgetExceeded:
                 raise
             except Exception as error:
-                # A worker the watch killed may surface as a DataLoader or user-code error.
-                if watch.exceeded:
+                deaths.expected = True  # from here on, a death is part of this failure
+                if watch.exceeded:  # a worker the watch killed surfaced as an error
                     raise MemoryBudgetExceeded(watch.peak, watch.budget) from error
-                raise
+                if not isinstance(error, TrialError) and not _worker_died(error):
+                    raise
+                # DataLoader's report of a dead worker can surface at any bytecode of the
+                # loop, not only in next(): it is still the worker's failure.
+                failure = (
+                    error
+                    if isinstance(error, TrialError)
+                    else TrialError("loading a batch", error, watch.peak)
+                )
+                failure.worker_signals, failure.worker_exit_codes = _worker_exits(
+                    live.iterator, failure.error
+                )
+                if failure is error:
+                    raise
+                raise failure from error
             finally:
+                alarm.disarm()
                 watch.stop()
-                with _sigchld_deferred():
-                    _shutdown(iterator, loader)
-                    _reap(watch.new_children())
+                deaths.expected = True
+                if failed:
+                    # Discarded anyway, and possibly hung: do not wait for them.
+                    kill(watch.new_children())
+                _shutdown(live.iterator, live.loader, abandon=failed)
+                _reap(watch.new_children())
 
     def _time_loop(
         self,
         loader: DataLoader[Any],
-        iterator: Iterator[Any],
+        live: _Live,
+        deaths: _WorkerDeaths,
         params: Mapping[str, Any],
         watch: MemoryWatch,
+        alarm: _Alarm,
+        deadlines: Deadlines | None,
         started: float,
-        deadline: float,
+        max_seconds: float,
         on_window: WindowCallback | None,
     ) -> Measurement:
+        iterator = live.iterator = deaths.start(loader)
+        deadline = started + max_seconds
         workers = int(params["num_workers"])
         non_blocking = bool(params.get("pin_memory"))
         # NOTE [ Warm-up ]
@@ -305,27 +457,36 @@ class TrialRunner:
         # excluded, or an under-provisioned setting would look fast in a short trial. The
         # exclusion is capped in time so a slow loader still leaves time to measure.
         warmup = workers * int(params.get("prefetch_factor") or 0)
-        warmup_deadline = started + 0.3 * (deadline - started)
+        warmup_deadline = started + 0.3 * max_seconds
         window_batches = max(2, workers)
+        first_limit = deadlines.first if deadlines else None
+        each_limit = deadlines.each if deadlines else None
 
-        def fetch(it: Iterator[Any]) -> Any:
+        def fetch(it: Iterator[Any], limit: float | None) -> Any:
+            alarm.arm("loading a batch", limit)
             try:
                 return next(it)
             except StopIteration:
                 raise
             except Exception as error:
                 raise TrialError("loading a batch", error, watch.peak) from error
+            finally:
+                alarm.disarm()
 
         def step(batch: Any) -> None:
+            alarm.arm("running step_fn", each_limit)
             try:
                 if self.device is not None:
                     batch = move_to_device(batch, self.device, non_blocking=non_blocking)
                 self.step_fn(batch)
             except Exception as error:
                 raise TrialError("running step_fn", error, watch.peak) from error
+            finally:
+                alarm.disarm()
 
-        batch = fetch(iterator)
+        batch = fetch(iterator, first_limit)
         time_to_first_batch = perf_counter() - started
+        batch_bytes = _batch_bytes(batch)
         step(batch)
         watch.check()
         restarts: list[float] = []
@@ -338,11 +499,11 @@ class TrialRunner:
         while perf_counter() < deadline:
             t0 = perf_counter()
             try:
-                batch = fetch(iterator)
+                batch = fetch(iterator, each_limit)
             except StopIteration:
                 # A new epoch: workers restart unless persistent; time it, warm up again.
-                iterator = iter(loader)
-                batch = fetch(iterator)
+                iterator = live.iterator = deaths.start(loader)
+                batch = fetch(iterator, first_limit)
                 restarts.append(perf_counter() - t0)
                 step(batch)
                 window, to_skip = None, warmup
@@ -371,7 +532,7 @@ class TrialRunner:
                 for name in ("samples", "batches", "seconds", "wait", "step"):
                     setattr(total, name, getattr(total, name) + getattr(window, name))
                 estimate = self._estimate(
-                    windows, total, time_to_first_batch, restarts, started, watch
+                    windows, total, time_to_first_batch, restarts, started, watch, batch_bytes
                 )
                 if on_window is not None:
                     on_window(len(windows), estimate)
@@ -395,7 +556,9 @@ class TrialRunner:
                 seconds=time_to_first_batch,
                 wait=time_to_first_batch,
             )
-        return self._estimate(windows, total, time_to_first_batch, restarts, started, watch)
+        return self._estimate(
+            windows, total, time_to_first_batch, restarts, started, watch, batch_bytes
+        )
 
     def _estimate(
         self,
@@ -405,6 +568,7 @@ class TrialRunner:
         restarts: list[float],
         started: float,
         watch: MemoryWatch,
+        batch_bytes: int,
     ) -> Measurement:
         rate = total.samples / total.seconds if total.seconds > 0 else 0.0
         relative_error = math.inf
@@ -423,15 +587,77 @@ class TrialRunner:
             batches=total.batches,
             duration=perf_counter() - started,
             peak_memory=watch.peak,
+            batch_bytes=batch_bytes,
         )
 
 
-def _shutdown(iterator: object, loader: DataLoader[Any] | None) -> None:
-    """Stop the workers of a trial's iterator (and of a persistent loader's own)."""
+@dataclass(slots=True)
+class _Live:
+    """The trial's loader and its current iterator (a new one each epoch), for clean-up."""
+
+    loader: DataLoader[Any] | None = None
+    iterator: Iterator[Any] | None = None
+
+
+# Errors that mean the other end of a worker's pipe or socket went away.
+_PEER_GONE = (ConnectionError, EOFError)
+_WORKER_DIED = ("exited unexpectedly", "is killed by signal")
+# How long a worker that is dying gets to finish, so its exit status can be read.
+_DEATH_GRACE = 1.0
+
+
+def _worker_died(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says a worker died or its pipe went away."""
+    link: BaseException | None = error
+    seen: set[int] = set()
+    while link is not None and id(link) not in seen:
+        if isinstance(link, _PEER_GONE) or any(text in str(link) for text in _WORKER_DIED):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
+def _worker_exits(
+    iterator: object, error: BaseException
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Signals that killed the iterator's workers, and their non-zero exit codes.
+
+    A worker that dies while handing over a batch can make the main process fail
+    first (a connection reset, an EOF) while the worker is still dying; for such errors
+    the workers get a moment to finish, or the signal would be missed.
+    """
+    workers = list(getattr(iterator, "_workers", None) or ())
+    if _worker_died(error):
+        give_up = time.monotonic() + _DEATH_GRACE
+        while time.monotonic() < give_up and all(w.exitcode is None for w in workers):
+            time.sleep(0.02)
+    signals, codes = [], []
+    for worker in workers:
+        code = worker.exitcode
+        if code is not None and code < 0:
+            signals.append(-code)
+        elif code:
+            codes.append(code)
+    return tuple(signals), tuple(codes)
+
+
+def _shutdown(iterator: object, loader: DataLoader[Any] | None, *, abandon: bool = False) -> None:
+    """Stop the workers of a trial's iterator (and of a persistent loader's own).
+
+    With ``abandon`` (the trial failed and its workers were killed), the shutdown
+    skips telling each worker to stop through its queue: a put interrupted by a
+    worker-death error may have left that queue's lock held, and putting again would
+    wait forever. The workers are dead; joining them and closing the queues is enough.
+    """
     for it in (iterator, getattr(loader, "_iterator", None)):
         shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        if shutdown is None:
+            continue
+        if abandon and hasattr(it, "_workers_status"):
+            it._workers_status = [False] * len(it._workers_status)
+            it._persistent_workers = False  # type: ignore[union-attr]
+        shutdown()
     if loader is not None:
         loader._iterator = None
 

@@ -24,9 +24,10 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autoloader._exceptions import BaselineError
-from autoloader._measure import Measurement, TrialError, TrialRunner
-from autoloader._memory import MemoryBudgetExceeded, is_oom_error
+from autoloader._exceptions import AllSettingsFailedError, BaselineError
+from autoloader._faults import classify
+from autoloader._measure import Deadlines, Measurement, TrialError, TrialRunner
+from autoloader._memory import MemoryBudgetExceeded
 from autoloader._report import describe
 from autoloader._result import TrialRecord
 from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace
@@ -44,6 +45,20 @@ _TIE_TOLERANCE = 0.02
 _TRIAL_SHARE = 0.1
 _MIN_TRIAL_SECONDS = 1.0
 _MAX_TRIAL_SECONDS = 15.0
+# NOTE [ Hang deadlines ]
+# A batch (loading it, or the step on it) is hung once it takes _TIMEOUT_FACTOR times
+# the baseline's time per batch, and never less than _MIN_BATCH_TIMEOUT seconds. With
+# more workers than CPUs a CPU-bound batch legitimately slows by workers / CPUs; the
+# first batch of an epoch also waits for workers to start, _STARTUP_PER_WORKER each.
+# Before the baseline there is nothing to derive from: the baseline gets the whole
+# budget, at least _BASELINE_TIMEOUT.
+_TIMEOUT_FACTOR = 20.0
+_MIN_BATCH_TIMEOUT = 10.0
+_STARTUP_PER_WORKER = 3.0
+_BASELINE_TIMEOUT = 60.0
+# Search trials that may all fail before the run stops: the pipeline itself, not a
+# setting, is failing in worker processes.
+_FAILURES_BEFORE_GIVING_UP = 5
 
 
 class _TrialFailed(Exception):
@@ -113,11 +128,14 @@ class Search:
     deadline: float
     time_budget: float
     n_trials: int | None = None
+    usable_cpus: int = 1
     on_trial: Callable[[TrialRecord], None] | None = None
 
     def __post_init__(self) -> None:
         self._plan: deque[tuple[str, Params | None, float]] = deque()
         self._refill_seconds = 0.0
+        self._baseline_batch_seconds: float | None = None
+        self._batch_bytes = 0
         self._numbers: list[int] = []
         self._trial_seconds = trial_seconds(self.time_budget)
 
@@ -135,6 +153,10 @@ class Search:
         baseline = self._trial(self._numbers[-1])
         measurement = baseline.user_attrs.get("measurement", {})
         self._refill_seconds = float(measurement.get("load_seconds", 0.0))
+        self._baseline_batch_seconds = self._refill_seconds + float(
+            measurement.get("step_seconds", 0.0)
+        )
+        self._batch_bytes = int(measurement.get("batch_bytes", 0))
 
     def _run_search(self) -> None:
         search_end = self.deadline - _RUNOFF_SHARE * self.time_budget
@@ -151,8 +173,33 @@ class Search:
             if seconds < 0.5 * _MIN_TRIAL_SECONDS:
                 break
             self._execute([("search", None, seconds)])
+            self._stop_if_every_setting_fails()
             if remaining is not None:
                 remaining -= 1
+
+    def _stop_if_every_setting_fails(self) -> None:
+        searched = [t for t in self._trials() if t.user_attrs.get("phase") == "search"]
+        if len(searched) < _FAILURES_BEFORE_GIVING_UP:
+            return
+        if any(t.state != TrialState.FAIL for t in searched):
+            return
+        reasons = sorted({str(t.user_attrs.get("reason")) for t in searched})
+        raise AllSettingsFailedError(
+            f"All {len(searched)} settings with workers failed, while num_workers=0 works: "
+            f"{'; '.join(reasons)}. The dataset or collate_fn fails in worker processes "
+            "(state that does not survive fork or pickling, per-process resources, "
+            "limits); fix that, or keep num_workers=0."
+        )
+
+    def deadlines(self, params: Params) -> Deadlines:
+        """How long one batch may take with ``params`` (see ``NOTE [ Hang deadlines ]``)."""
+        workers = int(params["num_workers"])
+        if self._baseline_batch_seconds is None:
+            limit = max(_BASELINE_TIMEOUT, self.time_budget)
+            return Deadlines(first=limit, each=limit)
+        slowdown = max(1.0, workers / self.usable_cpus)
+        each = max(_MIN_BATCH_TIMEOUT, _TIMEOUT_FACTOR * self._baseline_batch_seconds * slowdown)
+        return Deadlines(first=each + _STARTUP_PER_WORKER * workers, each=each)
 
     def _run_runoff(self) -> None:
         groups = self._groups(phases=("search", "runoff"))
@@ -234,7 +281,12 @@ class Search:
                 raise optuna.TrialPruned("clearly slower than the best setting so far")
 
         try:
-            measurement = self.runner.measure(params, max_seconds=seconds, on_window=on_window)
+            measurement = self.runner.measure(
+                params,
+                max_seconds=seconds,
+                on_window=on_window,
+                deadlines=self.deadlines(params),
+            )
         except optuna.TrialPruned as pruned:
             trial.set_user_attr("reason", str(pruned))
             raise
@@ -249,20 +301,18 @@ class Search:
             raise optuna.TrialPruned(f"memory: {error}") from error
         except TrialError as error:
             trial.set_user_attr("peak_memory", error.peak_memory)
-            cause = error.error
-            reason = error.summary
             if phase == "baseline":
                 where = f" at {error.where}" if error.where else ""
                 raise BaselineError(
-                    f"The baseline (num_workers=0) failed while {error.stage}: {reason}"
-                    f"{where}. This is a fault in the dataset, collate_fn or step_fn, not "
-                    "in a loader setting; fix it and tune again."
-                ) from cause
-            if is_oom_error(cause):
-                trial.set_user_attr("reason", f"memory: {reason}")
-                raise optuna.TrialPruned(f"memory: {reason}") from error
-            trial.set_user_attr("reason", f"{reason} (while {error.stage})")
-            raise _TrialFailed(reason) from error
+                    f"The baseline (num_workers=0) failed while {error.stage}: "
+                    f"{error.summary}{where}. This is a fault in the dataset, collate_fn or "
+                    "step_fn, not in a loader setting; fix it and tune again."
+                ) from error.error
+            fault = classify(error, params=params, batch_bytes=self._batch_bytes)
+            trial.set_user_attr("reason", fault.reason)
+            if fault.state == "pruned":
+                raise optuna.TrialPruned(fault.reason) from error
+            raise _TrialFailed(fault.reason) from error
         trial.set_user_attr("measurement", measurement.as_dict())
         return value_of(measurement)
 

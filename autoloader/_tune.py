@@ -173,6 +173,7 @@ def tune(
             deadline=started + budget,
             time_budget=budget,
             n_trials=n_trials,
+            usable_cpus=environment.usable_cpus,
             on_trial=progress.trial_done,
         )
         records = search.run()

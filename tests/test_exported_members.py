@@ -3,6 +3,7 @@ import autoloader
 
 def test_public_names_change_only_on_purpose() -> None:
     assert set(autoloader.__all__) == {
+        "AllSettingsFailedError",
         "AutoloaderError",
         "BaselineError",
         "Environment",
@@ -22,6 +23,12 @@ def test_public_names_change_only_on_purpose() -> None:
 
 
 def test_errors_share_one_root() -> None:
-    for name in ("BaselineError", "InvalidInputError", "ResultFileError", "UnpicklableError"):
+    for name in (
+        "AllSettingsFailedError",
+        "BaselineError",
+        "InvalidInputError",
+        "ResultFileError",
+        "UnpicklableError",
+    ):
         assert issubclass(getattr(autoloader, name), autoloader.AutoloaderError)
     assert issubclass(autoloader.InvalidInputError, ValueError)

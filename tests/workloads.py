@@ -47,11 +47,12 @@ class FailingDataset(SleepDataset):
 
 
 class FailsInWorkersDataset(SleepDataset):
-    """Works in the main process, raises in DataLoader workers: a setting's fault."""
+    """Works in the main process and one worker; raises from a second worker on."""
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if get_worker_info() is not None:
-            raise OSError("too many open files in worker")
+        info = get_worker_info()
+        if info is not None and info.id >= 1:
+            raise OSError("cannot open the second shard from this worker")
         return super().__getitem__(index)
 
 
@@ -114,3 +115,53 @@ def failing_step(batch: object) -> None:
 
 def oom_step(batch: object) -> None:
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+class FaultInWorkersDataset(SleepDataset):
+    """Works in the main process; a worker meets a real fault on its first item.
+
+    ``fault`` is a signal name ("SIGSEGV", "SIGKILL", "SIGBUS"...) the worker sends
+    itself, or "hang", "exit", "enospc", "emfile". Only workers with an id of at least
+    ``from_worker`` meet it: with ``from_worker=1`` one worker is fine, two are not.
+    """
+
+    def __init__(self, fault: str, length: int = 512, from_worker: int = 0) -> None:
+        super().__init__(length, latency=0.001)
+        self.fault = fault
+        self.from_worker = from_worker
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = get_worker_info()
+        if info is not None and info.id >= self.from_worker:
+            _fault(self.fault)
+        return super().__getitem__(index)
+
+
+def _fault(fault: str) -> None:
+    import errno
+    import os
+    import resource
+    import signal
+
+    if fault == "hang":
+        time.sleep(3600)
+    elif fault == "exit":
+        os._exit(3)
+    elif fault == "enospc":
+        raise OSError(errno.ENOSPC, "No space left on device", "/dev/shm/torch_123")
+    elif fault == "emfile":
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+        lowest_free = next(fd for fd in range(len(used) + 2) if fd not in used)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            os.close(os.open(os.devnull, os.O_RDONLY))  # a real EMFILE
+        finally:
+            # Give the descriptors back, or the worker could not even report the error.
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    else:
+        os.kill(os.getpid(), getattr(signal, fault))
+
+
+def hanging_step(batch: object) -> None:
+    time.sleep(3600)

@@ -1,0 +1,126 @@
+"""What a failed trial's error means, and what the user should do about it.
+
+A setting that crashes its workers, exhausts shared memory or file descriptors, or hangs
+is recorded with a reason a person can act on; the tuning run goes on.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import shutil
+import signal
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autoloader._measure import TrialError, TrialTimeout
+from autoloader._memory import format_bytes, is_oom_error
+
+_SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+_KILLED_BY = re.compile(r"is killed by signal: (?P<name>[^.]+)\.")
+_SHM = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """How to record a failed trial.
+
+    Attributes:
+        state: ``"pruned"`` (the setting asks too much memory) or ``"failed"``.
+        reason: starts with the kind ("memory", "killed", "worker crashed", "shared
+            memory", "too many open files", "timeout") and says what to do.
+    """
+
+    state: str
+    reason: str
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _signal_of(error: TrialError) -> str | None:
+    """The signal that killed a worker: from its exit code, else from torch's message."""
+    if error.worker_signals:
+        return signal.Signals(error.worker_signals[0]).name
+    for link in _chain(error.error):
+        match = _KILLED_BY.search(str(link))
+        if match:
+            return _SIGNAL_NAMES.get(match["name"], match["name"])
+    return None
+
+
+def _has_errno(error: BaseException, number: int, text: str) -> bool:
+    for link in _chain(error):
+        if isinstance(link, OSError) and link.errno == number:
+            return True
+        if text in str(link):
+            return True
+    return False
+
+
+def _in_flight(params: Mapping[str, Any]) -> int:
+    return int(params["num_workers"]) * int(params.get("prefetch_factor") or 0)
+
+
+def _shm_advice(params: Mapping[str, Any], batch_bytes: int | None) -> str:
+    try:
+        usage = shutil.disk_usage(_SHM)
+        space = f"{_SHM} has {format_bytes(usage.free)} free of {format_bytes(usage.total)}"
+    except OSError:
+        space = f"{_SHM} could not be read"
+    batches = _in_flight(params)
+    load = ""
+    if batch_bytes:
+        load = (
+            f"; this setting keeps up to {batches} batches of {format_bytes(batch_bytes)} "
+            f"in flight ({format_bytes(batches * batch_bytes)})"
+        )
+    return (
+        f"{space}{load}. Use fewer workers or a smaller prefetch_factor, or give the "
+        f"container more shared memory (docker run --shm-size=...)"
+    )
+
+
+def _open_files_advice() -> str:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (
+        f"raise the limit (ulimit -n, now {soft}) or share tensors through files: "
+        "torch.multiprocessing.set_sharing_strategy('file_system')"
+    )
+
+
+def classify(
+    error: TrialError, *, params: Mapping[str, Any], batch_bytes: int | None = None
+) -> Fault:
+    """The state and reason to record for a trial that ended with ``error``."""
+    cause = error.error
+    if isinstance(cause, TrialTimeout):
+        return Fault("failed", f"timeout: {cause}; a worker or step_fn hangs with this setting")
+    if is_oom_error(cause):
+        return Fault("pruned", f"memory: {error.summary}")
+    name = _signal_of(error)
+    if name == "SIGKILL":
+        return Fault(
+            "pruned",
+            "killed: a worker was killed (SIGKILL), likely by the kernel's OOM killer; "
+            "use fewer workers or a smaller prefetch_factor, or set memory_budget",
+        )
+    if name == "SIGBUS" or _has_errno(cause, errno.ENOSPC, "No space left on device"):
+        what = "a worker crashed (SIGBUS)" if name == "SIGBUS" else error.summary
+        return Fault("failed", f"shared memory: {what}. {_shm_advice(params, batch_bytes)}")
+    if _has_errno(cause, errno.EMFILE, "Too many open files"):
+        return Fault("failed", f"too many open files: {error.summary}; {_open_files_advice()}")
+    if name is not None:
+        return Fault("failed", f"worker crashed ({name})")
+    if error.worker_exit_codes:
+        return Fault("failed", f"worker exited with code {error.worker_exit_codes[0]}")
+    return Fault("failed", f"{error.summary} (while {error.stage})")

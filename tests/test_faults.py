@@ -1,0 +1,176 @@
+"""Configuration-dependent failures: real processes, real signals, real errors."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import time
+from typing import Any
+
+import pytest
+
+import autoloader
+from autoloader import AllSettingsFailedError, SearchSpace
+from autoloader._faults import classify
+from autoloader._measure import Deadlines, TrialError, TrialRunner, TrialTimeout
+from autoloader._memory import tree_memory
+from autoloader._search_space import normalize_params
+
+from .workloads import FaultInWorkersDataset, SleepDataset, hanging_step, noop_step
+
+PARAMS = normalize_params({"num_workers": 2, "prefetch_factor": 2})
+
+
+GENEROUS = Deadlines(first=20, each=20)
+
+
+def _fail(dataset: Any, step: Any = noop_step, deadlines: Deadlines = GENEROUS) -> TrialError:
+    runner = TrialRunner(dataset, step, batch_size=2, memory_budget=tree_memory() + 2**32)
+    started = time.monotonic()
+    with pytest.raises(TrialError) as info:
+        runner.measure(PARAMS, max_seconds=30, deadlines=deadlines)
+    assert time.monotonic() - started < 25, "the failure was not noticed promptly"
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("fault", "state", "reason"),
+    [
+        ("SIGSEGV", "failed", r"^worker crashed \(SIGSEGV\)$"),
+        ("SIGABRT", "failed", r"^worker crashed \(SIGABRT\)$"),
+        (
+            "SIGKILL",
+            "pruned",
+            r"^killed: .*\(SIGKILL\), likely by the kernel's OOM killer; use fewer workers",
+        ),
+        (
+            "SIGBUS",
+            "failed",
+            r"^shared memory: a worker crashed \(SIGBUS\)\. /dev/shm has .* free of .*; "
+            r"this setting keeps up to 4 batches of .* in flight",
+        ),
+        (
+            "enospc",
+            "failed",
+            r"^shared memory: OSError: \[Errno 28\] No space left on device.*/dev/shm has .* free",
+        ),
+        (
+            "emfile",
+            "failed",
+            r"^too many open files: OSError: \[Errno 24\] Too many open files.*"
+            r"ulimit -n, now \d+.*set_sharing_strategy\('file_system'\)",
+        ),
+        ("exit", "failed", r"^worker exited with code 3$"),
+    ],
+)
+def test_worker_faults_are_classified(fault: str, state: str, reason: str) -> None:
+    error = _fail(FaultInWorkersDataset(fault))
+    recorded = classify(error, params=PARAMS, batch_bytes=64)
+    assert recorded.state == state
+    assert re.search(reason, recorded.reason), recorded.reason
+
+
+def test_a_hung_worker_times_out() -> None:
+    error = _fail(FaultInWorkersDataset("hang"), deadlines=Deadlines(first=1, each=1))
+    assert isinstance(error.error, TrialTimeout)
+    recorded = classify(error, params=PARAMS)
+    assert recorded.state == "failed"
+    assert recorded.reason.startswith("timeout: no progress for 1 s while loading a batch")
+
+
+def test_a_hung_step_times_out() -> None:
+    error = _fail(SleepDataset(64), hanging_step, deadlines=Deadlines(first=10, each=1))
+    assert isinstance(error.error, TrialTimeout)
+    assert error.stage == "running step_fn"
+
+
+def test_the_alarm_gives_back_a_timer_already_set() -> None:
+    import signal
+
+    signal.setitimer(signal.ITIMER_REAL, 1000)
+    try:
+        runner = TrialRunner(SleepDataset(64), noop_step, batch_size=2, memory_budget=2**40)
+        runner.measure(PARAMS, max_seconds=0.5, deadlines=Deadlines(first=10, each=5))
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 990 < left <= 1000
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _open_fds() -> int:
+    gc.collect()  # pipes of earlier tests' loaders, not this one's, are closed here
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _open_fds_after_warm_up() -> int:
+    """Descriptors open once the process has run workers: what a leak grows from.
+
+    The first workers in a process open a few process-wide descriptors once; counting
+    those as a leak would make the test depend on which test ran first.
+    """
+    runner = TrialRunner(SleepDataset(64), noop_step, batch_size=2, memory_budget=2**40)
+    runner.measure(PARAMS, max_seconds=0.3, deadlines=GENEROUS)
+    return _open_fds()
+
+
+def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("autoloader._study._MIN_BATCH_TIMEOUT", 1.0)
+    before = _open_fds_after_warm_up()
+    # One worker is fine; a second worker crashes.
+    result = autoloader.tune(
+        FaultInWorkersDataset("SIGSEGV", from_worker=1),
+        noop_step,
+        batch_size=2,
+        time_budget=5.0,
+        search_space={"num_workers": (0, 3)},
+        show_progress=False,
+    )
+    failed = [t for t in result.trials if t.state == "failed"]
+    assert failed and all(t.reason == "worker crashed (SIGSEGV)" for t in failed)
+    assert all(t.params["num_workers"] >= 2 for t in failed)
+    assert result.params["num_workers"] <= 1
+    assert _open_fds() == before
+
+
+def test_hung_settings_fail_with_a_timeout_derived_from_the_baseline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("autoloader._study._MIN_BATCH_TIMEOUT", 1.0)
+    before = _open_fds_after_warm_up()
+    result = autoloader.tune(
+        FaultInWorkersDataset("hang", from_worker=1),
+        noop_step,
+        batch_size=2,
+        time_budget=8.0,
+        search_space={"num_workers": (0, 2)},
+        show_progress=False,
+    )
+    hung = [t for t in result.trials if t.state == "failed"]
+    assert all(t.params["num_workers"] == 2 for t in hung)
+    assert hung
+    assert all(
+        re.match(r"timeout: no progress for \d+ s while loading a batch", t.reason or "")
+        for t in hung
+    )
+    assert _open_fds() == before
+
+
+def test_when_every_setting_fails_the_run_stops_early() -> None:
+    started = time.monotonic()
+    with pytest.raises(
+        AllSettingsFailedError,
+        match=r"All 5 settings with workers failed, while num_workers=0 works: "
+        r"worker crashed \(SIGSEGV\)",
+    ):
+        autoloader.tune(
+            FaultInWorkersDataset("SIGSEGV"),
+            noop_step,
+            batch_size=2,
+            time_budget=120.0,
+            search_space=SearchSpace(num_workers=(1, 3)),
+            show_progress=False,
+        )
+    assert time.monotonic() - started < 60, "the run went on after every setting failed"
