@@ -80,6 +80,8 @@ class TuneResult:
         tuning_seconds: wall time of the tuning run.
         memory_budget: bytes the process tree was allowed during trials.
         notes: facts about the run a user should know (settings fixed, limits hit).
+        partial: the run was interrupted; the settings are the best of the trials
+            that finished.
         fixed_loader_kwargs: the user's fixed DataLoader options that the file keeps.
         unsaved_loader_kwargs: names of fixed options the file cannot keep (a
             collate_fn, a sampler...): pass them to :meth:`make_loader` after
@@ -101,6 +103,7 @@ class TuneResult:
     tuning_seconds: float
     memory_budget: int
     notes: tuple[str, ...] = ()
+    partial: bool = False
     fixed_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     unsaved_loader_kwargs: tuple[str, ...] = ()
     _in_memory_kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -149,6 +152,7 @@ class TuneResult:
             "tuning_seconds": self.tuning_seconds,
             "memory_budget": self.memory_budget,
             "notes": list(self.notes),
+            "partial": self.partial,
             "environment": self.environment.as_dict(),
             "trials": [t.as_dict() for t in self.trials],
         }
@@ -214,6 +218,7 @@ class TuneResult:
                 tuning_seconds=float(_typed(data, "tuning_seconds", int | float)),
                 memory_budget=_typed(data, "memory_budget", int),
                 notes=tuple(str(n) for n in _typed(data, "notes", list)),
+                partial=_typed({"partial": False, **data}, "partial", bool),
                 fixed_loader_kwargs=fixed,
                 unsaved_loader_kwargs=tuple(
                     str(n) for n in _typed(data, "unsaved_loader_kwargs", list)

@@ -141,12 +141,11 @@ class Search:
 
     # The phases -------------------------------------------------------------------
 
-    def run(self) -> list[TrialRecord]:
-        """Run every phase and return the records of this run's trials."""
+    def run(self) -> None:
+        """Run every phase; :meth:`records` and :meth:`best` then give the outcome."""
         self._run_baseline()
         self._run_search()
         self._run_runoff()
-        return self.records()
 
     def _run_baseline(self) -> None:
         self._execute([("baseline", BASELINE_PARAMS, self._trial_seconds)])
@@ -231,6 +230,10 @@ class Search:
 
     # The choice ---------------------------------------------------------------------
 
+    def has_baseline(self) -> bool:
+        """Whether the baseline finished: without it there is nothing to compare to."""
+        return bool(group_complete(self._trials(), ("baseline",)))
+
     def best(self) -> tuple[Params, float, float]:
         """The chosen settings, their steady samples/s, and the baseline's (see :func:`choose`)."""
         return choose(self._trials())
@@ -262,7 +265,11 @@ class Search:
         params = planned if planned is not None else self.space.suggest(trial)
         trial.set_user_attr("phase", phase)
         trial.set_user_attr("params", params)
-        return self._measure(trial, phase, params, seconds)
+        try:
+            return self._measure(trial, phase, params, seconds)
+        except KeyboardInterrupt:
+            trial.set_user_attr("reason", "interrupted (Ctrl-C)")
+            raise
 
     def _measure(self, trial: optuna.Trial, phase: str, params: Params, seconds: float) -> float:
         def value_of(measurement: Measurement) -> float:

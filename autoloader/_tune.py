@@ -102,6 +102,10 @@ def tune(
         UnpicklableError: the start method pickles the dataset or collate_fn into
             workers, and it does not pickle.
         BaselineError: the ``num_workers=0`` baseline failed.
+        AllSettingsFailedError: every setting with workers failed.
+        KeyboardInterrupt: Ctrl-C before the baseline finished. Later, Ctrl-C stops the
+            trial under way, kills its workers and returns the best of the finished
+            trials with ``partial=True``.
 
     Example::
 
@@ -176,7 +180,21 @@ def tune(
             usable_cpus=environment.usable_cpus,
             on_trial=progress.trial_done,
         )
-        records = search.run()
+        partial = False
+        try:
+            search.run()
+        except KeyboardInterrupt:
+            if not search.has_baseline():
+                raise
+            # The trial under way has stopped and its workers are gone; what finished
+            # before is still a measured answer.
+            partial = True
+            notes.append(
+                "interrupted (Ctrl-C): these settings are the best of the trials that "
+                "finished; tune again for a complete search"
+            )
+            _logger.warning("tuning interrupted; returning the best of the finished trials")
+        records = search.records()
         params, throughput, baseline = search.best()
     saved, unsaved = split_loader_kwargs(fixed)
     return TuneResult(
@@ -189,6 +207,7 @@ def tune(
         tuning_seconds=perf_counter() - started,
         memory_budget=memory_bytes,
         notes=tuple(notes),
+        partial=partial,
         fixed_loader_kwargs=saved,
         unsaved_loader_kwargs=unsaved,
         _in_memory_kwargs={k: fixed[k] for k in unsaved},

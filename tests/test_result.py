@@ -65,6 +65,11 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
 
 
+def test_a_partial_result_stays_partial(tmp_path: Path) -> None:
+    again = autoloader.load(_result(partial=True).save(tmp_path / "best.json"))
+    assert again.partial is True
+
+
 def test_speedup() -> None:
     assert _result().speedup == pytest.approx(700 / 150)
 
@@ -149,6 +154,7 @@ def test_malformed_files_are_rejected(tmp_path: Path, content: str, message: str
     [
         ("throughput", "fast", "field 'throughput' has the wrong type"),
         ("batch_size", True, "field 'batch_size' has the wrong type"),
+        ("partial", "yes", "field 'partial' has the wrong type"),
         ("trials", [{"number": 0}], "malformed trial record"),
         ("params", {"num_workers": 2, "evil": "__import__('os')"}, "params has keys other than"),
         ("fixed_loader_kwargs", {"collate_fn": {"py/function": "os.system"}}, "not a scalar"),

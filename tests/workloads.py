@@ -151,9 +151,8 @@ def _fault(fault: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", "/dev/shm/torch_123")
     elif fault == "emfile":
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        used = {int(fd) for fd in os.listdir("/proc/self/fd")}
-        lowest_free = next(fd for fd in range(len(used) + 2) if fd not in used)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        # A limit of 0: no new descriptor at all, whatever other threads open or close.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))
         try:
             os.close(os.open(os.devnull, os.O_RDONLY))  # a real EMFILE
         finally:

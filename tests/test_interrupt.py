@@ -1,0 +1,63 @@
+"""Ctrl-C during a tuning run: a real SIGINT to a real tuning process and its workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, logging, sys
+    import autoloader
+    from tests.workloads import SleepDataset, sleep_step
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    result = autoloader.tune(
+        SleepDataset(100_000), sleep_step, batch_size=4, time_budget=120, show_progress=False
+    )
+    print(json.dumps({"partial": result.partial, "params": result.params,
+                      "states": [t.state for t in result.trials],
+                      "reasons": [t.reason for t in result.trials]}))
+    """
+)
+
+
+def test_ctrl_c_returns_the_best_so_far_and_leaves_no_process(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, like a job in a terminal
+    )
+    assert child.stderr is not None
+    descendants: set[int] = set()
+    try:
+        for line in child.stderr:  # wait until the search is under way, with workers
+            if line.startswith("trial 2 "):
+                break
+        time.sleep(0.5)
+        descendants = {p.pid for p in psutil.Process(child.pid).children(recursive=True)}
+        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["partial"] is True
+    assert result["states"][0] == "complete"  # the baseline survived the interruption
+    assert "interrupted (Ctrl-C)" in result["reasons"]
+    assert descendants, "the trial had workers when it was interrupted"
+    assert not [pid for pid in descendants if psutil.pid_exists(pid)]
