@@ -149,7 +149,7 @@ class Search:
 
     def _run_baseline(self) -> None:
         self._execute([("baseline", BASELINE_PARAMS, self._trial_seconds)])
-        baseline = self._trial(self._numbers[-1])
+        baseline = self._trials()[-1]
         measurement = baseline.user_attrs.get("measurement", {})
         self._refill_seconds = float(measurement.get("load_seconds", 0.0))
         self._baseline_batch_seconds = self._refill_seconds + float(
@@ -252,7 +252,7 @@ class Search:
         )
 
     def _after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        record = self._record(trial.number)
+        record = self._record(trial)
         _logger.info(describe(record))
         if self.on_trial is not None:
             self.on_trial(record)
@@ -325,14 +325,10 @@ class Search:
 
     # Records --------------------------------------------------------------------
 
-    def _trial(self, number: int) -> FrozenTrial:
-        return self.study.get_trials(deepcopy=False)[number]
-
     def records(self) -> list[TrialRecord]:
-        return [self._record(number) for number in self._numbers]
+        return [self._record(trial) for trial in self._trials()]
 
-    def _record(self, number: int) -> TrialRecord:
-        frozen = self._trial(number)
+    def _record(self, frozen: FrozenTrial) -> TrialRecord:
         attrs = frozen.user_attrs
         measurement = attrs.get("measurement") or {}
         state = _STATES.get(frozen.state, "running")
@@ -341,7 +337,7 @@ class Search:
             value = frozen.intermediate_values[max(frozen.intermediate_values)]
         relative_error = measurement.get("relative_error")
         return TrialRecord(
-            number=number,
+            number=frozen.number,
             phase=attrs.get("phase", "search"),
             params=attrs.get("params", {}),
             state=state,
@@ -359,7 +355,9 @@ class Search:
         return group_complete(self._trials(), phases)
 
     def _trials(self) -> list[FrozenTrial]:
-        return [self._trial(n) for n in self._numbers]
+        # One read of the study: with an RDB storage each read is a query.
+        trials = self.study.get_trials(deepcopy=False)
+        return [trials[n] for n in self._numbers]
 
     def _seconds_left(self, until: float) -> float:
         return max(0.0, until - perf_counter())
