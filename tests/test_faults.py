@@ -114,48 +114,49 @@ def _open_fds_after_warm_up() -> int:
     return _open_fds()
 
 
+def _tune_where_a_second_worker_meets(
+    fault: str, *, max_workers: int, time_budget: float
+) -> autoloader.TuneResult:
+    """Tune a pipeline that works with one worker while a second meets ``fault``.
+
+    Whatever the trials went through, no descriptor may be left open.
+    """
+    before = _open_fds_after_warm_up()
+    result = autoloader.tune(
+        FaultInWorkersDataset(fault, from_worker=1),
+        noop_step,
+        batch_size=2,
+        time_budget=time_budget,
+        search_space={"num_workers": (0, max_workers)},
+        show_progress=False,
+    )
+    assert _open_fds() == before
+    return result
+
+
 def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("autoloader._study._MIN_BATCH_TIMEOUT", 1.0)
-    before = _open_fds_after_warm_up()
-    # One worker is fine; a second worker crashes.
-    result = autoloader.tune(
-        FaultInWorkersDataset("SIGSEGV", from_worker=1),
-        noop_step,
-        batch_size=2,
-        time_budget=5.0,
-        search_space={"num_workers": (0, 3)},
-        show_progress=False,
-    )
+    result = _tune_where_a_second_worker_meets("SIGSEGV", max_workers=3, time_budget=5.0)
     failed = [t for t in result.trials if t.state == "failed"]
     assert failed and all(t.reason == "worker crashed (SIGSEGV)" for t in failed)
     assert all(t.params["num_workers"] >= 2 for t in failed)
     assert result.params["num_workers"] <= 1
-    assert _open_fds() == before
 
 
 def test_hung_settings_fail_with_a_timeout_derived_from_the_baseline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("autoloader._study._MIN_BATCH_TIMEOUT", 1.0)
-    before = _open_fds_after_warm_up()
-    result = autoloader.tune(
-        FaultInWorkersDataset("hang", from_worker=1),
-        noop_step,
-        batch_size=2,
-        time_budget=8.0,
-        search_space={"num_workers": (0, 2)},
-        show_progress=False,
-    )
+    result = _tune_where_a_second_worker_meets("hang", max_workers=2, time_budget=8.0)
     hung = [t for t in result.trials if t.state == "failed"]
-    assert all(t.params["num_workers"] == 2 for t in hung)
     assert hung
+    assert all(t.params["num_workers"] == 2 for t in hung)
     assert all(
         re.match(r"timeout: no progress for \d+ s while loading a batch", t.reason or "")
         for t in hung
     )
-    assert _open_fds() == before
 
 
 def test_when_every_setting_fails_the_run_stops_early() -> None:
