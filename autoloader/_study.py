@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +23,7 @@ from time import perf_counter
 from typing import Any
 
 import optuna
+import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._exceptions import AllSettingsFailedError, BaselineError
@@ -132,6 +134,7 @@ class Search:
     on_trial: Callable[[TrialRecord], None] | None = None
 
     def __post_init__(self) -> None:
+        self._owner = _this_process()
         self._plan: deque[tuple[str, Params | None, float]] = deque()
         self._refill_seconds = 0.0
         self._baseline_batch_seconds: float | None = None
@@ -143,9 +146,30 @@ class Search:
 
     def run(self) -> None:
         """Run every phase; :meth:`records` and :meth:`best` then give the outcome."""
+        self._fail_orphans()
         self._run_baseline()
         self._run_search()
         self._run_runoff()
+
+    def _fail_orphans(self) -> None:
+        """Fail the RUNNING trials of a tuning process on this machine that has died.
+
+        A run killed mid-trial (SIGKILL, the OOM killer, a power cut) leaves its trial
+        RUNNING in the storage forever. Its owner is recorded with each trial: a gone
+        process (or a pid reused by another) means the trial will never finish. Trials
+        of live processes, or of other machines sharing the study, are left alone.
+        """
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        for trial in running:
+            owner = trial.user_attrs.get("owner") or {}
+            if owner.get("host") != self._owner["host"] or _is_alive(owner):
+                continue
+            # Optuna has no public call to end another process's trial.
+            storage = self.study._storage
+            reason = f"interrupted: the tuning process (pid {owner.get('pid')}) died"
+            storage.set_trial_user_attr(trial._trial_id, "reason", reason)
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            _logger.info("trial %d: %s", trial.number, reason)
 
     def _run_baseline(self) -> None:
         self._execute([("baseline", BASELINE_PARAMS, self._trial_seconds)])
@@ -242,14 +266,14 @@ class Search:
 
     def _execute(self, plan: Iterable[tuple[str, Params | None, float]]) -> None:
         self._plan.extend(plan)
-        count = len(self._plan)
-        self.study.optimize(
-            self._objective,
-            n_trials=count,
-            catch=(_TrialFailed,),
-            callbacks=[self._after_trial],
-            gc_after_trial=True,
-        )
+        while self._plan:  # a queued setting can take a trial meant for the plan
+            self.study.optimize(
+                self._objective,
+                n_trials=len(self._plan),
+                catch=(_TrialFailed,),
+                callbacks=[self._after_trial],
+                gc_after_trial=True,
+            )
 
     def _after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         record = self._record(trial)
@@ -259,12 +283,19 @@ class Search:
 
     def _objective(self, trial: optuna.Trial) -> float:
         phase, planned, seconds = self._plan.popleft()
+        if planned is not None and getattr(trial, "_fixed_params", None):
+            # Optuna hands a trial any setting still queued in the study (a run that
+            # died left its ladder): measure that setting, as queued, and keep the
+            # planned one for the next trial.
+            self._plan.appendleft((phase, planned, seconds))
+            phase, planned = "search", None
         # A plan is made before its trials run: hold each to the time actually left.
         seconds = max(0.5 * _MIN_TRIAL_SECONDS, min(seconds, self._seconds_left(self.deadline)))
         self._numbers.append(trial.number)
         params = planned if planned is not None else self.space.suggest(trial)
         trial.set_user_attr("phase", phase)
         trial.set_user_attr("params", params)
+        trial.set_user_attr("owner", self._owner)
         try:
             return self._measure(trial, phase, params, seconds)
         except KeyboardInterrupt:
@@ -405,6 +436,20 @@ def group_complete(
 def _params_of(trial: FrozenTrial) -> Params:
     params: Params = trial.user_attrs["params"]
     return params
+
+
+def _this_process() -> dict[str, Any]:
+    process = psutil.Process()
+    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
+
+
+def _is_alive(owner: Mapping[str, Any]) -> bool:
+    """Whether the process that ran a trial still runs (and is not a reused pid)."""
+    try:
+        process = psutil.Process(int(owner["pid"]))
+        return bool(abs(process.create_time() - float(owner["started"])) < 1.0)
+    except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
+        return False
 
 
 def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool]:

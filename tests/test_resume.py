@@ -1,0 +1,95 @@
+"""A tuning run SIGKILLed mid-trial resumes from its storage: a real kill of a real run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+from optuna.trial import TrialState
+
+import autoloader
+from autoloader import SearchSpace
+
+from .workloads import SleepDataset, sleep_step
+
+SPACE = SearchSpace(num_workers=(0, 4), prefetch_factor=2, persistent_workers=True)
+
+SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    import autoloader
+    from tests.test_resume import SPACE
+    from tests.workloads import SleepDataset, sleep_step
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    autoloader.tune(SleepDataset(100_000), sleep_step, batch_size=4, time_budget=120,
+                    search_space=SPACE, storage=sys.argv[1], show_progress=False)
+    """
+)
+
+
+def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, url],
+        cwd=root,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert child.stderr is not None
+    try:
+        for line in child.stderr:  # the ladder's second setting has finished
+            if line.startswith("trial 2 "):
+                break
+        time.sleep(0.4)  # into the next trial, which takes a second or more
+        os.kill(child.pid, signal.SIGKILL)  # the tuner alone, as the OOM killer would
+        child.wait(timeout=30)
+    finally:
+        for process in psutil.Process().children(recursive=True):
+            process.kill()  # its orphaned DataLoader workers, had they not exited
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    (summary,) = optuna.get_all_study_summaries(url)
+    before = optuna.load_study(study_name=summary.study_name, storage=url).trials
+    assert any(t.state == TrialState.RUNNING for t in before), "killed between trials"
+
+    result = autoloader.tune(
+        SleepDataset(100_000),
+        sleep_step,
+        batch_size=4,
+        time_budget=8,
+        n_trials=1,
+        search_space=SPACE,
+        storage=url,
+        show_progress=False,
+    )
+    assert result.throughput > 0
+    after = optuna.load_study(study_name=summary.study_name, storage=url).trials
+    assert not [t for t in after if t.state == TrialState.RUNNING]
+    orphans = [
+        t for t in after if t.number < len(before) and before[t.number].state == TrialState.RUNNING
+    ]
+    assert orphans and all(t.state == TrialState.FAIL for t in orphans)
+    assert all(
+        t.user_attrs["reason"].startswith("interrupted: the tuning process") for t in orphans
+    )
+    # What the killed run finished is kept; a setting measured under its phase is not
+    # re-run by the resumed run's ladder, and no queued setting is left waiting.
+    kept = [t for t in before if t.state == TrialState.COMPLETE]
+    assert kept and all(after[t.number].state == TrialState.COMPLETE for t in kept)
+    assert not [t for t in after if t.state == TrialState.WAITING]
+    for trial in after:
+        queued = trial.system_attrs.get("fixed_params")
+        if queued is not None and trial.state == TrialState.COMPLETE:
+            measured = {k: v for k, v in trial.user_attrs["params"].items() if v is not None}
+            assert queued == measured
