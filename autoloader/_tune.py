@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter
@@ -33,8 +34,8 @@ from autoloader._validation import (
     check_positive_number,
     check_search_space,
     check_step_fn,
-    check_storage,
     count_batches,
+    open_storage,
     start_method,
 )
 
@@ -55,7 +56,7 @@ def tune(
     loader_kwargs: Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
     seed: int = 0,
-    storage: str | optuna.storages.BaseStorage | None = None,
+    storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None = None,
     show_progress: bool = True,
 ) -> TuneResult:
     """Find the fastest DataLoader settings for ``dataset`` and ``step_fn`` on this machine.
@@ -88,9 +89,10 @@ def tune(
             ``step_fn`` (``non_blocking`` when pinned) and the device is synchronised at
             the edges of each timing window. (default: ``None``)
         seed (int, optional): seed of the sampler. (default: ``0``)
-        storage (str or optuna.storages.BaseStorage, optional): where the study is
-            kept, e.g. ``"sqlite:///tuning.db"``; ``None`` keeps it in memory.
-            (default: ``None``)
+        storage (str, path or optuna.storages.BaseStorage, optional): where the study
+            is kept, so that a run killed mid-way resumes: a journal file path such as
+            ``"tuning.log"``, or an Optuna URL such as ``"sqlite:///tuning.db"`` or a
+            shared RDB. ``None`` keeps it in memory. (default: ``None``)
         show_progress (bool, optional): a progress bar on stderr when it is a terminal.
             (default: ``True``)
 
@@ -126,7 +128,7 @@ def tune(
     space = check_search_space(search_space)
     fixed = check_loader_kwargs(loader_kwargs)
     resolved_device = resolve_device(device)
-    storage = check_storage(storage)
+    study_storage = open_storage(storage)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
     batches_per_epoch = count_batches(dataset, batch_size, fixed)
@@ -162,7 +164,7 @@ def tune(
     )
     with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
         study = optuna.create_study(
-            storage=storage,
+            storage=study_storage,
             study_name=_study_name(dataset, dataset_length, batch_size, space),
             direction="maximize",
             sampler=optuna.samplers.TPESampler(seed=seed),

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autoloader._exceptions import InvalidInputError, UnpicklableError
@@ -133,13 +136,36 @@ def check_loader_kwargs(loader_kwargs: object) -> dict[str, Any]:
     return dict(loader_kwargs)
 
 
-def check_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
-    if storage is None or isinstance(storage, str | optuna.storages.BaseStorage):
+# Seconds after which a journal file's lock, left by a killed tuning process, is broken.
+_JOURNAL_LOCK_GRACE = 5
+
+
+def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
+    """The Optuna storage for ``tune(storage=...)``.
+
+    A URL (``sqlite:///tuning.db``, ``postgresql://...``) or a storage object is used
+    as given. A plain path is a journal file: no database needed, safe for several
+    processes, and a lock left by a killed run is broken after a few seconds.
+    """
+    if storage is None or isinstance(storage, optuna.storages.BaseStorage):
         return storage
+    if isinstance(storage, str) and "://" in storage:
+        return storage
+    if isinstance(storage, str | os.PathLike):
+        path = Path(storage)
+        if not path.parent.is_dir():
+            raise InvalidInputError(
+                f"storage {str(storage)!r}: the folder {str(path.parent)!r} does not exist; "
+                "create it, or give another path."
+            )
+        backend = JournalFileBackend(
+            str(path), lock_obj=JournalFileOpenLock(str(path), grace_period=_JOURNAL_LOCK_GRACE)
+        )
+        return optuna.storages.JournalStorage(backend)
     raise InvalidInputError(
-        f"storage must be None (in memory), an Optuna storage URL such as "
-        f"'sqlite:///tuning.db', or an optuna.storages.BaseStorage, but got "
-        f"{type(storage).__name__}."
+        f"storage must be None (in memory), a journal file path such as 'tuning.log', an "
+        f"Optuna storage URL such as 'sqlite:///tuning.db', or an "
+        f"optuna.storages.BaseStorage, but got {type(storage).__name__}."
     )
 
 

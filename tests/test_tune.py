@@ -145,6 +145,12 @@ class LambdaDataset(SleepDataset):
         ),
         (None, {"device": "warp-drive"}, InvalidInputError, "not a valid torch device"),
         (None, {"storage": 5}, InvalidInputError, "storage must be None"),
+        (
+            None,
+            {"storage": "/nonexistent/folder/tuning.log"},
+            InvalidInputError,
+            "the folder '/nonexistent/folder' does not exist",
+        ),
         (None, {"seed": "1"}, InvalidInputError, "seed must be an int"),
         (
             LambdaDataset(),
@@ -326,6 +332,23 @@ def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
         if queued is not None:
             measured = {k: v for k, v in trial.user_attrs["params"].items() if v is not None}
             assert queued == measured, (trial.number, trial.user_attrs["phase"])
+
+
+def test_a_journal_file_keeps_the_study_and_a_stale_lock_does_not_hang(tmp_path: Path) -> None:
+    path = tmp_path / "tuning.log"
+    space = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+    _tune(storage=str(path), n_trials=1, search_space=space, time_budget=20.0)
+    # A run killed while writing leaves the journal's lock file behind.
+    (tmp_path / "tuning.log.lock").touch()
+    _tune(storage=path, n_trials=1, search_space=space, time_budget=20.0)
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    (summary,) = optuna.get_all_study_summaries(storage)
+    phases = [
+        t.user_attrs["phase"]
+        for t in optuna.load_study(study_name=summary.study_name, storage=storage).trials
+    ]
+    assert phases.count("baseline") == 2
+    assert phases.count("search") == 2
 
 
 def test_device_batches_reach_the_step_on_that_device() -> None:
