@@ -10,11 +10,11 @@ import errno
 import re
 import shutil
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._measure import TrialError, TrialTimeout
+from autoloader._measure import TrialError, TrialTimeout, exception_chain
 from autoloader._memory import format_bytes, is_oom_error
 
 _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
@@ -36,20 +36,11 @@ class Fault:
     reason: str
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
 def _signal_of(error: TrialError) -> str | None:
     """The signal that killed a worker: from its exit code, else from torch's message."""
     if error.worker_signals:
         return signal.Signals(error.worker_signals[0]).name
-    for link in _chain(error.error):
+    for link in exception_chain(error.error):
         match = _KILLED_BY.search(str(link))
         if match:
             return _SIGNAL_NAMES.get(match["name"], match["name"])
@@ -57,7 +48,7 @@ def _signal_of(error: TrialError) -> str | None:
 
 
 def _has_errno(error: BaseException, number: int, text: str) -> bool:
-    for link in _chain(error):
+    for link in exception_chain(error):
         if isinstance(link, OSError) and link.errno == number:
             return True
         if text in str(link):

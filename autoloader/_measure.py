@@ -606,16 +606,22 @@ _WORKER_DIED = ("exited unexpectedly", "is killed by signal")
 _DEATH_GRACE = 1.0
 
 
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what caused it (``__cause__``, else ``__context__``), and so on."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def _worker_died(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) says a worker died or its pipe went away."""
-    link: BaseException | None = error
-    seen: set[int] = set()
-    while link is not None and id(link) not in seen:
-        if isinstance(link, _PEER_GONE) or any(text in str(link) for text in _WORKER_DIED):
-            return True
-        seen.add(id(link))
-        link = link.__cause__ or link.__context__
-    return False
+    return any(
+        isinstance(link, _PEER_GONE) or any(text in str(link) for text in _WORKER_DIED)
+        for link in exception_chain(error)
+    )
 
 
 def _worker_exits(
