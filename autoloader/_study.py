@@ -232,10 +232,11 @@ class Search:
         # Runoff trials get the same time as search trials: shorter ones catch the CPU
         # burst of many workers starting on few cores and understate those settings.
         for _ in range(_RUNOFF_ROUNDS):
-            left = self._seconds_left(self.deadline) - self._typical_duration(BASELINE_PARAMS)
+            duration = self._typical_durations()
+            left = self._seconds_left(self.deadline) - duration(BASELINE_PARAMS)
             fitting: list[Params] = []
             for params in candidates:  # best first: drop the weakest when time is short
-                left -= self._typical_duration(params)
+                left -= duration(params)
                 if left < 0:
                     break
                 fitting.append(params)
@@ -244,13 +245,16 @@ class Search:
                 return
             self._execute([("runoff", p, self._trial_seconds) for p in [*fitting, BASELINE_PARAMS]])
 
-    def _typical_duration(self, params: Params) -> float:
-        """Median seconds the trials of ``params`` took in this run."""
-        trials, _ = self._groups(phases=("baseline", "search", "runoff")).get(
-            params_key(params), ([], [])
-        )
-        durations = [t.user_attrs["measurement"]["duration"] for t in trials]
-        return statistics.median(durations) if durations else self._trial_seconds
+    def _typical_durations(self) -> Callable[[Params], float]:
+        """Median seconds the trials of a setting took in this run (one study read)."""
+        groups = self._groups(phases=("baseline", "search", "runoff"))
+
+        def duration(params: Params) -> float:
+            trials, _ = groups.get(params_key(params), ([], []))
+            durations = [t.user_attrs["measurement"]["duration"] for t in trials]
+            return statistics.median(durations) if durations else self._trial_seconds
+
+        return duration
 
     # The choice ---------------------------------------------------------------------
 
