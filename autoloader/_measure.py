@@ -374,7 +374,7 @@ class TrialRunner:
                 (``TrialTimeout``), or a worker died.
         """
         started = perf_counter()
-        watch = MemoryWatch(self.memory_budget).start()
+        watch = MemoryWatch(self.memory_budget, ends_at=time.monotonic() + max_seconds).start()
         live = _Live()
         with (
             _WorkerDeaths(watch).handled() as deaths,
@@ -408,7 +408,7 @@ class TrialRunner:
             except Exception as error:
                 deaths.expected = True  # from here on, a death is part of this failure
                 if watch.exceeded:  # a worker the watch killed surfaced as an error
-                    raise MemoryBudgetExceeded(watch.peak, watch.budget) from error
+                    raise watch.error() from error
                 if not isinstance(error, TrialError) and not _worker_died(error):
                     raise
                 # DataLoader's report of a dead worker can surface at any bytecode of the

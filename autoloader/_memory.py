@@ -14,6 +14,7 @@ import re
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -170,28 +171,88 @@ def is_oom_error(error: BaseException) -> bool:
 
 
 class MemoryBudgetExceeded(Exception):
-    """The trial's process tree went over the memory budget (internal; becomes PRUNED)."""
+    """The trial's process tree passed the memory budget, or was about to (internal).
 
-    def __init__(self, peak: int, budget: int) -> None:
-        super().__init__(
-            f"process tree reached {format_bytes(peak)}, over the memory budget of "
-            f"{format_bytes(budget)}"
-        )
+    Attributes:
+        peak: bytes, the highest the tree was seen to use.
+        budget: bytes the tree may use.
+        projected: bytes the tree would have reached by the trial's end at the rate it
+            was growing, when that projection (not the tree itself) passed the budget.
+    """
+
+    def __init__(self, peak: int, budget: int, projected: int | None = None) -> None:
+        if projected is None:
+            message = (
+                f"process tree reached {format_bytes(peak)}, over the memory budget of "
+                f"{format_bytes(budget)}"
+            )
+        else:
+            message = (
+                f"process tree grew to {format_bytes(peak)} and, at the rate it was "
+                f"growing, would reach {format_bytes(projected)} by the end of the trial, "
+                f"over the memory budget of {format_bytes(budget)}"
+            )
+        super().__init__(message)
         self.peak = peak
         self.budget = budget
+        self.projected = projected
+
+    def __reduce__(self) -> tuple[type[MemoryBudgetExceeded], tuple[int, int, int | None]]:
+        return type(self), (self.peak, self.budget, self.projected)
+
+
+class Growth:
+    """How fast the tree's memory grows in a sustained way, over the last ``window`` s.
+
+    The samples are split in two halves of time, and the rate is the smaller of the
+    two halves' rates: a steady leak grows in both, while a one-off burst (a worker
+    allocating its buffers once, a queue filling) grows in one only and counts as none.
+
+    Args:
+        window (float): seconds of samples kept.
+        min_span (float): seconds of samples needed before a rate is given.
+    """
+
+    def __init__(self, *, window: float, min_span: float) -> None:
+        self.window = window
+        self.min_span = min_span
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, when: float, used: int) -> None:
+        self._samples.append((when, used))
+        while self._samples and when - self._samples[0][0] > self.window:
+            self._samples.popleft()
+
+    def reset(self) -> None:
+        self._samples.clear()
+
+    def rate(self) -> float | None:
+        """Bytes per second, or ``None`` until the samples span ``min_span``."""
+        if len(self._samples) < 3:
+            return None
+        (first, start), (last, end) = self._samples[0], self._samples[-1]
+        if last - first < self.min_span:
+            return None
+        middle = (first + last) / 2
+        when, used = min(list(self._samples)[1:-1], key=lambda s: abs(s[0] - middle))
+        return min((used - start) / (when - first), (end - used) / (last - when))
 
 
 class MemoryWatch:
     """Samples the process tree's memory on a thread and records its peak.
 
-    When the tree passes ``budget``, the watch marks itself exceeded and SIGKILLs the
-    processes that were not children at :meth:`start` (the trial's workers). Killing
-    them frees the memory at once and unblocks a main thread stuck waiting for a batch:
-    the DataLoader then raises, and the trial runner reports the budget as the cause.
+    When the tree passes ``budget``, or grows fast enough to pass it before ``ends_at``
+    (see ``NOTE [ Growth projection ]``), the watch marks itself exceeded and SIGKILLs
+    the processes that were not children at :meth:`start` (the trial's workers).
+    Killing them frees the memory at once and unblocks a main thread stuck waiting for a
+    batch: the DataLoader then raises, and the trial runner reports the budget as the
+    cause.
 
     Args:
         budget (int): bytes the whole tree may use.
         interval (float, optional): seconds between samples. (default: ``0.1``)
+        ends_at (float, optional): ``time.monotonic()`` time the trial ends, to which
+            growth is projected; ``None`` disables the projection. (default: ``None``)
     """
 
     # NOTE [ Cheap memory sampling ]
@@ -210,10 +271,28 @@ class MemoryWatch:
     _CALIBRATION_DUTY = 0.05
     _CHILDREN_REFRESH = 0.5
 
-    def __init__(self, budget: int, *, interval: float = 0.1) -> None:
+    # NOTE [ Growth projection ]
+    # Sampling every 100 ms cannot stop a tree that allocates faster than the head-room
+    # left in 100 ms, and the kernel's OOM killer does not wait for the next sample. A
+    # tree that grows steadily (a leak, copy-on-read of Python objects in forked
+    # workers, a cache without a bound) shows it long before: the watch measures the
+    # growth rate over the last _GROWTH_WINDOW seconds and projects it to the trial's
+    # end. When the projection passes the budget on _CONFIRMATIONS samples in a row,
+    # the exact PSS is read and, if it still projects over, the trial is stopped there,
+    # under the budget. Training runs longer than a trial, so a setting stopped this way
+    # would have passed the budget in training too. The rate is measured afresh
+    # whenever the set of processes changes, and only over _MIN_GROWTH_SPAN seconds or
+    # more: workers starting, and queues filling once, are bursts that then stop.
+    _GROWTH_WINDOW = 2.0
+    _MIN_GROWTH_SPAN = 1.0
+    _CONFIRMATIONS = 3
+
+    def __init__(self, budget: int, *, interval: float = 0.1, ends_at: float | None = None) -> None:
         self.budget = budget
         self.interval = interval
+        self.ends_at = ends_at
         self.peak = 0
+        self.projected: int | None = None
         self._process = psutil.Process()
         self._exceeded = threading.Event()
         self._reported = False
@@ -226,6 +305,8 @@ class MemoryWatch:
         self._rss_at_exact = 0
         self._exact_at = -math.inf
         self._exact_every = 0.0
+        self._growth = Growth(window=self._GROWTH_WINDOW, min_span=self._MIN_GROWTH_SPAN)
+        self._over_projections = 0
 
     @property
     def exceeded(self) -> bool:
@@ -263,12 +344,43 @@ class MemoryWatch:
             used = self._exact + max(0, rss - self._rss_at_exact)
             if used > self.budget:
                 used = self._calibrate(rss)
+        if changed:
+            self._growth.reset()
+        self._growth.add(now, used)
         self.peak = max(self.peak, used)
-        if used > self.budget and not self._exceeded.is_set():
-            self._exceeded.set()
-            _logger.info("memory budget exceeded (%s); stopping the trial", format_bytes(used))
-            kill(self.new_children())
+        if self._exceeded.is_set():
+            return used
+        if used > self.budget:
+            self._stop_trial(f"memory budget exceeded ({format_bytes(used)})")
+        elif self._projects_over(now, used, rss):
+            self._stop_trial(f"memory projected to reach {format_bytes(self.projected or 0)}")
         return used
+
+    def _projects_over(self, now: float, used: int, rss: int) -> bool:
+        """Whether growth at the current rate passes the budget by ``ends_at``."""
+        rate = self._growth.rate()
+        if self.ends_at is None or rate is None or rate <= 0:
+            self._over_projections = 0
+            return False
+        left = max(0.0, self.ends_at - now)
+        if used + rate * left <= self.budget:
+            self._over_projections = 0
+            return False
+        self._over_projections += 1
+        if self._over_projections < self._CONFIRMATIONS:
+            return False
+        exact = self._calibrate(rss)
+        self.peak = max(self.peak, exact)
+        projected = exact + rate * left
+        if projected <= self.budget:
+            return False
+        self.projected = int(projected)
+        return True
+
+    def _stop_trial(self, why: str) -> None:
+        self._exceeded.set()
+        _logger.info("%s; stopping the trial", why)
+        kill(self.new_children())
 
     def _calibrate(self, rss: int) -> int:
         started = time.monotonic()
@@ -289,7 +401,11 @@ class MemoryWatch:
         if not self._exceeded.is_set() or self._reported:
             return None
         self._reported = True
-        return MemoryBudgetExceeded(self.peak, self.budget)
+        return self.error()
+
+    def error(self) -> MemoryBudgetExceeded:
+        """The error that says how the tree passed, or was to pass, the budget."""
+        return MemoryBudgetExceeded(self.peak, self.budget, self.projected)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -15,6 +15,7 @@ from autoloader._search_space import normalize_params
 
 from .workloads import (
     FailingDataset,
+    LeakingDataset,
     MemoryHogDataset,
     SleepDataset,
     failing_step,
@@ -101,6 +102,24 @@ def test_workers_over_the_memory_budget_are_stopped() -> None:
         runner.measure(_params(4, persistent_workers=True), max_seconds=20)
     assert info.value.peak > budget
     assert info.value.budget == budget
+
+
+def test_a_steady_leak_is_stopped_under_the_budget_by_its_projection() -> None:
+    # 2 workers x 500 items/s x 128 KiB: the tree grows by about 128 MiB/s, and would
+    # pass a budget 600 MiB above its start after about 5 s of a 10 s trial.
+    budget = tree_memory() + 600 * 1024**2
+    runner = _runner(
+        LeakingDataset(128 * 1024),
+        noop_step,
+        memory_budget=budget,
+        target_relative_error=0.0,  # measure until the cap
+    )
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        runner.measure(_params(2), max_seconds=10)
+    assert info.value.projected is not None
+    assert info.value.projected > budget
+    assert info.value.peak < budget
+    assert "would reach" in str(info.value)
 
 
 def test_batches_go_to_the_device_and_it_is_synchronised_at_window_edges() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from autoloader import InvalidInputError
 from autoloader._memory import (
+    Growth,
     MemoryBudgetExceeded,
     MemoryWatch,
     available_memory,
@@ -159,3 +160,35 @@ def test_watch_under_budget_records_peak_and_kills_nothing() -> None:
     assert not watch.exceeded
     assert watch.peak >= 100 * 1024**2
     watch.check()
+
+
+def test_growth_is_the_slower_half_of_the_window() -> None:
+    growth = Growth(window=2.0, min_span=1.0)
+    for tenth in range(6):
+        growth.add(tenth / 10, 100 * tenth)
+    assert growth.rate() is None  # 0.5 s of samples: too short to tell
+    for tenth in range(6, 21):
+        growth.add(tenth / 10, 100 * tenth)
+    assert growth.rate() == pytest.approx(1000.0)
+    growth.add(2.5, 3000)  # the window slides: samples older than 0.5 s are gone
+    assert growth.rate() == pytest.approx(1000.0, rel=0.5)
+
+
+def test_a_burst_is_not_growth() -> None:
+    growth = Growth(window=2.0, min_span=1.0)
+    for tenth in range(21):
+        growth.add(tenth / 10, 0 if tenth < 3 else 10**9)  # one allocation, then flat
+    assert growth.rate() == pytest.approx(0.0)
+    growth.reset()
+    assert growth.rate() is None
+
+
+def test_watch_under_budget_with_a_flat_tree_is_not_stopped_by_projection() -> None:
+    budget = tree_memory() + 300 * 1024**2
+    with MemoryWatch(budget, interval=0.05, ends_at=time.monotonic() + 60) as watch:
+        child = _hog(200)  # allocates once, then holds
+        time.sleep(2.5)  # past the growth window
+        child.kill()
+        child.wait()
+    assert not watch.exceeded
+    assert watch.projected is None

@@ -164,3 +164,17 @@ def _fault(fault: str) -> None:
 
 def hanging_step(batch: object) -> None:
     time.sleep(3600)
+
+
+class LeakingDataset(SleepDataset):
+    """Each worker keeps ``leak_bytes`` of fresh memory per item it reads: a steady leak."""
+
+    def __init__(self, leak_bytes: int, length: int = 100_000) -> None:
+        super().__init__(length, latency=0.002)
+        self.leak_bytes = leak_bytes
+        self._kept: list[torch.Tensor] = []
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if get_worker_info() is not None:
+            self._kept.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32))
+        return super().__getitem__(index)
