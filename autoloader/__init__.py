@@ -16,6 +16,7 @@ from autoloader._exceptions import (
     BaselineError,
     EnvironmentMismatchWarning,
     InvalidInputError,
+    IsolationError,
     ResultFileError,
     UnpicklableError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "Environment",
     "EnvironmentMismatchWarning",
     "InvalidInputError",
+    "IsolationError",
     "ResultFileError",
     "SearchSpace",
     "TrialRecord",

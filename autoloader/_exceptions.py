@@ -9,6 +9,8 @@ The tree::
     │                                           collate_fn or step_fn is broken, not a setting
     ├── AllSettingsFailedError                  every setting with workers failed: the
     │                                           pipeline does not run in worker processes
+    ├── IsolationError                          under isolation="subprocess", a trial's
+    │                                           process could not start or load its work
     └── ResultFileError                         a saved result cannot be read back
 
     EnvironmentMismatchWarning (a UserWarning)  a loaded result was measured elsewhere
@@ -41,6 +43,14 @@ class AllSettingsFailedError(AutoloaderError):
 
     The fault is in running the pipeline in worker processes, not in one setting, so
     the run stops instead of spending its budget on more failures.
+    """
+
+
+class IsolationError(AutoloaderError):
+    """Under ``isolation="subprocess"``, a trial's process died before it could run.
+
+    Nothing about a setting was learnt: the process could not start (a script without
+    an ``if __name__ == "__main__":`` guard) or load what it was sent.
     """
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._measure import TrialError, TrialTimeout, exception_chain
+from autoloader._measure import TrialError, TrialProcessDied, TrialTimeout, exception_chain
 from autoloader._memory import format_bytes, is_oom_error
 
 _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
@@ -37,7 +37,10 @@ class Fault:
 
 
 def _signal_of(error: TrialError) -> str | None:
-    """The signal that killed a worker: from its exit code, else from torch's message."""
+    """The signal that killed a worker (or the trial's process): from its exit code,
+    else from torch's message."""
+    if isinstance(error.error, TrialProcessDied) and error.error.exit_code < 0:
+        return signal.Signals(-error.error.exit_code).name
     if error.worker_signals:
         return signal.Signals(error.worker_signals[0]).name
     for link in exception_chain(error.error):
@@ -99,17 +102,22 @@ def classify(
     if is_oom_error(cause):
         return Fault("pruned", f"memory: {error.summary}")
     name = _signal_of(error)
+    who = "the trial's process" if isinstance(cause, TrialProcessDied) else "a worker"
     if name == "SIGKILL":
         return Fault(
             "pruned",
-            "killed: a worker was killed (SIGKILL), likely by the kernel's OOM killer; "
+            f"killed: {who} was killed (SIGKILL), likely by the kernel's OOM killer; "
             "use fewer workers or a smaller prefetch_factor, or set memory_budget",
         )
     if name == "SIGBUS" or _has_errno(cause, errno.ENOSPC, "No space left on device"):
-        what = "a worker crashed (SIGBUS)" if name == "SIGBUS" else error.summary
+        what = f"{who} crashed (SIGBUS)" if name == "SIGBUS" else error.summary
         return Fault("failed", f"shared memory: {what}. {_shm_advice(params, batch_bytes)}")
     if _has_errno(cause, errno.EMFILE, "Too many open files"):
         return Fault("failed", f"too many open files: {error.summary}; {_open_files_advice()}")
+    if isinstance(cause, TrialProcessDied):
+        if name is not None:
+            return Fault("failed", f"trial process crashed ({name}) with this setting")
+        return Fault("failed", f"trial process exited with code {cause.exit_code}")
     if name is not None:
         return Fault("failed", f"worker crashed ({name})")
     if error.worker_exit_codes:

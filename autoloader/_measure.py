@@ -7,7 +7,9 @@ in, so the same measurement can run in another process or on every rank of a job
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import pickle
 import re
 import signal
 import statistics
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -102,6 +104,57 @@ class TrialError(Exception):
         self.worker_exit_codes: tuple[int, ...] = ()
         super().__init__(f"{self.summary} while {stage}")
 
+    def __reduce__(self) -> tuple[Callable[..., TrialError], tuple[Any, ...]]:
+        # Sent from a trial's own process (isolation="subprocess"): pickling keeps
+        # neither tracebacks nor causes, so the summary and the chain of causes, which
+        # the fault classifier reads, are sent as they are.
+        return _restore_trial_error, (
+            self.stage,
+            portable_chain(self.error),
+            self.peak_memory,
+            self.summary,
+            self.where,
+            self.worker_signals,
+            self.worker_exit_codes,
+        )
+
+
+class RemoteError(Exception):
+    """Stands for an exception from a trial's process that could not be sent as itself."""
+
+
+def portable_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes, each as itself if it survives pickling, else a stand-in."""
+    links: list[BaseException] = []
+    for link in exception_chain(error):
+        try:
+            links.append(pickle.loads(pickle.dumps(link)))
+        except Exception:  # an exception whose __init__ does not take its own args
+            links.append(RemoteError(f"{type(link).__qualname__}: {link}"))
+    return links
+
+
+def restore_chain(links: list[BaseException]) -> BaseException:
+    """The first of ``links``, with each one the ``__cause__`` of the one before."""
+    for link, cause in itertools.pairwise(links):
+        link.__cause__ = cause
+    return links[0]
+
+
+def _restore_trial_error(
+    stage: str,
+    chain: list[BaseException],
+    peak_memory: int,
+    summary: str,
+    where: str,
+    worker_signals: tuple[int, ...],
+    worker_exit_codes: tuple[int, ...],
+) -> TrialError:
+    error = TrialError(stage, restore_chain(chain), peak_memory)
+    error.summary, error.where = summary, where
+    error.worker_signals, error.worker_exit_codes = worker_signals, worker_exit_codes
+    return error
+
 
 class TrialTimeout(Exception):
     """One step of the loop (loading a batch, or step_fn) overran its deadline."""
@@ -110,6 +163,29 @@ class TrialTimeout(Exception):
         super().__init__(f"no progress for {seconds:.0f} s while {stage}")
         self.stage = stage
         self.seconds = seconds
+
+    def __reduce__(self) -> tuple[type[TrialTimeout], tuple[str, float]]:
+        return type(self), (self.stage, self.seconds)
+
+
+class TrialProcessDied(Exception):
+    """The process running the trial died (``isolation="subprocess"``).
+
+    Attributes:
+        exit_code: its exit code; negative for the signal that killed it.
+    """
+
+    def __init__(self, exit_code: int) -> None:
+        how = (
+            f"was killed by {signal.Signals(-exit_code).name}"
+            if exit_code < 0
+            else f"exited with code {exit_code}"
+        )
+        super().__init__(f"the trial's process {how}")
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[type[TrialProcessDied], tuple[int]]:
+        return type(self), (self.exit_code,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +272,21 @@ def describe_error(error: BaseException) -> tuple[str, str]:
 
 
 WindowCallback = Callable[[int, Measurement], None]
+
+
+class Runner(Protocol):
+    """Measures one setting at a time: in this process, or each in a process of its own."""
+
+    batch_size: int
+
+    def measure(
+        self,
+        params: Mapping[str, Any],
+        *,
+        max_seconds: float,
+        on_window: WindowCallback | None = None,
+        deadlines: Deadlines | None = None,
+    ) -> Measurement: ...
 
 
 @dataclass(slots=True)

@@ -124,7 +124,8 @@ def available_memory(*, cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return available
 
 
-def _process_memory(process: psutil.Process) -> int:
+def process_memory(process: psutil.Process) -> int:
+    """PSS in bytes of one process (RSS where PSS cannot be read)."""
     try:
         return int(process.memory_full_info().pss)
     except (psutil.AccessDenied, AttributeError):
@@ -137,7 +138,7 @@ def tree_memory(root: psutil.Process | None = None) -> int:
     total = 0
     for process in (root, *root.children(recursive=True)):
         try:
-            total += _process_memory(process)
+            total += process_memory(process)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue  # exited while we were reading: it no longer holds memory
     return total

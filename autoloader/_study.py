@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader._faults import classify
-from autoloader._measure import Deadlines, Measurement, TrialError, TrialRunner
+from autoloader._measure import Deadlines, Measurement, Runner, TrialError
 from autoloader._memory import MemoryBudgetExceeded
 from autoloader._report import describe
 from autoloader._result import TrialRecord
@@ -123,7 +123,7 @@ class Search:
         on_trial: called after each trial with its record.
     """
 
-    runner: TrialRunner
+    runner: Runner
     space: SearchSpace
     study: optuna.Study
     batches_per_epoch: int | None

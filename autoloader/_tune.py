@@ -18,7 +18,8 @@ from torch.utils.data import Dataset
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError
-from autoloader._measure import TrialRunner
+from autoloader._isolation import SubprocessRunner
+from autoloader._measure import Runner, TrialRunner
 from autoloader._memory import default_memory_budget, format_bytes, parse_bytes, tree_memory
 from autoloader._progress import Progress
 from autoloader._pruner import ClearlyWorsePruner
@@ -28,6 +29,7 @@ from autoloader._study import Search
 from autoloader._validation import (
     check_batch_size,
     check_dataset,
+    check_isolation,
     check_loader_kwargs,
     check_n_trials,
     check_picklable,
@@ -58,6 +60,7 @@ def tune(
     seed: int = 0,
     storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None = None,
     show_progress: bool = True,
+    isolation: str = "in-process",
 ) -> TuneResult:
     """Find the fastest DataLoader settings for ``dataset`` and ``step_fn`` on this machine.
 
@@ -95,6 +98,15 @@ def tune(
             shared RDB. ``None`` keeps it in memory. (default: ``None``)
         show_progress (bool, optional): a progress bar on stderr when it is a terminal.
             (default: ``True``)
+        isolation (str, optional): where trials run. ``"in-process"`` runs them here,
+            under a watchdog that kills a trial's workers when it passes the memory
+            budget or hangs; a ``step_fn`` holding a model on an accelerator keeps it.
+            ``"subprocess"`` runs each trial in a freshly spawned process (about 2 s
+            more per trial, to import torch and load the dataset), so that even a crash
+            of the trial's main process (native code, the OOM killer) is recorded and
+            the run goes on; the dataset, step_fn and loader_kwargs must pickle, and a
+            script must guard its entry point with ``if __name__ == "__main__":``.
+            (default: ``"in-process"``)
 
     Returns:
         TuneResult: the tuned settings, throughput against the baseline, and every trial.
@@ -102,7 +114,10 @@ def tune(
     Raises:
         InvalidInputError: an argument is wrong; raised before any trial runs.
         UnpicklableError: the start method pickles the dataset or collate_fn into
-            workers, and it does not pickle.
+            workers, or ``isolation="subprocess"`` sends them and the step_fn to each
+            trial's process, and they do not pickle.
+        IsolationError: under ``isolation="subprocess"``, the first trial's process
+            died before it could load the dataset.
         BaselineError: the ``num_workers=0`` baseline failed.
         AllSettingsFailedError: every setting with workers failed.
         KeyboardInterrupt: Ctrl-C before the baseline finished. Later, Ctrl-C stops the
@@ -141,6 +156,9 @@ def tune(
         },
         start_method(fixed, environment.start_method),
     )
+    isolation = check_isolation(
+        isolation, {"dataset": dataset, "step_fn": step_fn, "loader_kwargs": fixed}
+    )
     memory_bytes = _memory_budget(memory_budget)
     space, notes = space.resolve(
         usable_cpus=environment.usable_cpus,
@@ -154,7 +172,7 @@ def tune(
         format_bytes(memory_bytes),
         space.as_dict(),
     )
-    runner = TrialRunner(
+    in_process = TrialRunner(
         dataset,
         step_fn,
         batch_size=batch_size,
@@ -162,6 +180,7 @@ def tune(
         fixed_kwargs=fixed,
         device=resolved_device,
     )
+    runner: Runner = SubprocessRunner(in_process) if isolation == "subprocess" else in_process
     with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
         study = optuna.create_study(
             storage=study_storage,

@@ -206,6 +206,42 @@ def check_picklable(objects: Mapping[str, object], method: str) -> None:
     """
     if method not in _PICKLING_START_METHODS:
         return
+    _check_pickles(
+        objects,
+        lambda name: f"the {method!r} start method pickles {name} into every worker",
+        "Replace lambdas and local functions with module-level ones, open files and "
+        "connections lazily in the worker, or pass "
+        "loader_kwargs={'multiprocessing_context': 'fork'}.",
+    )
+
+
+ISOLATIONS = ("in-process", "subprocess")
+
+
+def check_isolation(isolation: object, objects: Mapping[str, object]) -> str:
+    """Return ``isolation``; under "subprocess", check that every object pickles.
+
+    Raises:
+        InvalidInputError: an unknown isolation.
+        UnpicklableError: naming the innermost attribute that fails to pickle.
+    """
+    if isolation not in ISOLATIONS:
+        raise InvalidInputError(
+            f"isolation must be one of {', '.join(map(repr, ISOLATIONS))}, but got {isolation!r}."
+        )
+    if isolation == "subprocess":
+        _check_pickles(
+            objects,
+            lambda name: f"isolation='subprocess' sends {name} to each trial's process",
+            "Replace lambdas and local functions with module-level ones, open files and "
+            "connections lazily, or keep the default isolation='in-process'.",
+        )
+    return str(isolation)
+
+
+def _check_pickles(
+    objects: Mapping[str, object], because: Callable[[str], str], advice: str
+) -> None:
     for name, obj in objects.items():
         if obj is None:
             continue
@@ -213,10 +249,7 @@ def check_picklable(objects: Mapping[str, object], method: str) -> None:
         if culprit is not None:
             path, error = culprit
             raise UnpicklableError(
-                f"{path} cannot be pickled ({error}), but the {method!r} start method "
-                f"pickles {name} into every worker. Replace lambdas and local functions "
-                "with module-level ones, open files and connections lazily in the worker, "
-                "or pass loader_kwargs={'multiprocessing_context': 'fork'}."
+                f"{path} cannot be pickled ({error}), but {because(name)}. {advice}"
             )
 
 

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import multiprocessing.resource_tracker
 import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
+
+# Spawning a process (isolation="subprocess", the spawn start method) starts the
+# standard library's resource tracker once, for the rest of the test session: it is not
+# something a test left behind.
+multiprocessing.resource_tracker.ensure_running()
 
 
 @pytest.fixture(autouse=True)

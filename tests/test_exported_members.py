@@ -9,6 +9,7 @@ def test_public_names_change_only_on_purpose() -> None:
         "Environment",
         "EnvironmentMismatchWarning",
         "InvalidInputError",
+        "IsolationError",
         "ResultFileError",
         "SearchSpace",
         "TrialRecord",
@@ -27,6 +28,7 @@ def test_errors_share_one_root() -> None:
         "AllSettingsFailedError",
         "BaselineError",
         "InvalidInputError",
+        "IsolationError",
         "ResultFileError",
         "UnpicklableError",
     ):

@@ -178,3 +178,42 @@ class LeakingDataset(SleepDataset):
         if get_worker_info() is not None:
             self._kept.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32))
         return super().__getitem__(index)
+
+
+class StepWithFault:
+    """A step that meets ``fault`` (see ``_fault``) in the trial's own main process,
+    once the loader runs at least ``from_workers`` workers; below that it does nothing.
+
+    "blocked-hang" hangs with SIGALRM blocked: the trial's own deadline cannot break it.
+    """
+
+    def __init__(self, fault: str, from_workers: int = 1) -> None:
+        self.fault = fault
+        self.from_workers = from_workers
+
+    def __call__(self, batch: object) -> None:
+        import multiprocessing
+        import signal
+
+        if len(multiprocessing.active_children()) < self.from_workers:
+            return
+        if self.fault == "blocked-hang":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            time.sleep(3600)
+        _fault(self.fault)
+
+
+class UnloadableDataset(SleepDataset):
+    """Pickles, but raises when unpickled: a class that only the tuning process knows."""
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        raise AttributeError("Can't get attribute 'NotebookDataset' on <module '__main__'>")
+
+
+class ExitOnLoadDataset(SleepDataset):
+    """Its process exits while unpickling it, as a script without a __main__ guard does."""
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        import os
+
+        os._exit(1)

@@ -1,0 +1,313 @@
+"""Each trial in a fresh process of its own (``isolation="subprocess"``).
+
+The tuning process spawns one process per trial. That process loads the dataset,
+step_fn and loader options from their pickles, measures the one setting with a
+:class:`~autoloader._measure.TrialRunner` (its own memory watch and deadlines included)
+and sends the outcome back through a pipe. Whatever the trial does to its process
+(a crash in native code, the OOM killer, a hang that signals cannot break), the tuning
+process sees only a pipe that closes or stays silent, records why, and goes on.
+
+The trial's process leads a process group of its own: its DataLoader workers belong to
+it, so the whole trial is killed with one signal even after its leader died, and
+Ctrl-C in a terminal reaches only the tuning process, which then ends the trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import psutil
+
+from autoloader._exceptions import IsolationError, UnpicklableError
+from autoloader._measure import (
+    Deadlines,
+    Measurement,
+    TrialError,
+    TrialProcessDied,
+    TrialRunner,
+    TrialTimeout,
+    WindowCallback,
+    portable_chain,
+    restore_chain,
+)
+from autoloader._memory import MemoryBudgetExceeded, process_memory
+
+# Seconds a new trial process may take to import torch and load the dataset (about 2 s
+# on a 2-core machine, mostly importing torch).
+_START_TIMEOUT = 120.0
+# Beyond the trial's own deadlines, how long the tuning process waits for news from a
+# trial process before killing it as hung: only a hang the trial's own alarm cannot
+# break (native code that blocks signals) gets this far.
+_SILENCE_MARGIN = 5.0
+# Seconds a trial process gets to stop its workers and exit once its trial is over.
+_EXIT_GRACE = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    params: dict[str, Any]
+    max_seconds: float
+    deadlines: Deadlines | None
+    memory_budget: int
+
+
+class _Stop(Exception):
+    """The tuning process asked the trial to stop (it was pruned)."""
+
+
+class SubprocessRunner:
+    """Measures each setting in a freshly spawned process, like ``runner`` would here.
+
+    Args:
+        runner (TrialRunner): the in-process runner whose dataset, step_fn, options
+            and memory budget each trial process rebuilds.
+
+    Raises:
+        UnpicklableError: the dataset, step_fn or a loader option cannot be pickled.
+    """
+
+    def __init__(self, runner: TrialRunner) -> None:
+        self.batch_size = runner.batch_size
+        self.memory_budget = runner.memory_budget
+        self._settings = {
+            "batch_size": runner.batch_size,
+            "device": runner.device,
+            "target_relative_error": runner.target_relative_error,
+            "min_windows": runner.min_windows,
+            "min_window_seconds": runner.min_window_seconds,
+        }
+        parts = {
+            "dataset": runner.dataset,
+            "step_fn": runner.step_fn,
+            "loader_kwargs": runner.fixed_kwargs,
+        }
+        self._parts: dict[str, bytes] = {}
+        for name, obj in parts.items():
+            try:
+                self._parts[name] = bytes(ForkingPickler.dumps(obj))
+            except Exception as error:
+                raise UnpicklableError(
+                    f"{name} cannot be pickled ({type(error).__name__}: {error}), but "
+                    "isolation='subprocess' sends it to each trial's process."
+                ) from error
+        self._context = multiprocessing.get_context("spawn")
+
+    def measure(
+        self,
+        params: Mapping[str, Any],
+        *,
+        max_seconds: float,
+        on_window: WindowCallback | None = None,
+        deadlines: Deadlines | None = None,
+    ) -> Measurement:
+        """Measure ``params`` in a new process; see :meth:`TrialRunner.measure`.
+
+        Raises:
+            MemoryBudgetExceeded: the tree (this process and the trial's) passed the
+                budget.
+            TrialError: user code raised or hung, a worker died, or the trial's process
+                died (:class:`TrialProcessDied`) or stopped answering.
+            UnpicklableError: the trial's process could not load what it was sent.
+            IsolationError: the trial's process died before it could run the trial.
+        """
+        own = process_memory(psutil.Process())
+        request = _Request(
+            params=dict(params),
+            max_seconds=max_seconds,
+            deadlines=deadlines,
+            memory_budget=max(1, self.memory_budget - own),
+        )
+        ours, theirs = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=_trial_process,
+            args=(theirs, self._parts, self._settings, request),
+            name="autoloader-trial",
+        )
+        process.start()
+        theirs.close()
+        outcome: tuple[Any, ...] = ("interrupted",)
+        try:
+            outcome = self._converse(ours, process, request, on_window, own)
+        finally:
+            _end(process, graceful=outcome[0] not in ("interrupted", "silent"))
+            ours.close()
+        return self._result(outcome, own)
+
+    def _converse(
+        self,
+        connection: Connection,
+        process: multiprocessing.process.BaseProcess,
+        request: _Request,
+        on_window: WindowCallback | None,
+        own: int,
+    ) -> tuple[Any, ...]:
+        """Relay the trial's windows to ``on_window`` until its outcome arrives."""
+        give_up = time.monotonic() + _START_TIMEOUT
+        started = False
+        while True:
+            message = _receive(connection, process, give_up)
+            if message is None:
+                if not started:
+                    raise IsolationError(
+                        f"A trial's process {_death(process)} before it could load the "
+                        "dataset. Under isolation='subprocess' the script that calls "
+                        "tune() must guard it with `if __name__ == '__main__':`, and "
+                        "every class and function it sends must be importable from a "
+                        "module; see the trial process's own output above."
+                    )
+                if process.exitcode is not None:
+                    return ("died", TrialProcessDied(process.exitcode))
+                silence = _silence_limit(request)
+                return ("silent", TrialTimeout("waiting for the trial's process", silence))
+            kind = message[0]
+            if kind == "ready":
+                started = True
+                give_up = time.monotonic() + _silence_limit(request)
+            elif kind == "window":
+                _, step, measurement = message
+                try:
+                    if on_window is not None:
+                        on_window(step, _with_memory(measurement, own))
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        connection.send(True)  # stop: its workers are shut down in order
+                    raise
+                connection.send(False)
+                give_up = time.monotonic() + _silence_limit(request)
+            else:
+                return tuple(message)
+
+    def _result(self, outcome: tuple[Any, ...], own: int) -> Measurement:
+        kind = outcome[0]
+        if kind == "done":
+            return _with_memory(outcome[1], own)
+        if kind == "memory":
+            error: MemoryBudgetExceeded = outcome[1]
+            projected = None if error.projected is None else error.projected + own
+            raise MemoryBudgetExceeded(error.peak + own, self.memory_budget, projected)
+        if kind == "trial_error":
+            trial_error: TrialError = outcome[1]
+            trial_error.peak_memory += own
+            raise trial_error
+        if kind == "unloadable":
+            _, name, reason = outcome
+            raise UnpicklableError(
+                f"{name} was pickled but a trial's process cannot load it ({reason}). "
+                "Define its classes and functions in an importable module, not in "
+                "__main__ of a notebook or an interactive session."
+            )
+        if kind == "error":
+            raise restore_chain(outcome[1])
+        # "died" or "silent": the process itself failed, whatever the trial did.
+        raise TrialError("running the trial", outcome[1], own)
+
+
+def _silence_limit(request: _Request) -> float:
+    """How long a running trial may stay silent: its whole length plus its deadlines."""
+    deadlines = request.deadlines or Deadlines(first=_START_TIMEOUT, each=_START_TIMEOUT)
+    return request.max_seconds + deadlines.first + deadlines.each + _SILENCE_MARGIN
+
+
+def _receive(
+    connection: Connection, process: multiprocessing.process.BaseProcess, give_up: float
+) -> tuple[Any, ...] | None:
+    """The next message, or ``None`` if the process died or ``give_up`` passed first."""
+    ready = wait([connection, process.sentinel], timeout=max(0.0, give_up - time.monotonic()))
+    if connection in ready or (ready and connection.poll()):
+        try:
+            message: tuple[Any, ...] = connection.recv()
+            return message
+        except (EOFError, OSError):
+            pass
+    if process.sentinel in ready or process.exitcode is not None:
+        process.join()
+    return None
+
+
+def _death(process: multiprocessing.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is None:
+        return "stopped answering"
+    return str(TrialProcessDied(code)).removeprefix("the trial's process ")
+
+
+def _with_memory(measurement: Measurement, own: int) -> Measurement:
+    """The measurement with this process's memory added: the tree the budget is for."""
+    return dataclasses.replace(measurement, peak_memory=measurement.peak_memory + own)
+
+
+def _end(process: multiprocessing.process.BaseProcess, *, graceful: bool) -> None:
+    """Make sure the trial's process and every worker it started are gone.
+
+    Its group is killed before the process is reaped: until then its pid, and so the
+    group id, cannot be reused by an unrelated process.
+    """
+    if graceful:
+        process.join(_EXIT_GRACE)
+    if process.pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.join()
+
+
+def _trial_process(
+    connection: Connection,
+    parts: Mapping[str, bytes],
+    settings: Mapping[str, Any],
+    request: _Request,
+) -> None:
+    """The entry point of a trial's process: load, measure, send the outcome."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuning process's to act on
+    try:
+        loaded: dict[str, Any] = {}
+        for name, data in parts.items():
+            try:
+                loaded[name] = pickle.loads(data)
+            except Exception as error:
+                connection.send(("unloadable", name, f"{type(error).__name__}: {error}"))
+                return
+        runner = TrialRunner(
+            loaded["dataset"],
+            loaded["step_fn"],
+            fixed_kwargs=loaded["loader_kwargs"],
+            memory_budget=request.memory_budget,
+            **settings,
+        )
+        connection.send(("ready",))
+
+        def on_window(step: int, measurement: Measurement) -> None:
+            connection.send(("window", step, measurement))
+            if connection.recv():
+                raise _Stop
+
+        try:
+            measurement = runner.measure(
+                request.params,
+                max_seconds=request.max_seconds,
+                on_window=on_window,
+                deadlines=request.deadlines,
+            )
+        except _Stop:
+            connection.send(("stopped",))
+        except MemoryBudgetExceeded as error:
+            connection.send(("memory", error))
+        except TrialError as error:
+            connection.send(("trial_error", error))
+        except Exception as error:
+            connection.send(("error", portable_chain(error)))
+        else:
+            connection.send(("done", measurement))
+    finally:
+        connection.close()

@@ -1,0 +1,164 @@
+"""isolation="subprocess": each trial in a process of its own, whatever it does to it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import optuna
+import psutil
+import pytest
+
+import autoloader
+from autoloader import InvalidInputError, IsolationError, UnpicklableError
+from autoloader._faults import classify
+from autoloader._isolation import SubprocessRunner
+from autoloader._measure import (
+    Deadlines,
+    Measurement,
+    TrialError,
+    TrialProcessDied,
+    TrialRunner,
+    TrialTimeout,
+)
+from autoloader._memory import MemoryBudgetExceeded, process_memory, tree_memory
+from autoloader._search_space import normalize_params
+
+from .workloads import (
+    CountingDataset,
+    ExitOnLoadDataset,
+    FailsInWorkersDataset,
+    MemoryHogDataset,
+    SleepDataset,
+    StepWithFault,
+    UnloadableDataset,
+    noop_step,
+    sleep_step,
+)
+
+GENEROUS = Deadlines(first=20, each=20)
+
+
+def _params(workers: int) -> dict[str, Any]:
+    return normalize_params({"num_workers": workers, "prefetch_factor": 2})
+
+
+def _isolated(dataset: Any, step: Any = noop_step, **kwargs: Any) -> SubprocessRunner:
+    kwargs.setdefault("memory_budget", tree_memory() + 4 * 1024**3)
+    return SubprocessRunner(TrialRunner(dataset, step, batch_size=2, **kwargs))
+
+
+def test_a_trial_in_its_own_process_is_measured_and_relayed_window_by_window() -> None:
+    windows: list[tuple[int, Measurement]] = []
+    m = _isolated(SleepDataset(2048), sleep_step).measure(
+        _params(2), max_seconds=1.5, on_window=lambda n, m: windows.append((n, m))
+    )
+    assert m.samples_per_second > 0 and m.batches > 0
+    assert [n for n, _ in windows] == list(range(1, len(windows) + 1))
+    # The tree the budget is for: this process and the trial's.
+    assert m.peak_memory > process_memory(psutil.Process())
+
+
+@pytest.mark.parametrize(
+    ("fault", "state", "reason"),
+    [
+        ("SIGSEGV", "failed", r"^trial process crashed \(SIGSEGV\) with this setting$"),
+        ("exit", "failed", r"^trial process exited with code 3$"),
+        (
+            "SIGKILL",
+            "pruned",
+            r"^killed: the trial's process was killed \(SIGKILL\), likely by the kernel's "
+            r"OOM killer",
+        ),
+    ],
+)
+def test_the_death_of_the_trial_process_is_recorded(fault: str, state: str, reason: str) -> None:
+    with pytest.raises(TrialError) as info:
+        _isolated(SleepDataset(512), StepWithFault(fault)).measure(
+            _params(2), max_seconds=5, deadlines=GENEROUS
+        )
+    assert isinstance(info.value.error, TrialProcessDied)
+    fault_ = classify(info.value, params=_params(2))
+    assert fault_.state == state
+    assert re.search(reason, fault_.reason), fault_.reason
+
+
+def test_a_hang_the_trial_cannot_break_is_killed_from_outside() -> None:
+    with pytest.raises(TrialError) as info:
+        _isolated(SleepDataset(512), StepWithFault("blocked-hang")).measure(
+            _params(1), max_seconds=0.5, deadlines=Deadlines(first=3, each=0.5)
+        )
+    assert isinstance(info.value.error, TrialTimeout)
+    assert classify(info.value, params=_params(1)).reason.startswith(
+        "timeout: no progress for 9 s while waiting for the trial's process"
+    )
+
+
+def test_a_worker_error_crosses_the_process_boundary_with_its_origin() -> None:
+    with pytest.raises(TrialError) as info:
+        _isolated(FailsInWorkersDataset(512)).measure(_params(2), max_seconds=5, deadlines=GENEROUS)
+    assert info.value.summary.startswith("OSError: cannot open the second shard")
+    assert re.search(r"tests/workloads\.py:\d+ in __getitem__$", info.value.where)
+    assert isinstance(info.value.error.__cause__ or info.value.error, BaseException)
+    assert classify(info.value, params=_params(2)).state == "failed"
+
+
+def test_pruning_stops_the_trial_process() -> None:
+    def prune(step: int, measurement: Measurement) -> None:
+        raise optuna.TrialPruned("clearly slower")
+
+    with pytest.raises(optuna.TrialPruned):
+        _isolated(SleepDataset(4096), sleep_step).measure(
+            _params(2), max_seconds=10, on_window=prune
+        )
+
+
+def test_the_memory_budget_covers_both_processes() -> None:
+    budget = tree_memory() + 600 * 1024**2
+    runner = _isolated(MemoryHogDataset(400 * 1024**2), memory_budget=budget)
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        runner.measure(_params(4) | {"persistent_workers": True}, max_seconds=20)
+    assert info.value.budget == budget
+    assert info.value.peak > budget or (info.value.projected or 0) > budget
+
+
+def test_what_a_trial_process_cannot_load_is_named() -> None:
+    with pytest.raises(UnpicklableError, match=r"^dataset was pickled but .*NotebookDataset"):
+        _isolated(UnloadableDataset()).measure(_params(0), max_seconds=1)
+
+
+def test_a_trial_process_that_dies_while_starting_is_an_isolation_error() -> None:
+    with pytest.raises(IsolationError, match=r"exited with code 1 before it could load"):
+        _isolated(ExitOnLoadDataset()).measure(_params(0), max_seconds=1)
+
+
+def test_isolation_is_checked_before_any_work() -> None:
+    dataset = CountingDataset()
+    with pytest.raises(InvalidInputError, match="isolation must be one of 'in-process'"):
+        autoloader.tune(dataset, noop_step, batch_size=4, isolation="thread")
+    with pytest.raises(
+        UnpicklableError,
+        match=r"^step_fn \(function\) cannot be pickled.*"
+        r"isolation='subprocess' sends step_fn",
+    ):
+        autoloader.tune(dataset, lambda batch: None, batch_size=4, isolation="subprocess")
+    assert dataset.reads == 0
+
+
+def test_a_run_goes_on_when_settings_kill_the_trial_process() -> None:
+    # Three workers or more crash the trial's main process in the step.
+    result = autoloader.tune(
+        SleepDataset(4096, latency=0.002),
+        StepWithFault("SIGSEGV", from_workers=3),
+        batch_size=4,
+        time_budget=15,
+        n_trials=3,
+        show_progress=False,
+        isolation="subprocess",
+    )
+    crashed = [t for t in result.trials if t.state == "failed"]
+    assert crashed, [(t.params, t.state) for t in result.trials]
+    assert all(t.params["num_workers"] >= 3 for t in crashed)
+    assert all(t.reason == "trial process crashed (SIGSEGV) with this setting" for t in crashed)
+    assert 1 <= result.params["num_workers"] <= 2
+    assert result.speedup > 1
