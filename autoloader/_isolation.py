@@ -29,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from autoloader._environment import default_start_method
 from autoloader._exceptions import IsolationError, UnpicklableError
 from autoloader._measure import (
     Deadlines,
@@ -60,6 +61,7 @@ class _Request:
     max_seconds: float
     deadlines: Deadlines | None
     memory_budget: int
+    start_method: str
 
 
 class _Stop(Exception):
@@ -121,12 +123,14 @@ class SubprocessRunner:
             UnpicklableError: the trial's process could not load what it was sent.
             IsolationError: the trial's process died before it could run the trial.
         """
+        started = time.perf_counter()
         own = process_memory(psutil.Process())
         request = _Request(
             params=dict(params),
             max_seconds=max_seconds,
             deadlines=deadlines,
             memory_budget=max(1, self.memory_budget - own),
+            start_method=default_start_method(),
         )
         ours, theirs = self._context.Pipe(duplex=True)
         process = self._context.Process(
@@ -142,7 +146,9 @@ class SubprocessRunner:
         finally:
             _end(process, graceful=outcome[0] not in ("interrupted", "silent"))
             ours.close()
-        return self._result(outcome, own)
+        measurement = self._result(outcome, own)
+        # The whole trial, as the run's time budget pays for it: starting its process too.
+        return dataclasses.replace(measurement, duration=time.perf_counter() - started)
 
     def _converse(
         self,
@@ -270,6 +276,10 @@ def _trial_process(
     """The entry point of a trial's process: load, measure, send the outcome."""
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuning process's to act on
+    # A spawned process spawns its own children by default: the trial's workers must
+    # start the way they would in the tuning process (fork, on Linux), or start-up
+    # is measured at the cost of importing torch in each worker.
+    multiprocessing.set_start_method(request.start_method, force=True)
     try:
         loaded: dict[str, Any] = {}
         for name, data in parts.items():

@@ -138,19 +138,40 @@ def check_loader_kwargs(loader_kwargs: object) -> dict[str, Any]:
 
 # Seconds after which a journal file's lock, left by a killed tuning process, is broken.
 _JOURNAL_LOCK_GRACE = 5
+# NOTE [ Trials of other machines ]
+# A trial left RUNNING by a dead tuning process on this machine is failed as soon as a
+# run starts (its owner's pid is gone, see Search._fail_orphans). A process on another
+# machine sharing the study cannot be looked up: while a trial runs, Optuna records a
+# heartbeat every _HEARTBEAT_SECONDS, and any process starting a trial fails the trials
+# whose heartbeat is older than _HEARTBEAT_GRACE seconds. A trial stays alive however
+# long it measures; only a dead or frozen process stops its heartbeat.
+_HEARTBEAT_SECONDS = 10
+_HEARTBEAT_GRACE = 60
 
 
 def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
     """The Optuna storage for ``tune(storage=...)``.
 
-    A URL (``sqlite:///tuning.db``, ``postgresql://...``) or a storage object is used
-    as given. A plain path is a journal file: no database needed, safe for several
-    processes, and a lock left by a killed run is broken after a few seconds.
+    A storage object is used as given. A URL (``sqlite:///tuning.db``,
+    ``postgresql://...``) opens a database with heartbeats (see
+    ``NOTE [ Trials of other machines ]``); it is opened here, so a wrong URL or an
+    unreachable server is reported before any work. A plain path is a journal file: no
+    database needed, safe for several processes, and a lock left by a killed run is
+    broken after a few seconds.
     """
     if storage is None or isinstance(storage, optuna.storages.BaseStorage):
         return storage
     if isinstance(storage, str) and "://" in storage:
-        return storage
+        try:
+            return optuna.storages.RDBStorage(
+                storage, heartbeat_interval=_HEARTBEAT_SECONDS, grace_period=_HEARTBEAT_GRACE
+            )
+        except Exception as error:  # a driver missing, a bad URL, a server down...
+            raise InvalidInputError(
+                f"storage {storage!r} cannot be opened ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); check the URL, that "
+                "its database driver is installed and that the server is reachable."
+            ) from error
     if isinstance(storage, str | os.PathLike):
         path = Path(storage)
         if not path.parent.is_dir():

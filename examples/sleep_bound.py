@@ -43,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-budget", type=float, default=60.0)
     parser.add_argument("--out", default="sleep_bound.json")
+    parser.add_argument("--isolation", choices=("in-process", "subprocess"), default="in-process")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every trial")
     args = parser.parse_args()
     logging.basicConfig(
@@ -51,7 +52,11 @@ def main() -> None:
 
     started = time.perf_counter()
     result = autoloader.tune(
-        SleepDataset(), step, batch_size=BATCH_SIZE, time_budget=args.time_budget
+        SleepDataset(),
+        step,
+        batch_size=BATCH_SIZE,
+        time_budget=args.time_budget,
+        isolation=args.isolation,
     )
     elapsed = time.perf_counter() - started
     ceiling = BATCH_SIZE / STEP_TIME

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import optuna
@@ -11,6 +12,7 @@ import pytest
 
 import autoloader
 from autoloader import InvalidInputError, IsolationError, UnpicklableError
+from autoloader._environment import default_start_method
 from autoloader._faults import classify
 from autoloader._isolation import SubprocessRunner
 from autoloader._measure import (
@@ -30,6 +32,7 @@ from .workloads import (
     FailsInWorkersDataset,
     MemoryHogDataset,
     SleepDataset,
+    StartMethodCheckingStep,
     StepWithFault,
     UnloadableDataset,
     noop_step,
@@ -57,6 +60,17 @@ def test_a_trial_in_its_own_process_is_measured_and_relayed_window_by_window() -
     assert [n for n, _ in windows] == list(range(1, len(windows) + 1))
     # The tree the budget is for: this process and the trial's.
     assert m.peak_memory > process_memory(psutil.Process())
+
+
+def test_workers_start_as_they_would_in_the_tuning_process() -> None:
+    expected = default_start_method()
+    wall = time.perf_counter()
+    m = _isolated(SleepDataset(512), StartMethodCheckingStep(expected)).measure(
+        _params(2), max_seconds=1, deadlines=GENEROUS
+    )
+    assert m.batches > 0
+    # The trial's duration is what the run paid for it, its process's start-up included.
+    assert m.duration <= time.perf_counter() - wall
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import optuna
 import psutil
+import pytest
 from optuna.trial import TrialState
 
 import autoloader
@@ -93,3 +94,33 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
         if queued is not None and trial.state == TrialState.COMPLETE:
             measured = {k: v for k, v in trial.user_attrs["params"].items() if v is not None}
             assert queued == measured
+
+
+def test_a_trial_of_another_machine_is_failed_once_its_heartbeat_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    autoloader.tune(
+        SleepDataset(512), sleep_step, batch_size=4, time_budget=10, n_trials=1,
+        search_space=SPACE, storage=url, show_progress=False,
+    )  # fmt: skip
+    (summary,) = optuna.get_all_study_summaries(url)
+    # A tuning process on another machine starts a trial, beats once, then goes silent.
+    elsewhere = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=1)
+    study = optuna.load_study(study_name=summary.study_name, storage=elsewhere)
+    trial = study.ask()
+    trial.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 0.0})
+    elsewhere.record_heartbeat(trial._trial_id)
+    monkeypatch.setattr("autoloader._validation._HEARTBEAT_GRACE", 1)
+    time.sleep(2.5)  # older than the grace period
+
+    autoloader.tune(
+        SleepDataset(512), sleep_step, batch_size=4, time_budget=10, n_trials=1,
+        search_space=SPACE, storage=url, show_progress=False,
+    )  # fmt: skip
+    states = {
+        t.number: t.state
+        for t in optuna.load_study(study_name=summary.study_name, storage=url).trials
+    }
+    assert states[trial.number] == TrialState.FAIL
+    assert TrialState.RUNNING not in states.values()

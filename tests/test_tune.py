@@ -151,6 +151,18 @@ class LambdaDataset(SleepDataset):
             InvalidInputError,
             "the folder '/nonexistent/folder' does not exist",
         ),
+        (
+            None,
+            {"storage": "sqlite:////nonexistent/folder/study.db"},
+            InvalidInputError,
+            r"storage 'sqlite:////nonexistent/folder/study\.db' cannot be opened \(",
+        ),
+        (
+            None,
+            {"storage": "nosuchdb://host/study"},
+            InvalidInputError,
+            r"storage 'nosuchdb://host/study' cannot be opened .*check the URL",
+        ),
         (None, {"seed": "1"}, InvalidInputError, "seed must be an int"),
         (
             LambdaDataset(),

@@ -217,3 +217,17 @@ class ExitOnLoadDataset(SleepDataset):
         import os
 
         os._exit(1)
+
+
+class StartMethodCheckingStep:
+    """Raises unless the workers of this process start with ``expected``."""
+
+    def __init__(self, expected: str) -> None:
+        self.expected = expected
+
+    def __call__(self, batch: object) -> None:
+        import multiprocessing
+
+        method = multiprocessing.get_start_method()
+        if method != self.expected:
+            raise RuntimeError(f"workers start with {method!r}, not {self.expected!r}")
