@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -163,9 +164,11 @@ def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
         return storage
     if isinstance(storage, str) and "://" in storage:
         try:
-            return optuna.storages.RDBStorage(
-                storage, heartbeat_interval=_HEARTBEAT_SECONDS, grace_period=_HEARTBEAT_GRACE
-            )
+            with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    storage, heartbeat_interval=_HEARTBEAT_SECONDS, grace_period=_HEARTBEAT_GRACE
+                )
         except Exception as error:  # a driver missing, a bad URL, a server down...
             raise InvalidInputError(
                 f"storage {storage!r} cannot be opened ({type(error).__name__}: "
