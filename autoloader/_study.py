@@ -300,11 +300,41 @@ class Search:
         trial.set_user_attr("phase", phase)
         trial.set_user_attr("params", params)
         trial.set_user_attr("owner", self._owner)
+        if phase == "search":
+            self._skip_if_known_to_fail(trial, params)
         try:
             return self._measure(trial, phase, params, seconds)
         except KeyboardInterrupt:
             trial.set_user_attr("reason", "interrupted (Ctrl-C)")
             raise
+
+    def _skip_if_known_to_fail(self, trial: optuna.Trial, params: Params) -> None:
+        """Record, without measuring, a setting that an earlier trial shows will fail.
+
+        A setting that failed fails again (crashes and hangs are rarely a matter of
+        luck, and measuring a hang again costs its whole deadline). Memory only grows
+        with workers, prefetch and pinning, so a setting that asks at least as much as
+        one that passed the memory budget (or was OOM-killed) would pass it too.
+        """
+        earlier = self.study.get_trials(deepcopy=False, states=(TrialState.PRUNED, TrialState.FAIL))
+        for other in earlier:
+            reason = str(other.user_attrs.get("reason") or "")
+            known = other.user_attrs.get("params")
+            if not known or other.number == trial.number:
+                continue
+            if reason.startswith(("memory", "killed")) and _asks_at_least(params, known):
+                trial.set_user_attr(
+                    "reason",
+                    f"{reason} (not run: asks at least as much memory as trial {other.number})",
+                )
+                trial.set_user_attr("same_as", other.number)
+                raise optuna.TrialPruned(reason)
+            if other.state == TrialState.FAIL and params_key(params) == params_key(known):
+                if reason.startswith("interrupted"):
+                    continue  # the process died, not the setting
+                trial.set_user_attr("reason", reason)
+                trial.set_user_attr("same_as", other.number)
+                raise _TrialFailed(f"{reason} (as in trial {other.number}; not run again)")
 
     def _measure(self, trial: optuna.Trial, phase: str, params: Params, seconds: float) -> float:
         def value_of(measurement: Measurement) -> float:
@@ -454,6 +484,15 @@ def _is_alive(owner: Mapping[str, Any]) -> bool:
         return bool(abs(process.create_time() - float(owner["started"])) < 1.0)
     except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
         return False
+
+
+def _asks_at_least(params: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether ``params`` holds at least as many batches, as pinned, as ``other``."""
+    return (
+        params["num_workers"] >= other["num_workers"] > 0
+        and (params["prefetch_factor"] or 0) >= (other["prefetch_factor"] or 0)
+        and params["pin_memory"] >= other["pin_memory"]
+    )
 
 
 def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool]:

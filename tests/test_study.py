@@ -10,7 +10,7 @@ from optuna.trial import TrialState, create_trial
 from autoloader._measure import Measurement
 from autoloader._pruner import ClearlyWorsePruner
 from autoloader._search_space import BASELINE_PARAMS, normalize_params
-from autoloader._study import choose, epoch_samples_per_second, trial_seconds
+from autoloader._study import _asks_at_least, choose, epoch_samples_per_second, trial_seconds
 
 
 def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
@@ -168,3 +168,24 @@ def test_pruner_without_a_complete_trial_keeps_everything() -> None:
 def test_pruner_rejects_bad_options(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ClearlyWorsePruner(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("params", "other", "expected"),
+    [
+        ({"num_workers": 4, "prefetch_factor": 2}, {"num_workers": 2, "prefetch_factor": 2}, True),
+        ({"num_workers": 2, "prefetch_factor": 4}, {"num_workers": 2, "prefetch_factor": 2}, True),
+        ({"num_workers": 4, "prefetch_factor": 1}, {"num_workers": 2, "prefetch_factor": 2}, False),
+        ({"num_workers": 1, "prefetch_factor": 8}, {"num_workers": 2, "prefetch_factor": 2}, False),
+        (
+            {"num_workers": 2, "prefetch_factor": 2},
+            {"num_workers": 2, "prefetch_factor": 2, "pin_memory": True},
+            False,
+        ),
+        ({"num_workers": 0}, {"num_workers": 0}, False),
+    ],
+)
+def test_a_setting_asks_at_least_the_memory_of_one_it_dominates(
+    params: dict[str, Any], other: dict[str, Any], expected: bool
+) -> None:
+    assert _asks_at_least(normalize_params(params), normalize_params(other)) is expected

@@ -271,6 +271,10 @@ def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
     assert all(t.reason and t.reason.startswith("memory") for t in pruned)
     assert all(t.params["num_workers"] >= 2 for t in pruned)
     assert result.params["num_workers"] <= 1
+    # The ladder's 4 workers come after 2 passed the budget: known to pass it, not run.
+    skipped = [t for t in pruned if "not run: asks at least as much memory as" in (t.reason or "")]
+    assert any(t.params["num_workers"] == 4 for t in skipped), [t.reason for t in pruned]
+    assert all(t.duration is None for t in skipped)
     assert result.memory_budget == budget
 
 
@@ -299,6 +303,18 @@ def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:
     assert all((t.reason or "").startswith(reason) for t in failed)
     assert all(t.params["num_workers"] >= 2 for t in failed)
     assert result.params["num_workers"] <= 1
+
+
+def test_a_setting_that_failed_is_not_run_again() -> None:
+    # Two settings only, six trials: the sampler has to propose the failing one again.
+    space = SearchSpace(num_workers=(1, 2), prefetch_factor=2, persistent_workers=True)
+    result = _tune(
+        FailsInWorkersDataset(256), noop_step, time_budget=30.0, n_trials=6, search_space=space
+    )
+    failed = [t for t in result.trials if t.state == "failed"]
+    assert len(failed) >= 2, [(t.params, t.state) for t in result.trials]
+    first, *again = failed
+    assert all(t.reason == first.reason and t.duration is None for t in again)
 
 
 def test_a_broken_dataset_stops_at_the_baseline_with_its_origin() -> None:
