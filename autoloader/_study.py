@@ -16,6 +16,7 @@ import logging
 import math
 import socket
 import statistics
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -121,6 +122,8 @@ class Search:
         time_budget: seconds of the whole run.
         n_trials: cap on search-phase trials, or ``None``.
         on_trial: called after each trial with its record.
+        interrupted: set when Ctrl-C was pressed; checked at every timing window and
+            trial, in case the KeyboardInterrupt itself was lost on its way.
     """
 
     runner: Runner
@@ -132,6 +135,7 @@ class Search:
     n_trials: int | None = None
     usable_cpus: int = 1
     on_trial: Callable[[TrialRecord], None] | None = None
+    interrupted: threading.Event | None = None
 
     def __post_init__(self) -> None:
         self._owner = _this_process()
@@ -284,6 +288,11 @@ class Search:
         _logger.info(describe(record))
         if self.on_trial is not None:
             self.on_trial(record)
+        self._stop_if_interrupted()
+
+    def _stop_if_interrupted(self) -> None:
+        if self.interrupted is not None and self.interrupted.is_set():
+            raise KeyboardInterrupt
 
     def _objective(self, trial: optuna.Trial) -> float:
         phase, planned, seconds = self._plan.popleft()
@@ -347,6 +356,7 @@ class Search:
             )
 
         def on_window(step: int, measurement: Measurement) -> None:
+            self._stop_if_interrupted()
             trial.set_user_attr("measurement", measurement.as_dict())
             trial.report(value_of(measurement), step)
             if phase == "search" and trial.should_prune():
@@ -372,6 +382,8 @@ class Search:
             trial.set_user_attr("reason", f"memory: {error}")
             raise optuna.TrialPruned(f"memory: {error}") from error
         except TrialError as error:
+            # Ctrl-C reaches the workers too: their deaths are its doing, not the setting's.
+            self._stop_if_interrupted()
             trial.set_user_attr("peak_memory", error.peak_memory)
             if phase == "baseline":
                 where = f" at {error.where}" if error.where else ""

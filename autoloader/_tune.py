@@ -6,9 +6,12 @@ import contextlib
 import hashlib
 import logging
 import os
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter
+from types import FrameType
 from typing import Any
 
 import optuna
@@ -200,10 +203,12 @@ def tune(
             n_trials=n_trials,
             usable_cpus=environment.usable_cpus,
             on_trial=progress.trial_done,
+            interrupted=threading.Event(),
         )
         partial = False
         try:
-            search.run()
+            with _remember_ctrl_c(search.interrupted):
+                search.run()
         except KeyboardInterrupt:
             if not search.has_baseline():
                 raise
@@ -256,6 +261,38 @@ def _study_name(
     problem = f"{type(dataset).__qualname__}|{length}|{batch_size}|{space.as_dict()}"
     digest = hashlib.sha256(problem.encode()).hexdigest()[:12]
     return f"autoloader-{type(dataset).__name__}-{digest}"
+
+
+@contextlib.contextmanager
+def _remember_ctrl_c(interrupted: threading.Event | None) -> Iterator[None]:
+    """Note each Ctrl-C in ``interrupted``, then raise KeyboardInterrupt as usual.
+
+    The KeyboardInterrupt is raised at whatever bytecode the main thread runs. If that
+    is a ``__del__`` or a weakref finalizer (DataLoader iterators and queues have
+    both), Python prints "Exception ignored" and the run would go on; the search
+    checks ``interrupted`` at every timing window and trial, and stops all the same.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if (
+        interrupted is None
+        or threading.current_thread() is not threading.main_thread()
+        or previous in (signal.SIG_IGN, None)  # Ctrl-C is ignored, or not Python's to handle
+    ):
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        interrupted.set()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
