@@ -24,7 +24,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import psutil
@@ -43,6 +42,7 @@ from autoloader._measure import (
     restore_chain,
 )
 from autoloader._memory import MemoryBudgetExceeded, process_memory
+from autoloader._validation import describe_unpicklable
 
 # Seconds a new trial process may take to import torch and load the dataset (about 2 s
 # on a 2-core machine, mostly importing torch).
@@ -94,15 +94,20 @@ class SubprocessRunner:
             "step_fn": runner.step_fn,
             "loader_kwargs": runner.fixed_kwargs,
         }
+        # Plain pickle, by value: multiprocessing's pickler would move tensors to shared
+        # memory and pickle a handle that only one process can take, once.
         self._parts: dict[str, bytes] = {}
         for name, obj in parts.items():
             try:
-                self._parts[name] = bytes(ForkingPickler.dumps(obj))
-            except Exception as error:
+                self._parts[name] = _by_value(obj)
+            except Exception:  # pickling can raise almost anything
+                what = describe_unpicklable(obj, name, _by_value)
                 raise UnpicklableError(
-                    f"{name} cannot be pickled ({type(error).__name__}: {error}), but "
-                    "isolation='subprocess' sends it to each trial's process."
-                ) from error
+                    f"{what}, but isolation='subprocess' sends {name} to each trial's "
+                    "process. Replace lambdas and local functions with module-level ones, "
+                    "open files and connections lazily, or keep the default "
+                    "isolation='in-process'."
+                ) from None
         self._context = multiprocessing.get_context("spawn")
 
     def measure(
@@ -143,6 +148,11 @@ class SubprocessRunner:
         outcome: tuple[Any, ...] = ("interrupted",)
         try:
             outcome = self._converse(ours, process, request, on_window, own)
+        except Exception:
+            # on_window stopped the trial (it was pruned): the trial's process was told
+            # to stop, and shuts its workers down in order.
+            outcome = ("stopped",)
+            raise
         finally:
             _end(process, graceful=outcome[0] not in ("interrupted", "silent"))
             ours.close()
@@ -187,7 +197,7 @@ class SubprocessRunner:
                         on_window(step, _with_memory(measurement, own))
                 except BaseException:
                     with contextlib.suppress(OSError):
-                        connection.send(True)  # stop: its workers are shut down in order
+                        connection.send(True)  # stop
                     raise
                 connection.send(False)
                 give_up = time.monotonic() + _silence_limit(request)
@@ -217,6 +227,10 @@ class SubprocessRunner:
             raise restore_chain(outcome[1])
         # "died" or "silent": the process itself failed, whatever the trial did.
         raise TrialError("running the trial", outcome[1], own)
+
+
+def _by_value(obj: object) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _silence_limit(request: _Request) -> float:

@@ -329,7 +329,7 @@ class Search:
         for other in earlier:
             reason = str(other.user_attrs.get("reason") or "")
             known = other.user_attrs.get("params")
-            if not known or other.number == trial.number:
+            if not known:
                 continue
             if reason.startswith(("memory", "killed")) and _asks_at_least(params, known):
                 trial.set_user_attr(

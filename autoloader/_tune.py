@@ -104,7 +104,7 @@ def tune(
         isolation (str, optional): where trials run. ``"in-process"`` runs them here,
             under a watchdog that kills a trial's workers when it passes the memory
             budget or hangs; a ``step_fn`` holding a model on an accelerator keeps it.
-            ``"subprocess"`` runs each trial in a freshly spawned process (about 2 s
+            ``"subprocess"`` runs each trial in a freshly spawned process (about 1.5 s
             more per trial, to import torch and load the dataset), so that even a crash
             of the trial's main process (native code, the OOM killer) is recorded and
             the run goes on; the dataset, step_fn and loader_kwargs must pickle, and a
@@ -159,9 +159,7 @@ def tune(
         },
         start_method(fixed, environment.start_method),
     )
-    isolation = check_isolation(
-        isolation, {"dataset": dataset, "step_fn": step_fn, "loader_kwargs": fixed}
-    )
+    isolation = check_isolation(isolation)
     memory_bytes = _memory_budget(memory_budget)
     space, notes = space.resolve(
         usable_cpus=environment.usable_cpus,

@@ -230,56 +230,41 @@ def check_picklable(objects: Mapping[str, object], method: str) -> None:
     """
     if method not in _PICKLING_START_METHODS:
         return
-    _check_pickles(
-        objects,
-        lambda name: f"the {method!r} start method pickles {name} into every worker",
-        "Replace lambdas and local functions with module-level ones, open files and "
-        "connections lazily in the worker, or pass "
-        "loader_kwargs={'multiprocessing_context': 'fork'}.",
-    )
+    for name, obj in objects.items():
+        if obj is not None and _dumps(obj) is not None:
+            raise UnpicklableError(
+                f"{describe_unpicklable(obj, name)}, but the {method!r} start method "
+                f"pickles {name} into every worker. Replace lambdas and local functions "
+                "with module-level ones, open files and connections lazily in the worker, "
+                "or pass loader_kwargs={'multiprocessing_context': 'fork'}."
+            )
 
 
 ISOLATIONS = ("in-process", "subprocess")
 
 
-def check_isolation(isolation: object, objects: Mapping[str, object]) -> str:
-    """Return ``isolation``; under "subprocess", check that every object pickles.
-
-    Raises:
-        InvalidInputError: an unknown isolation.
-        UnpicklableError: naming the innermost attribute that fails to pickle.
-    """
+def check_isolation(isolation: object) -> str:
     if isolation not in ISOLATIONS:
         raise InvalidInputError(
             f"isolation must be one of {', '.join(map(repr, ISOLATIONS))}, but got {isolation!r}."
         )
-    if isolation == "subprocess":
-        _check_pickles(
-            objects,
-            lambda name: f"isolation='subprocess' sends {name} to each trial's process",
-            "Replace lambdas and local functions with module-level ones, open files and "
-            "connections lazily, or keep the default isolation='in-process'.",
-        )
     return str(isolation)
 
 
-def _check_pickles(
-    objects: Mapping[str, object], because: Callable[[str], str], advice: str
-) -> None:
-    for name, obj in objects.items():
-        if obj is None:
-            continue
-        culprit = _find_unpicklable(obj, name, depth=0)
-        if culprit is not None:
-            path, error = culprit
-            raise UnpicklableError(
-                f"{path} cannot be pickled ({error}), but {because(name)}. {advice}"
-            )
+Dumps = Callable[[object], object]
 
 
-def _dumps(obj: object) -> BaseException | None:
+def describe_unpicklable(obj: object, name: str, dumps: Dumps = ForkingPickler.dumps) -> str:
+    """``"dataset.pipeline.transform (function) cannot be pickled (...)"``: the innermost
+    attribute of ``obj`` that ``dumps`` fails on, or ``obj`` itself."""
+    found = _find_unpicklable(obj, name, depth=0, dumps=dumps)
+    path, error = found or (name, "unknown reason")
+    return f"{path} cannot be pickled ({error})"
+
+
+def _dumps(obj: object, dumps: Dumps = ForkingPickler.dumps) -> BaseException | None:
     try:
-        ForkingPickler.dumps(obj)
+        dumps(obj)
     except Exception as error:  # pickling can raise almost anything
         return error
     return None
@@ -300,13 +285,13 @@ def _children(obj: object) -> Iterator[tuple[str, object]]:
                 yield f".{key}", getattr(obj, key)
 
 
-def _find_unpicklable(obj: object, path: str, depth: int) -> tuple[str, str] | None:
-    error = _dumps(obj)
+def _find_unpicklable(obj: object, path: str, depth: int, dumps: Dumps) -> tuple[str, str] | None:
+    error = _dumps(obj, dumps)
     if error is None:
         return None
     if depth < _MAX_PICKLE_DEPTH:
         for suffix, child in _children(obj):
-            found = _find_unpicklable(child, path + suffix, depth + 1)
+            found = _find_unpicklable(child, path + suffix, depth + 1, dumps)
             if found is not None:
                 return found
     reason = f"{type(error).__name__}: {error}"

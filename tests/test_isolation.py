@@ -9,6 +9,8 @@ from typing import Any
 import optuna
 import psutil
 import pytest
+import torch
+from torch.utils.data import TensorDataset
 
 import autoloader
 from autoloader import InvalidInputError, IsolationError, UnpicklableError
@@ -71,6 +73,13 @@ def test_workers_start_as_they_would_in_the_tuning_process() -> None:
     assert m.batches > 0
     # The trial's duration is what the run paid for it, its process's start-up included.
     assert m.duration <= time.perf_counter() - wall
+
+
+def test_a_tensor_dataset_is_sent_by_value_to_every_trial() -> None:
+    dataset = TensorDataset(torch.randn(4096, 16), torch.arange(4096))
+    runner = _isolated(dataset)
+    for workers in (1, 2):  # each trial's process loads its own copy
+        assert runner.measure(_params(workers), max_seconds=0.5, deadlines=GENEROUS).batches > 0
 
 
 @pytest.mark.parametrize(
