@@ -95,10 +95,13 @@ def _open_files_advice() -> str:
 def classify(
     error: TrialError, *, params: Mapping[str, Any], batch_bytes: int | None = None
 ) -> Fault:
-    """The state and reason to record for a trial that ended with ``error``."""
+    """The state and reason to record for a trial that ended with ``error``.
+
+    A worker's death is named before a timeout: a worker killed at the wrong moment can
+    leave the others and the DataLoader waiting on a lock it held, and the hang that
+    follows is only its consequence.
+    """
     cause = error.error
-    if isinstance(cause, TrialTimeout):
-        return Fault("failed", f"timeout: {cause}; a worker or step_fn hangs with this setting")
     if is_oom_error(cause):
         return Fault("pruned", f"memory: {error.summary}")
     name = _signal_of(error)
@@ -112,14 +115,16 @@ def classify(
     if name == "SIGBUS" or _has_errno(cause, errno.ENOSPC, "No space left on device"):
         what = f"{who} crashed (SIGBUS)" if name == "SIGBUS" else error.summary
         return Fault("failed", f"shared memory: {what}. {_shm_advice(params, batch_bytes)}")
-    if _has_errno(cause, errno.EMFILE, "Too many open files"):
-        return Fault("failed", f"too many open files: {error.summary}; {_open_files_advice()}")
     if isinstance(cause, TrialProcessDied):
         if name is not None:
             return Fault("failed", f"trial process crashed ({name}) with this setting")
         return Fault("failed", f"trial process exited with code {cause.exit_code}")
     if name is not None:
         return Fault("failed", f"worker crashed ({name})")
+    if isinstance(cause, TrialTimeout):
+        return Fault("failed", f"timeout: {cause}; a worker or step_fn hangs with this setting")
+    if _has_errno(cause, errno.EMFILE, "Too many open files"):
+        return Fault("failed", f"too many open files: {error.summary}; {_open_files_advice()}")
     if error.worker_exit_codes:
         return Fault("failed", f"worker exited with code {error.worker_exit_codes[0]}")
     return Fault("failed", f"{error.summary} (while {error.stage})")

@@ -19,7 +19,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from time import perf_counter
+from time import perf_counter, process_time
 from types import FrameType
 from typing import Any, Protocol
 
@@ -39,6 +39,8 @@ _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18,
         2.05, 2.04)  # fmt: skip
 # Seconds to wait for the trial's workers to exit before killing them.
 _REAP_TIMEOUT = 5.0
+# Seconds the shutdown of a trial's loader may take before its workers are killed.
+_STOP_TIMEOUT = 60.0
 
 
 def _t95(df: int) -> float:
@@ -63,6 +65,9 @@ class Measurement:
         duration: seconds the whole trial took.
         peak_memory: bytes, highest PSS of the process tree during the trial.
         batch_bytes: bytes of the tensors in the first batch.
+        load_cpu_seconds: mean CPU seconds this process spent per batch while blocked in
+            ``next()``. With ``num_workers=0`` it tells CPU-bound loading (close to
+            ``load_seconds``) from waiting on I/O (close to 0).
     """
 
     samples_per_second: float
@@ -76,6 +81,7 @@ class Measurement:
     duration: float
     peak_memory: int
     batch_bytes: int = 0
+    load_cpu_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -297,6 +303,7 @@ class _Totals:
     batches: int = 0
     seconds: float = 0.0
     wait: float = 0.0
+    wait_cpu: float = 0.0
     step: float = 0.0
 
 
@@ -522,8 +529,7 @@ class TrialRunner:
                 if failed:
                     # Discarded anyway, and possibly hung: do not wait for them.
                     kill(watch.new_children())
-                _shutdown(live.iterator, live.loader, abandon=failed)
-                _reap(watch.new_children())
+                _stop_workers(live, watch, alarm, abandon=failed)
 
     def _time_loop(
         self,
@@ -588,7 +594,7 @@ class TrialRunner:
         to_skip = warmup
 
         while perf_counter() < deadline:
-            t0 = perf_counter()
+            t0, cpu0 = perf_counter(), process_time()
             try:
                 batch = fetch(iterator, each_limit)
             except StopIteration:
@@ -599,7 +605,7 @@ class TrialRunner:
                 step(batch)
                 window, to_skip = None, warmup
                 continue
-            t1 = perf_counter()
+            t1, cpu1 = perf_counter(), process_time()
             step(batch)
             watch.check()
             t2 = perf_counter()
@@ -613,6 +619,7 @@ class TrialRunner:
             window.samples += _batch_length(batch, self.batch_size)
             window.batches += 1
             window.wait += t1 - t0
+            window.wait_cpu += cpu1 - cpu0
             window.step += t2 - t1
             elapsed = t2 - window_start
             if window.batches >= window_batches and elapsed >= self.min_window_seconds:
@@ -620,7 +627,7 @@ class TrialRunner:
                 end = perf_counter()
                 window.seconds = end - window_start
                 windows.append(window)
-                for name in ("samples", "batches", "seconds", "wait", "step"):
+                for name in ("samples", "batches", "seconds", "wait", "wait_cpu", "step"):
                     setattr(total, name, getattr(total, name) + getattr(window, name))
                 estimate = self._estimate(
                     windows, total, time_to_first_batch, restarts, started, watch, batch_bytes
@@ -679,6 +686,7 @@ class TrialRunner:
             duration=perf_counter() - started,
             peak_memory=watch.peak,
             batch_bytes=batch_bytes,
+            load_cpu_seconds=total.wait_cpu / total.batches,
         )
 
 
@@ -743,9 +751,10 @@ def _shutdown(iterator: object, loader: DataLoader[Any] | None, *, abandon: bool
     """Stop the workers of a trial's iterator (and of a persistent loader's own).
 
     With ``abandon`` (the trial failed and its workers were killed), the shutdown
-    skips telling each worker to stop through its queue: a put interrupted by a
-    worker-death error may have left that queue's lock held, and putting again would
-    wait forever. The workers are dead; joining them and closing the queues is enough.
+    touches nothing a killed worker may have left locked: it skips telling each worker
+    to stop through its queue (a put interrupted by a worker-death error may have left
+    that queue's lock held) and the shared "done" event. The workers are dead; joining
+    them and closing the queues is enough.
     """
     for it in (iterator, getattr(loader, "_iterator", None)):
         shutdown = getattr(it, "_shutdown_workers", None)
@@ -754,9 +763,30 @@ def _shutdown(iterator: object, loader: DataLoader[Any] | None, *, abandon: bool
         if abandon and hasattr(it, "_workers_status"):
             it._workers_status = [False] * len(it._workers_status)
             it._persistent_workers = False  # type: ignore[union-attr]
+            # Workers check this event in their loop, under a lock they share with this
+            # process: one killed while it held the lock would make setting the event
+            # wait forever. The workers are dead; nobody is left to see it set.
+            it._workers_done_event = threading.Event()  # type: ignore[union-attr]
         shutdown()
     if loader is not None:
         loader._iterator = None
+
+
+def _stop_workers(live: _Live, watch: MemoryWatch, alarm: _Alarm, *, abandon: bool) -> None:
+    """Shut the trial's loader down, under a deadline like every other wait.
+
+    A shutdown that overruns it (a lock a dead worker left held, in a way not foreseen
+    in :func:`_shutdown`) fails the trial as hung; its workers are killed either way.
+    """
+    alarm.arm("stopping the trial's workers", _STOP_TIMEOUT)
+    try:
+        _shutdown(live.iterator, live.loader, abandon=abandon)
+    except TrialTimeout as timeout:
+        kill(watch.new_children())
+        raise TrialError("stopping the trial's workers", timeout, watch.peak) from None
+    finally:
+        alarm.disarm()
+        _reap(watch.new_children())
 
 
 def _reap(children: list[psutil.Process]) -> None:

@@ -62,10 +62,15 @@ def _fail(dataset: Any, step: Any = noop_step, deadlines: Deadlines = GENEROUS) 
             r"ulimit -n, now \d+.*set_sharing_strategy\('file_system'\)",
         ),
         ("exit", "failed", r"^worker exited with code 3$"),
+        # Killed holding a lock the other workers and DataLoader then wait on: the hang
+        # ends at the deadline, the shutdown does not wait on that lock, and the death
+        # is named as the cause.
+        ("die-holding-lock", "pruned", r"^killed: .*\(SIGKILL\)"),
     ],
 )
 def test_worker_faults_are_classified(fault: str, state: str, reason: str) -> None:
-    error = _fail(FaultInWorkersDataset(fault))
+    deadlines = Deadlines(first=3, each=3) if fault == "die-holding-lock" else GENEROUS
+    error = _fail(FaultInWorkersDataset(fault), deadlines=deadlines)
     recorded = classify(error, params=PARAMS, batch_bytes=64)
     assert recorded.state == state
     assert re.search(reason, recorded.reason), recorded.reason
@@ -175,3 +180,21 @@ def test_when_every_setting_fails_the_run_stops_early() -> None:
             show_progress=False,
         )
     assert time.monotonic() - started < 60, "the run went on after every setting failed"
+
+
+def test_a_shutdown_that_hangs_is_cut_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    import autoloader._measure as measure
+
+    shutdown = measure._shutdown
+
+    def stuck_shutdown(*args: Any, **kwargs: Any) -> None:
+        time.sleep(3600)  # as if waiting on a lock a dead worker held
+        shutdown(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "_STOP_TIMEOUT", 1.0)
+    monkeypatch.setattr(measure, "_shutdown", stuck_shutdown)
+    error = _fail(SleepDataset(512), deadlines=GENEROUS)
+    assert error.stage == "stopping the trial's workers"
+    assert classify(error, params=PARAMS).reason.startswith(
+        "timeout: no progress for 1 s while stopping the trial's workers"
+    )

@@ -147,6 +147,16 @@ def _fault(fault: str) -> None:
         time.sleep(3600)
     elif fault == "exit":
         os._exit(3)
+    elif fault == "die-holding-lock":
+        # Killed while holding the lock of the event workers check in their loop, as a
+        # worker SIGKILLed at the wrong moment would be.
+        import sys
+
+        frame = sys._getframe()
+        while "done_event" not in frame.f_locals:
+            frame = frame.f_back  # type: ignore[assignment]
+        frame.f_locals["done_event"]._cond.acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "enospc":
         raise OSError(errno.ENOSPC, "No space left on device", "/dev/shm/torch_123")
     elif fault == "emfile":
