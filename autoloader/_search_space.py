@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -174,18 +174,18 @@ class SearchSpace:
         params["pin_memory"] = trial.suggest_categorical("pin_memory", pin)
         return normalize_params(params)
 
-    def ladder(self) -> list[Params]:
+    def ladder(self, first: Sequence[int] = ()) -> list[Params]:
         """Starting points: worker counts doubling across the range, other options typical.
 
         The throughput of a loader is mostly a function of ``num_workers``; a doubling
         ladder brackets the right count in a handful of trials, which the sampler then
-        refines.
+        refines. Counts in ``first`` (a cost model's guesses) come before it.
         """
         (low, high), (pf_low, pf_high), persistent, pin = self._bounds()
-        counts = []
+        counts = [n for n in first if low <= n <= high and n > 0]
         count = 1
         while count <= high:
-            if count >= low:
+            if count >= low and count not in counts:
                 counts.append(count)
             count *= 2
         if high > 0 and high not in counts:

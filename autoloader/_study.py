@@ -27,6 +27,7 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
+from autoloader._cost_model import guess_workers
 from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader._faults import classify
 from autoloader._measure import Deadlines, Measurement, Runner, TrialError
@@ -59,6 +60,13 @@ _TIMEOUT_FACTOR = 20.0
 _MIN_BATCH_TIMEOUT = 10.0
 _STARTUP_PER_WORKER = 3.0
 _BASELINE_TIMEOUT = 60.0
+# NOTE [ Enough searching ]
+# Once the starting points (the cost model's guesses and the ladder) are measured, the
+# search stops when _PATIENCE trials in a row found nothing more than _TIE_TOLERANCE
+# better than the best before them: the sampler is circling a plateau, and the time is
+# better spent on the runoff, or given back. A loop that is bound by its step reaches
+# such a plateau quickly: nothing beats the step.
+_PATIENCE = 6
 # Search trials that may all fail before the run stops: the pipeline itself, not a
 # setting, is failing in worker processes.
 _FAILURES_BEFORE_GIVING_UP = 5
@@ -143,6 +151,7 @@ class Search:
         self._refill_seconds = 0.0
         self._baseline_batch_seconds: float | None = None
         self._batch_bytes = 0
+        self._guesses: list[int] = []
         self._numbers: list[int] = []
         self._trial_seconds = trial_seconds(self.time_budget)
 
@@ -184,12 +193,14 @@ class Search:
             measurement.get("step_seconds", 0.0)
         )
         self._batch_bytes = int(measurement.get("batch_bytes", 0))
+        self._guesses = guess_workers(measurement, usable_cpus=self.usable_cpus)
 
     def _run_search(self) -> None:
         search_end = self.deadline - _RUNOFF_SHARE * self.time_budget
         # No more than the trial cap allows: an enqueued setting left over would be
         # handed to the next trial the study runs, whatever its phase.
-        for params in self.space.ladder()[: self.n_trials]:
+        starting_points = self.space.ladder(first=self._guesses)[: self.n_trials]
+        for params in starting_points:
             # skip_if_exists: a study resumed from storage already measured these.
             self.study.enqueue_trial(
                 {k: v for k, v in params.items() if v is not None}, skip_if_exists=True
@@ -203,6 +214,22 @@ class Search:
             self._stop_if_every_setting_fails()
             if remaining is not None:
                 remaining -= 1
+            if self._searched_enough(len(starting_points)):
+                _logger.info("no gain in the last %d trials: the search stops", _PATIENCE)
+                break
+
+    def _searched_enough(self, starting_points: int) -> bool:
+        """Whether the last _PATIENCE search trials, after the starting points, found
+        nothing better than the best before them (see ``NOTE [ Enough searching ]``)."""
+        searched = [t for t in self._trials() if t.user_attrs.get("phase") == "search"]
+        if len(searched) < starting_points + _PATIENCE:
+            return False
+        before, recent = searched[:-_PATIENCE], searched[-_PATIENCE:]
+        best_before = max((t.value for t in before if t.value is not None), default=None)
+        if best_before is None:
+            return False
+        best_recent = max((t.value for t in recent if t.value is not None), default=0.0)
+        return best_recent <= (1 + _TIE_TOLERANCE) * best_before
 
     def _stop_if_every_setting_fails(self) -> None:
         searched = [t for t in self._trials() if t.user_attrs.get("phase") == "search"]

@@ -1,0 +1,249 @@
+"""Tuned settings against the exhaustive grid, the folklore heuristics and no workers.
+
+For each workload, in one run on one machine:
+
+1. ``autoloader.tune()`` with its default search space, timed;
+2. the exhaustive grid over the same space, timed; its best setting is the oracle.
+   Each (num_workers, prefetch_factor) is measured once: persistent_workers only
+   changes the epoch model's start-up term, which that one measurement gives for both
+   values (so the grid costs half of what measuring both would);
+3. the tuned setting, the oracle, ``num_workers=0`` and the folklore heuristics
+   (workers = cores, 2 x cores, cores / 2, with DataLoader's defaults otherwise)
+   measured again, interleaved (A B C ... A B C ...), for the same time each.
+
+Values are samples per second over a training epoch, start-up included (the tuner's
+objective, ``NOTE [ Epoch model ]`` in ``autoloader/_study.py``).
+
+    python benchmarks/search_quality.py [--workloads latency,tensor] [--time-budget 30]
+        [--rounds 3] [--seconds 2] [--sizes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+import autoloader
+from autoloader._measure import Deadlines, Measurement, TrialRunner
+from autoloader._memory import MemoryBudgetExceeded, format_bytes, tree_memory
+from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
+from autoloader._study import epoch_samples_per_second, params_key
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import WORKLOADS, Workload
+
+DEADLINES = Deadlines(first=60, each=60)
+
+
+@dataclass
+class Context:
+    workload: Workload
+    runner: TrialRunner
+    batches_per_epoch: int
+    refill_seconds: float = 0.0
+
+    def value(self, params: dict[str, Any], measurement: Measurement) -> float:
+        return epoch_samples_per_second(
+            params,
+            measurement,
+            batch_size=self.workload.batch_size,
+            batches_per_epoch=self.batches_per_epoch,
+            refill_seconds=self.refill_seconds,
+        )
+
+    def measure(
+        self, params: dict[str, Any], seconds: float, *, to_the_cap: bool = False
+    ) -> Measurement | None:
+        """One measurement, or ``None`` if the setting passed the memory budget."""
+        runner = self.runner
+        if to_the_cap:
+            runner = TrialRunner(
+                runner.dataset,
+                runner.step_fn,
+                batch_size=runner.batch_size,
+                memory_budget=runner.memory_budget,
+                target_relative_error=0.0,
+            )
+        try:
+            return runner.measure(params, max_seconds=seconds, deadlines=DEADLINES)
+        except MemoryBudgetExceeded:
+            return None
+
+
+def folklore(cpus: int) -> dict[str, dict[str, Any]]:
+    return {
+        f"workers = cores ({cpus})": normalize_params({"num_workers": cpus}),
+        f"workers = 2 x cores ({2 * cpus})": normalize_params({"num_workers": 2 * cpus}),
+        f"workers = cores / 2 ({max(1, cpus // 2)})": normalize_params(
+            {"num_workers": max(1, cpus // 2)}
+        ),
+    }
+
+
+def grid(context: Context, space: SearchSpace, seconds: float) -> tuple[dict[str, float], float]:
+    """The value of every setting in ``space``, and the seconds the grid took."""
+    started = time.perf_counter()
+    low, high = space.num_workers  # type: ignore[misc]
+    prefetch_low, prefetch_high = space.prefetch_factor  # type: ignore[misc]
+    values: dict[str, float] = {}
+    for workers in range(low, high + 1):
+        prefetches = [None] if workers == 0 else range(prefetch_low, prefetch_high + 1)
+        for prefetch in prefetches:
+            measured = normalize_params(
+                {"num_workers": workers, "prefetch_factor": prefetch, "persistent_workers": True}
+            )
+            m = context.measure(measured, seconds)
+            for persistent in space.persistent_workers if workers else [False]:  # type: ignore[union-attr]
+                params = {**measured, "persistent_workers": persistent and workers > 0}
+                values[params_key(params)] = 0.0 if m is None else context.value(params, m)
+    return values, time.perf_counter() - started
+
+
+def interleaved(
+    context: Context, candidates: dict[str, dict[str, Any]], rounds: int, seconds: float
+) -> dict[str, list[float]]:
+    """Each distinct setting measured ``rounds`` times, in turn, for ``seconds`` each."""
+    distinct = {params_key(p): p for p in candidates.values()}
+    values: dict[str, list[float]] = {key: [] for key in distinct}
+    for _ in range(rounds):
+        for key, params in distinct.items():
+            m = context.measure(params, seconds, to_the_cap=True)
+            values[key].append(0.0 if m is None else context.value(params, m))
+    return values
+
+
+def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    cpus = len(psutil.Process().cpu_affinity() or []) or os.cpu_count() or 1
+    dataset = workload.make_dataset(workload.length)
+    step = workload.step()
+    budget = None if workload.memory_budget is None else tree_memory() + workload.memory_budget
+    print(f"\n== {workload.name}: {workload.describe}; batch {workload.batch_size}, "
+          f"step {workload.step_seconds * 1000:.0f} ms, ceiling {workload.ceiling:.0f} samples/s"
+          + (f", memory budget {format_bytes(budget)}" if budget else ""), flush=True)  # fmt: skip
+
+    started = time.perf_counter()
+    result = autoloader.tune(
+        dataset,
+        step,
+        batch_size=workload.batch_size,
+        time_budget=args.time_budget,
+        memory_budget=budget,
+        show_progress=False,
+    )
+    tune_seconds = time.perf_counter() - started
+    print(f"tuned in {tune_seconds:.1f} s ({len(result.trials)} trials): {result.params}")
+
+    batches_per_epoch = len(dataset) // workload.batch_size  # type: ignore[arg-type]
+    runner = TrialRunner(
+        dataset,
+        step,
+        batch_size=workload.batch_size,
+        memory_budget=budget or tree_memory() + 8 * 1024**3,
+    )
+    context = Context(workload, runner, batches_per_epoch)
+    baseline = context.measure(BASELINE_PARAMS, args.seconds)
+    assert baseline is not None
+    context.refill_seconds = baseline.load_seconds
+    space, _ = SearchSpace().resolve(
+        usable_cpus=cpus, has_accelerator=False, batches_per_epoch=batches_per_epoch
+    )
+    values, grid_seconds = grid(context, space, args.seconds)
+    oracle_key = max(values, key=values.__getitem__)
+    print(f"grid of {len(values)} settings in {grid_seconds:.1f} s; oracle {oracle_key}")
+
+    candidates = {
+        "tuned": result.params,
+        "oracle": json.loads(oracle_key),
+        "num_workers=0": BASELINE_PARAMS,
+        **folklore(cpus),
+    }
+    measured = interleaved(context, candidates, args.rounds, args.seconds)
+    medians = {}
+    print(f"{'setting':34} {'samples/s':>9} {'(min-max)':>13} {'/ceiling':>8}  params")
+    for name, params in candidates.items():
+        runs = measured[params_key(params)]
+        medians[name] = statistics.median(runs)
+        print(f"{name:34} {medians[name]:9.0f} ({min(runs):5.0f}-{max(runs):5.0f}) "
+              f"{medians[name] / workload.ceiling:8.2f}  {params}")  # fmt: skip
+    best_heuristic = max(v for k, v in medians.items() if k.startswith("workers ="))
+    row = {
+        "workload": workload.name,
+        "ceiling": workload.ceiling,
+        "baseline": medians["num_workers=0"],
+        "best_heuristic": best_heuristic,
+        "oracle": medians["oracle"],
+        "tuned": medians["tuned"],
+        "tuned_over_oracle": medians["tuned"] / medians["oracle"],
+        "tuned_over_heuristic": medians["tuned"] / best_heuristic,
+        "tuned_over_ceiling": medians["tuned"] / workload.ceiling,
+        "tune_seconds": tune_seconds,
+        "grid_seconds": grid_seconds,
+        "time_ratio": tune_seconds / grid_seconds,
+        "tuned_params": result.params,
+        "oracle_params": json.loads(oracle_key),
+    }
+    print(f"tuned/oracle {row['tuned_over_oracle']:.3f}, "
+          f"tuned/best heuristic {row['tuned_over_heuristic']:.3f}, "
+          f"tuning/grid time {row['time_ratio']:.3f}")  # fmt: skip
+    return row
+
+
+def sizes(args: argparse.Namespace) -> None:
+    """Tuning time on the latency workload with 1e3 and 1e6 items."""
+    workload = WORKLOADS["latency"]
+    print("\n== tuning time against dataset size (latency workload)")
+    for length in (1_000, 1_000_000):
+        started = time.perf_counter()
+        result = autoloader.tune(
+            workload.make_dataset(length),
+            workload.step(),
+            batch_size=workload.batch_size,
+            time_budget=args.time_budget,
+            show_progress=False,
+        )
+        print(f"{length:>9} items: {time.perf_counter() - started:.1f} s, "
+              f"{len(result.trials)} trials, {result.params}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--time-budget", type=float, default=30.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=2.0, help="per grid or re-measure trial")
+    parser.add_argument("--sizes", action="store_true", help="also time 1e3 vs 1e6 items")
+    parser.add_argument("--json", help="write the summary rows here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    logging.basicConfig(level=logging.WARNING)
+    rows = [run_workload(WORKLOADS[name], args) for name in args.workloads.split(",")]
+    print(
+        "\n| workload | ceiling | num_workers=0 | best heuristic | oracle | tuned | "
+        "tuned/oracle | tuned/heuristic | tuned/ceiling | tuning s | grid s | time ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['ceiling']:.0f} | {r['baseline']:.0f} | "
+              f"{r['best_heuristic']:.0f} | {r['oracle']:.0f} | {r['tuned']:.0f} | "
+              f"{r['tuned_over_oracle']:.3f} | {r['tuned_over_heuristic']:.3f} | "
+              f"{r['tuned_over_ceiling']:.2f} | {r['tune_seconds']:.0f} | "
+              f"{r['grid_seconds']:.0f} | {r['time_ratio']:.3f} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(rows, file, indent=2)
+    if args.sizes:
+        sizes(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+
+from autoloader._cost_model import guess_workers
+from autoloader._search_space import SearchSpace
+
+
+@pytest.mark.parametrize(
+    ("load", "cpu", "step", "cpus", "expected"),
+    [
+        # Latency-bound: 40 ms of waiting per batch, 10 ms step: 4 workers keep up,
+        # however few the cores.
+        (0.040, 0.001, 0.010, 2, [4, 5]),
+        # CPU-bound: the same load, all CPU: two cores are all there is.
+        (0.040, 0.039, 0.010, 2, [2, 3]),
+        # Loading already faster than the step: one worker hides it.
+        (0.004, 0.000, 0.010, 2, [1, 2]),
+        # A step that takes no time: as many workers as cores, for CPU-bound loading.
+        (0.010, 0.010, 0.000, 4, [4, 5]),
+    ],
+)
+def test_guesses_follow_the_cost_model(
+    load: float, cpu: float, step: float, cpus: int, expected: list[int]
+) -> None:
+    baseline = {"load_seconds": load, "load_cpu_seconds": cpu, "step_seconds": step}
+    assert guess_workers(baseline, usable_cpus=cpus) == expected
+
+
+def test_no_guess_when_nothing_is_loaded() -> None:
+    assert guess_workers({"load_seconds": 0.0, "step_seconds": 0.01}, usable_cpus=2) == []
+
+
+def test_guesses_come_before_the_ladder_within_the_range() -> None:
+    space = SearchSpace(num_workers=(0, 8), prefetch_factor=2, persistent_workers=True)
+    resolved, _ = space.resolve(usable_cpus=2, has_accelerator=False, batches_per_epoch=100)
+    counts = [p["num_workers"] for p in resolved.ladder(first=[5, 6, 40])]
+    assert counts == [5, 6, 1, 2, 4, 8]
