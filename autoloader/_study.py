@@ -62,7 +62,8 @@ _STARTUP_PER_WORKER = 3.0
 _BASELINE_TIMEOUT = 60.0
 # NOTE [ Enough searching ]
 # Once the starting points (the cost model's guesses and the ladder) are measured, the
-# search stops when _PATIENCE trials in a row found nothing more than _TIE_TOLERANCE
+# search stops when _PATIENCE measured trials in a row (settings skipped as known to
+# fail do not count) found nothing more than _TIE_TOLERANCE
 # better than the best before them: the sampler is circling a plateau, and the time is
 # better spent on the runoff, or given back. A loop that is bound by its step reaches
 # such a plateau quickly: nothing beats the step.
@@ -221,7 +222,12 @@ class Search:
     def _searched_enough(self, starting_points: int) -> bool:
         """Whether the last _PATIENCE search trials, after the starting points, found
         nothing better than the best before them (see ``NOTE [ Enough searching ]``)."""
-        searched = [t for t in self._trials() if t.user_attrs.get("phase") == "search"]
+        # Settings recorded without running (known to fail) are not search effort.
+        searched = [
+            t
+            for t in self._trials()
+            if t.user_attrs.get("phase") == "search" and "same_as" not in t.user_attrs
+        ]
         if len(searched) < starting_points + _PATIENCE:
             return False
         before, recent = searched[:-_PATIENCE], searched[-_PATIENCE:]
