@@ -169,6 +169,7 @@ class SubprocessRunner:
         own: int,
     ) -> tuple[Any, ...]:
         """Relay the trial's windows to ``on_window`` until its outcome arrives."""
+        silence = _silence_limit(request)
         give_up = time.monotonic() + _START_TIMEOUT
         started = False
         while True:
@@ -184,12 +185,11 @@ class SubprocessRunner:
                     )
                 if process.exitcode is not None:
                     return ("died", TrialProcessDied(process.exitcode))
-                silence = _silence_limit(request)
                 return ("silent", TrialTimeout("waiting for the trial's process", silence))
             kind = message[0]
             if kind == "ready":
                 started = True
-                give_up = time.monotonic() + _silence_limit(request)
+                give_up = time.monotonic() + silence
             elif kind == "window":
                 _, step, measurement = message
                 try:
@@ -200,7 +200,7 @@ class SubprocessRunner:
                         connection.send(True)  # stop
                     raise
                 connection.send(False)
-                give_up = time.monotonic() + _silence_limit(request)
+                give_up = time.monotonic() + silence
             else:
                 return tuple(message)
 

@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from time import perf_counter, process_time
 from types import FrameType
 from typing import Any, Protocol
@@ -627,7 +627,7 @@ class TrialRunner:
                 end = perf_counter()
                 window.seconds = end - window_start
                 windows.append(window)
-                for name in ("samples", "batches", "seconds", "wait", "wait_cpu", "step"):
+                for name in (f.name for f in fields(_Totals)):
                     setattr(total, name, getattr(total, name) + getattr(window, name))
                 estimate = self._estimate(
                     windows, total, time_to_first_batch, restarts, started, watch, batch_bytes

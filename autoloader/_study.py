@@ -212,22 +212,20 @@ class Search:
             if seconds < 0.5 * _MIN_TRIAL_SECONDS:
                 break
             self._execute([("search", None, seconds)])
-            self._stop_if_every_setting_fails()
+            # One read of the study serves both checks.
+            searched = [t for t in self._trials() if t.user_attrs.get("phase") == "search"]
+            self._stop_if_every_setting_fails(searched)
             if remaining is not None:
                 remaining -= 1
-            if self._searched_enough(len(starting_points)):
+            if self._searched_enough(searched, len(starting_points)):
                 _logger.info("no gain in the last %d trials: the search stops", _PATIENCE)
                 break
 
-    def _searched_enough(self, starting_points: int) -> bool:
+    def _searched_enough(self, searched: list[FrozenTrial], starting_points: int) -> bool:
         """Whether the last _PATIENCE search trials, after the starting points, found
         nothing better than the best before them (see ``NOTE [ Enough searching ]``)."""
         # Settings recorded without running (known to fail) are not search effort.
-        searched = [
-            t
-            for t in self._trials()
-            if t.user_attrs.get("phase") == "search" and "same_as" not in t.user_attrs
-        ]
+        searched = [t for t in searched if "same_as" not in t.user_attrs]
         if len(searched) < starting_points + _PATIENCE:
             return False
         before, recent = searched[:-_PATIENCE], searched[-_PATIENCE:]
@@ -237,8 +235,7 @@ class Search:
         best_recent = max((t.value for t in recent if t.value is not None), default=0.0)
         return best_recent <= (1 + _TIE_TOLERANCE) * best_before
 
-    def _stop_if_every_setting_fails(self) -> None:
-        searched = [t for t in self._trials() if t.user_attrs.get("phase") == "search"]
+    def _stop_if_every_setting_fails(self, searched: list[FrozenTrial]) -> None:
         if len(searched) < _FAILURES_BEFORE_GIVING_UP:
             return
         if any(t.state != TrialState.FAIL for t in searched):

@@ -52,6 +52,16 @@ class Context:
     batches_per_epoch: int
     refill_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        # The same loop, measured for the whole time given, not until the rate is stable.
+        self.to_the_cap = TrialRunner(
+            self.runner.dataset,
+            self.runner.step_fn,
+            batch_size=self.runner.batch_size,
+            memory_budget=self.runner.memory_budget,
+            target_relative_error=0.0,
+        )
+
     def value(self, params: dict[str, Any], measurement: Measurement) -> float:
         return epoch_samples_per_second(
             params,
@@ -65,15 +75,7 @@ class Context:
         self, params: dict[str, Any], seconds: float, *, to_the_cap: bool = False
     ) -> Measurement | None:
         """One measurement, or ``None`` if the setting passed the memory budget."""
-        runner = self.runner
-        if to_the_cap:
-            runner = TrialRunner(
-                runner.dataset,
-                runner.step_fn,
-                batch_size=runner.batch_size,
-                memory_budget=runner.memory_budget,
-                target_relative_error=0.0,
-            )
+        runner = self.to_the_cap if to_the_cap else self.runner
         try:
             return runner.measure(params, max_seconds=seconds, deadlines=DEADLINES)
         except MemoryBudgetExceeded:
