@@ -13,6 +13,11 @@ CPU work cannot go faster than the cores allow: past ``n = cores`` it gains noth
 while loading that mostly waits (I/O, remote storage) wants ``n`` workers whatever the
 cores. One more worker than the estimate absorbs jitter and the main process's cost of
 receiving batches. The search measures these first and refines around them.
+
+Loading whose CPU time exceeds its wall time ran on several threads at once: a native
+thread pool (BLAS, OpenMP) inside the dataset. Each worker would start one as wide as
+the machine, so the first settings measured limit each worker to one thread (see
+``NOTE [ Worker threads ]``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Mapping
 
 # Share of the baseline's load time spent on CPU above which loading is CPU-bound.
 _CPU_BOUND_SHARE = 0.5
+# CPU seconds per wall second of loading above which it ran on several threads.
+_MULTI_THREADED_SHARE = 1.2
 
 
 def guess_workers(baseline: Mapping[str, float], *, usable_cpus: int) -> list[int]:
@@ -38,3 +45,9 @@ def guess_workers(baseline: Mapping[str, float], *, usable_cpus: int) -> list[in
     if cpu_share > _CPU_BOUND_SHARE:
         needed = min(needed, usable_cpus)
     return list(dict.fromkeys([max(1, needed), needed + 1]))
+
+
+def loads_on_several_threads(baseline: Mapping[str, float]) -> bool:
+    """Whether the baseline's loading kept more than one CPU busy at once."""
+    load = float(baseline.get("load_seconds", 0.0))
+    return load > 0 and float(baseline.get("load_cpu_seconds", 0.0)) > _MULTI_THREADED_SHARE * load

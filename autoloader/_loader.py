@@ -1,11 +1,22 @@
-"""DataLoader keyword arguments from tuned settings, the user's fixed options and overrides."""
+"""DataLoaders from tuned settings, the user's fixed options and overrides."""
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from torch.utils.data import DataLoader, Dataset
+
+from autoloader._batching import batched_loader_kwargs
 from autoloader._search_space import normalize_params
+from autoloader._threads import LimitThreads
+
+# Tuned settings that are not DataLoader options but change how the loader is built.
+_BUILD_OPTIONS = ("batched_fetch", "worker_threads")
+# DataLoader(in_order=...) arrived in torch 2.6.
+SUPPORTS_IN_ORDER = "in_order" in inspect.signature(DataLoader).parameters
 
 
 def merge_loader_kwargs(
@@ -15,12 +26,12 @@ def merge_loader_kwargs(
     fixed: Mapping[str, Any] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``torch.utils.data.DataLoader``; overrides win.
+    """The settings and options of a loader, in canonical form; overrides win.
 
     Worker-only options (``prefetch_factor``, ``persistent_workers``,
-    ``multiprocessing_context``) are dropped when the result has no workers: DataLoader
+    ``multiprocessing_context``...) are dropped when the result has no workers: DataLoader
     rejects them then, and a baseline or an override of ``num_workers=0`` must still
-    give a valid loader.
+    give a valid loader. Pass the result to :func:`build_loader`.
     """
     merged: dict[str, Any] = {
         "batch_size": batch_size,
@@ -34,3 +45,42 @@ def merge_loader_kwargs(
         merged.pop("multiprocessing_context", None)
         merged["persistent_workers"] = False
     return merged
+
+
+def build_loader(dataset: Dataset[Any], options: Mapping[str, Any]) -> DataLoader[Any]:
+    """A DataLoader over ``dataset`` from :func:`merge_loader_kwargs` output (see
+    :func:`dataloader_kwargs`)."""
+    kwargs = dataloader_kwargs(dataset, options)
+    with warnings.catch_warnings():
+        # torch warns when workers outnumber cores; trials do so on purpose, and a tuned
+        # count was measured to pay.
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        return DataLoader(dataset, **kwargs)
+
+
+def dataloader_kwargs(dataset: Dataset[Any] | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``DataLoader(dataset, **kwargs)`` options from :func:`merge_loader_kwargs` output.
+
+    ``batched_fetch`` turns the batch size and sampling options into a ``BatchSampler``
+    (see ``NOTE [ Batched fetch ]``); ``worker_threads`` wraps the ``worker_init_fn``
+    (see ``NOTE [ Worker threads ]``); ``in_order=True`` is left out on a torch that
+    does not know the option, where it is the only behaviour.
+
+    Raises:
+        ValueError: the options do not go together (``batched_fetch`` with a
+            ``collate_fn``, or without the dataset its sampler needs).
+    """
+    kwargs = dict(options)
+    batched, threads = (kwargs.pop(name, None) for name in _BUILD_OPTIONS)
+    if threads is not None:
+        kwargs["worker_init_fn"] = LimitThreads(threads, kwargs.get("worker_init_fn"))
+    if not SUPPORTS_IN_ORDER and not kwargs.pop("in_order", True):
+        raise ValueError("in_order=False needs torch 2.6 or later.")
+    if batched:
+        if dataset is None:
+            raise ValueError(
+                "these settings fetch whole batches (batched_fetch=True), which needs a "
+                "sampler over the dataset: pass the dataset, or use make_loader(dataset)."
+            )
+        kwargs = batched_loader_kwargs(dataset, kwargs)
+    return kwargs

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
 
 from autoloader._device import move_to_device, synchronize
-from autoloader._loader import merge_loader_kwargs
+from autoloader._loader import build_loader, merge_loader_kwargs
 from autoloader._memory import MemoryBudgetExceeded, MemoryWatch, kill
 
 # Two-sided 95% Student t quantiles by degrees of freedom; 1.96 beyond the table.
@@ -486,7 +486,7 @@ class TrialRunner:
                 kwargs = merge_loader_kwargs(
                     params, batch_size=self.batch_size, fixed=self.fixed_kwargs
                 )
-                live.loader = DataLoader(self.dataset, **kwargs)
+                live.loader = build_loader(self.dataset, kwargs)
                 measurement = self._time_loop(
                     live.loader,
                     live,

@@ -16,10 +16,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from autoloader._environment import Environment
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader._loader import merge_loader_kwargs
+from autoloader._loader import dataloader_kwargs, merge_loader_kwargs
 from autoloader._search_space import TUNED_KEYS, normalize_params
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
+# it measured.
+_READABLE_VERSIONS = (1, 2)
 
 # Fixed DataLoader options of these types are written to the JSON file; others
 # (a collate_fn, a sampler, a generator) live only in the result returned by tune().
@@ -113,9 +116,21 @@ class TuneResult:
         """``throughput / baseline``."""
         return self.throughput / self.baseline if self.baseline > 0 else math.inf
 
-    def loader_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        """Keyword arguments for ``torch.utils.data.DataLoader``: the batch size, the
-        user's fixed options and the tuned settings, with ``overrides`` winning."""
+    def loader_kwargs(
+        self, dataset: Dataset[Any] | None = None, /, **overrides: Any
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``DataLoader(dataset, ...)``: the batch size, the user's
+        fixed options and the tuned settings, with ``overrides`` winning.
+
+        Settings that fetch whole batches (``batched_fetch``) build their sampler over
+        ``dataset``, which must then be given; settings that limit the workers' threads
+        (``worker_threads``) come as a ``worker_init_fn`` that then calls the user's.
+
+        Raises:
+            ValueError: the settings fetch whole batches and ``dataset`` is missing, or
+                an override does not go with them (a ``collate_fn``: pass
+                ``batched_fetch=False`` with it).
+        """
         missing = [k for k in self.unsaved_loader_kwargs if k not in overrides]
         missing = [k for k in missing if k not in self._in_memory_kwargs]
         if missing:
@@ -126,13 +141,14 @@ class TuneResult:
                 stacklevel=3,
             )
         fixed = {**self.fixed_loader_kwargs, **self._in_memory_kwargs}
-        return merge_loader_kwargs(
+        options = merge_loader_kwargs(
             self.params, batch_size=self.batch_size, fixed=fixed, overrides=overrides
         )
+        return dataloader_kwargs(dataset, options)
 
     def make_loader(self, dataset: Dataset[Any], **overrides: Any) -> DataLoader[Any]:
         """A ``DataLoader`` over ``dataset`` with the tuned settings; overrides win."""
-        kwargs = self.loader_kwargs(**overrides)
+        kwargs = self.loader_kwargs(dataset, **overrides)
         with warnings.catch_warnings():
             # torch warns when workers outnumber cores; this count was measured to pay.
             warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -188,10 +204,10 @@ class TuneResult:
         if not isinstance(data, Mapping):
             raise ResultFileError("a result must be a JSON object")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in _READABLE_VERSIONS:
             raise ResultFileError(
-                f"schema_version is {version!r}, but this autoloader reads version "
-                f"{SCHEMA_VERSION}; tune again with this version"
+                f"schema_version is {version!r}, but this autoloader reads versions "
+                f"{', '.join(map(str, _READABLE_VERSIONS))}; tune again with this version"
             )
         try:
             params = normalize_params(_typed(data, "params", dict))

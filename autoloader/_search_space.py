@@ -6,14 +6,22 @@ import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from autoloader._exceptions import InvalidInputError
 
 if TYPE_CHECKING:
     import optuna
 
-TUNED_KEYS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+TUNED_KEYS = (
+    "num_workers",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory",
+    "batched_fetch",
+    "worker_threads",
+    "in_order",
+)
 
 # Latency-bound datasets (network or disk waits) want far more workers than cores: a
 # 2-core machine reading items that each sleep 5 ms is fastest near 12-16 workers.
@@ -39,6 +47,25 @@ def _int_range(name: str, value: object) -> tuple[int, int]:
             f"SearchSpace.{name} range ({low}, {high}) is empty; give low <= high."
         )
     return low, high
+
+
+def _thread_choices(value: object) -> tuple[int | None, ...]:
+    choices = (value,) if value is None or isinstance(value, int) else value
+    if (
+        not isinstance(choices, tuple | list)
+        or not choices
+        or not all(c is None or (isinstance(c, int) and not isinstance(c, bool)) for c in choices)
+    ):
+        raise InvalidInputError(
+            "SearchSpace.worker_threads must be an int, or a tuple of ints and None (None "
+            f"leaves the workers' thread pools as they are), but got {value!r}."
+        )
+    if any(c is not None and c < 1 for c in choices):
+        raise InvalidInputError(
+            f"SearchSpace.worker_threads must be at least 1 but got {value!r}; use None to "
+            "leave the workers' thread pools as they are."
+        )
+    return tuple(dict.fromkeys(choices))
 
 
 def _choices(name: str, value: object) -> tuple[bool, ...]:
@@ -71,6 +98,19 @@ class SearchSpace:
         pin_memory (bool or tuple of bool, optional): ``None`` means ``(False, True)``
             where an accelerator exists and ``False`` elsewhere, where pinning does
             nothing but cost time. (default: ``None``)
+        batched_fetch (bool or tuple of bool, optional): fetch a whole batch with one
+            ``dataset[list_of_indices]`` instead of one ``dataset[index]`` per sample
+            and a collate (see ``NOTE [ Batched fetch ]``). ``None`` means
+            ``(False, True)`` when the dataset gives the same batches that way (checked
+            before the run), else ``False``. (default: ``None``)
+        worker_threads (int, None or tuple of them, optional): threads each worker's
+            native thread pools (BLAS, OpenMP) may use; ``None`` as a value leaves them
+            as they are. ``"auto"`` searches ``(None, 1)`` on a machine with several
+            CPUs. (default: ``"auto"``)
+        in_order (bool or tuple of bool, optional): whether batches must come in the
+            sampler's order. ``(True, False)`` lets the tuner hand batches over as soon
+            as any worker has one, which hides slow items behind fast ones but makes
+            the order of batches depend on timing. (default: ``True``)
 
     Example::
 
@@ -81,6 +121,9 @@ class SearchSpace:
     prefetch_factor: int | tuple[int, int] = (1, 8)
     persistent_workers: bool | tuple[bool, ...] = (False, True)
     pin_memory: bool | tuple[bool, ...] | None = None
+    batched_fetch: bool | tuple[bool, ...] | None = None
+    worker_threads: int | tuple[int | None, ...] | Literal["auto"] | None = "auto"
+    in_order: bool | tuple[bool, ...] = True
 
     def __post_init__(self) -> None:
         if self.num_workers is not None:
@@ -102,6 +145,11 @@ class SearchSpace:
         )
         if self.pin_memory is not None:
             object.__setattr__(self, "pin_memory", _choices("pin_memory", self.pin_memory))
+        if self.batched_fetch is not None:
+            object.__setattr__(self, "batched_fetch", _choices("batched_fetch", self.batched_fetch))
+        if self.worker_threads != "auto":
+            object.__setattr__(self, "worker_threads", _thread_choices(self.worker_threads))
+        object.__setattr__(self, "in_order", _choices("in_order", self.in_order))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SearchSpace:
@@ -120,12 +168,29 @@ class SearchSpace:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def resolve(
-        self, *, usable_cpus: int, has_accelerator: bool, batches_per_epoch: int | None
+        self,
+        *,
+        usable_cpus: int,
+        has_accelerator: bool,
+        batches_per_epoch: int | None,
+        batched_fetch_problem: str | None = "the dataset was not checked for it",
     ) -> tuple[SearchSpace, list[str]]:
         """Fill in the defaults for this machine and dataset.
 
+        Args:
+            usable_cpus: CPUs this process may run on.
+            has_accelerator: whether pinning memory can do anything here.
+            batches_per_epoch: ``len(loader)``, or ``None`` if unknown.
+            batched_fetch_problem: why the dataset cannot be fetched a batch at a time
+                (see :func:`autoloader._batching.batched_fetch_problem`), or ``None``
+                once it was checked that it can.
+
         Returns:
             The concrete space, and notes for the user about settings fixed here.
+
+        Raises:
+            InvalidInputError: ``batched_fetch=True`` was asked for a dataset that
+                cannot be fetched a batch at a time.
         """
         notes = []
         num_workers = self.num_workers
@@ -146,43 +211,90 @@ class SearchSpace:
             notes.append("pin_memory fixed to False: this machine has no accelerator.")
         elif pin_memory is None:
             pin_memory = (False, True)
-        return dataclasses.replace(self, num_workers=num_workers, pin_memory=pin_memory), notes
+        batched_fetch = self.batched_fetch
+        if batched_fetch_problem is not None:
+            if batched_fetch is not None and True in batched_fetch:  # type: ignore[operator]
+                raise InvalidInputError(
+                    f"SearchSpace.batched_fetch=True was asked for, but {batched_fetch_problem}. "
+                    "Leave batched_fetch unset, or set it to False."
+                )
+            batched_fetch = (False,)
+        elif batched_fetch is None:
+            batched_fetch = (False, True)
+            notes.append(
+                "batched_fetch searched: dataset[list of indices] gives the same batches as "
+                "loading the items one by one and collating them."
+            )
+        worker_threads = self.worker_threads
+        if worker_threads == "auto":
+            # Each worker's pools start as wide as the machine (see NOTE [ Worker threads ]).
+            worker_threads = (None, 1) if usable_cpus > 1 else (None,)
+        space = dataclasses.replace(
+            self,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            batched_fetch=batched_fetch,
+            worker_threads=worker_threads,
+        )
+        return space, notes
 
-    def _bounds(
-        self,
-    ) -> tuple[tuple[int, int], tuple[int, int], tuple[bool, ...], tuple[bool, ...]]:
-        if not isinstance(self.num_workers, tuple) or self.pin_memory is None:
+    def _bounds(self) -> _Choices:
+        if (
+            not isinstance(self.num_workers, tuple)
+            or self.pin_memory is None
+            or self.batched_fetch is None
+            or self.worker_threads == "auto"
+        ):
             raise RuntimeError("SearchSpace.resolve() must be called before drawing settings")
-        # __post_init__ turned every single value into a range or a tuple of choices.
-        return (
-            self.num_workers,
-            self.prefetch_factor,  # type: ignore[return-value]
-            self.persistent_workers,
-            self.pin_memory,
+        # __post_init__ and resolve() turned every option into a range or a tuple.
+        return _Choices(
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,  # type: ignore[arg-type]
+            persistent_workers=self.persistent_workers,  # type: ignore[arg-type]
+            pin_memory=self.pin_memory,  # type: ignore[arg-type]
+            batched_fetch=self.batched_fetch,  # type: ignore[arg-type]
+            worker_threads=self.worker_threads,  # type: ignore[arg-type]
+            in_order=self.in_order,  # type: ignore[arg-type]
         )
 
     def suggest(self, trial: optuna.Trial) -> Params:
         """Draw one setting from a resolved space; worker options only with workers."""
-        workers, prefetch, persistent, pin = self._bounds()
-        num_workers = trial.suggest_int("num_workers", *workers)
+        choices = self._bounds()
+        num_workers = trial.suggest_int("num_workers", *choices.num_workers)
         params: Params = {"num_workers": num_workers}
         if num_workers > 0:
-            params["prefetch_factor"] = trial.suggest_int("prefetch_factor", *prefetch)
-            params["persistent_workers"] = trial.suggest_categorical(
-                "persistent_workers", persistent
+            params["prefetch_factor"] = trial.suggest_int(
+                "prefetch_factor", *choices.prefetch_factor
             )
-        params["pin_memory"] = trial.suggest_categorical("pin_memory", pin)
+            params["persistent_workers"] = trial.suggest_categorical(
+                "persistent_workers", choices.persistent_workers
+            )
+            params["worker_threads"] = trial.suggest_categorical(
+                "worker_threads", choices.worker_threads
+            )
+            params["in_order"] = trial.suggest_categorical("in_order", choices.in_order)
+        params["pin_memory"] = trial.suggest_categorical("pin_memory", choices.pin_memory)
+        params["batched_fetch"] = trial.suggest_categorical("batched_fetch", choices.batched_fetch)
         return normalize_params(params)
 
-    def ladder(self, first: Sequence[int] = ()) -> list[Params]:
+    def ladder(self, first: Sequence[int] = (), *, limit_threads: bool = False) -> list[Params]:
         """Starting points: worker counts doubling across the range, other options typical.
 
         The throughput of a loader is mostly a function of ``num_workers``; a doubling
         ladder brackets the right count in a handful of trials, which the sampler then
-        refines. Counts in ``first`` (a cost model's guesses) come before it.
+        refines. Counts in ``first`` (a cost model's guesses) come before it. Where the
+        space allows, the ladder fetches whole batches (they were checked to be the same
+        batches, and one indexing beats many), lets batches come out of order, and with
+        ``limit_threads`` (loading was seen to use several threads) gives each worker's
+        thread pools one thread.
         """
-        (low, high), (pf_low, pf_high), persistent, pin = self._bounds()
+        choices = self._bounds()
+        low, high = choices.num_workers
+        batched = True in choices.batched_fetch
         counts = [n for n in first if low <= n <= high and n > 0]
+        if batched and low == 0:
+            # A whole batch by one indexing is often quicker than a worker's hand-over.
+            counts.insert(0, 0)
         count = 1
         while count <= high:
             if count >= low and count not in counts:
@@ -190,29 +302,63 @@ class SearchSpace:
             count *= 2
         if high > 0 and high not in counts:
             counts.append(high)
+        pf_low, pf_high = choices.prefetch_factor
+        threads = choices.worker_threads
         return [
             normalize_params(
                 {
                     "num_workers": n,
                     "prefetch_factor": min(max(2, pf_low), pf_high),
-                    "persistent_workers": True in persistent,
-                    "pin_memory": True in pin,
+                    "persistent_workers": True in choices.persistent_workers,
+                    "pin_memory": True in choices.pin_memory,
+                    "batched_fetch": batched,
+                    "worker_threads": 1 if limit_threads and 1 in threads else threads[0],
+                    "in_order": False not in choices.in_order,
                 }
             )
             for n in counts
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class _Choices:
+    """A resolved space's options, each a ``(low, high)`` range or a tuple of choices."""
+
+    num_workers: tuple[int, int]
+    prefetch_factor: tuple[int, int]
+    persistent_workers: tuple[bool, ...]
+    pin_memory: tuple[bool, ...]
+    batched_fetch: tuple[bool, ...]
+    worker_threads: tuple[int | None, ...]
+    in_order: tuple[bool, ...]
+
+
 def normalize_params(params: Mapping[str, Any]) -> Params:
-    """Settings in canonical form: worker options are ``None``/``False`` without workers."""
+    """Settings in canonical form: worker options are ``None``/``False``/``True`` (their
+    DataLoader defaults) without workers."""
     num_workers = int(params.get("num_workers", 0))
     workers = num_workers > 0
+    threads = params.get("worker_threads")
     return {
         "num_workers": num_workers,
         "prefetch_factor": int(params.get("prefetch_factor") or 2) if workers else None,
         "persistent_workers": bool(params.get("persistent_workers", False)) and workers,
         "pin_memory": bool(params.get("pin_memory", False)),
+        "batched_fetch": bool(params.get("batched_fetch", False)),
+        "worker_threads": int(threads) if workers and threads is not None else None,
+        "in_order": bool(params.get("in_order", True)) or not workers,
     }
+
+
+_WORKER_ONLY = ("prefetch_factor", "persistent_workers", "worker_threads", "in_order")
+
+
+def trial_params(params: Mapping[str, Any]) -> Params:
+    """The values :meth:`SearchSpace.suggest` draws for ``params``: what a queued trial
+    (``study.enqueue_trial``) must fix. Worker options are not drawn without workers."""
+    if params["num_workers"] > 0:
+        return dict(params)
+    return {k: v for k, v in params.items() if k not in _WORKER_ONLY}
 
 
 BASELINE_PARAMS: Params = normalize_params({"num_workers": 0})

@@ -27,14 +27,14 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from autoloader._cost_model import guess_workers
+from autoloader._cost_model import guess_workers, loads_on_several_threads
 from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader._faults import classify
 from autoloader._measure import Deadlines, Measurement, Runner, TrialError
 from autoloader._memory import MemoryBudgetExceeded
 from autoloader._report import describe
 from autoloader._result import TrialRecord
-from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace
+from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace, trial_params
 
 _logger = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class Search:
         self._baseline_batch_seconds: float | None = None
         self._batch_bytes = 0
         self._guesses: list[int] = []
+        self._limit_threads = False
         self._numbers: list[int] = []
         self._trial_seconds = trial_seconds(self.time_budget)
 
@@ -195,17 +196,18 @@ class Search:
         )
         self._batch_bytes = int(measurement.get("batch_bytes", 0))
         self._guesses = guess_workers(measurement, usable_cpus=self.usable_cpus)
+        self._limit_threads = loads_on_several_threads(measurement)
 
     def _run_search(self) -> None:
         search_end = self.deadline - _RUNOFF_SHARE * self.time_budget
         # No more than the trial cap allows: an enqueued setting left over would be
         # handed to the next trial the study runs, whatever its phase.
-        starting_points = self.space.ladder(first=self._guesses)[: self.n_trials]
+        starting_points = self.space.ladder(first=self._guesses, limit_threads=self._limit_threads)[
+            : self.n_trials
+        ]
         for params in starting_points:
             # skip_if_exists: a study resumed from storage already measured these.
-            self.study.enqueue_trial(
-                {k: v for k, v in params.items() if v is not None}, skip_if_exists=True
-            )
+            self.study.enqueue_trial(trial_params(params), skip_if_exists=True)
         remaining = self.n_trials
         while remaining is None or remaining > 0:
             seconds = min(self._trial_seconds, self._seconds_left(search_end))
@@ -537,8 +539,16 @@ def _asks_at_least(params: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
     )
 
 
-def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool]:
-    return (params["num_workers"], params["prefetch_factor"] or 0, params["pin_memory"])
+def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool, bool, bool]:
+    """Fewest workers, smallest prefetch, no pinning; then one indexing per batch (less
+    CPU), then batches in order (reproducible)."""
+    return (
+        params["num_workers"],
+        params["prefetch_factor"] or 0,
+        params["pin_memory"],
+        not params.get("batched_fetch", False),
+        not params.get("in_order", True),
+    )
 
 
 def _median_rate(trials: list[FrozenTrial]) -> float:

@@ -18,6 +18,7 @@ import optuna
 import torch
 from torch.utils.data import Dataset
 
+from autoloader._batching import batched_fetch_problem
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError
@@ -161,18 +162,6 @@ def tune(
     )
     isolation = check_isolation(isolation)
     memory_bytes = _memory_budget(memory_budget)
-    space, notes = space.resolve(
-        usable_cpus=environment.usable_cpus,
-        has_accelerator=environment.accelerator is not None,
-        batches_per_epoch=batches_per_epoch,
-    )
-    _logger.info(
-        "tuning %s for %.0f s, memory budget %s, space %s",
-        type(dataset).__name__,
-        budget,
-        format_bytes(memory_bytes),
-        space.as_dict(),
-    )
     in_process = TrialRunner(
         dataset,
         step_fn,
@@ -182,6 +171,24 @@ def tune(
         device=resolved_device,
     )
     runner: Runner = SubprocessRunner(in_process) if isolation == "subprocess" else in_process
+    # Reads a batch or two: only once every argument was checked.
+    space, notes = space.resolve(
+        usable_cpus=environment.usable_cpus,
+        has_accelerator=environment.accelerator is not None,
+        batches_per_epoch=batches_per_epoch,
+        batched_fetch_problem=(
+            batched_fetch_problem(dataset, batch_size, fixed)
+            if space.batched_fetch != (False,)
+            else None
+        ),
+    )
+    _logger.info(
+        "tuning %s for %.0f s, memory budget %s, space %s",
+        type(dataset).__name__,
+        budget,
+        format_bytes(memory_bytes),
+        space.as_dict(),
+    )
     with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
         study = optuna.create_study(
             storage=study_storage,

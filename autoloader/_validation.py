@@ -16,7 +16,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autoloader._exceptions import InvalidInputError, UnpicklableError
-from autoloader._loader import merge_loader_kwargs
+from autoloader._loader import build_loader, merge_loader_kwargs
 from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS, SearchSpace
 
 # Start methods that pickle the dataset and collate_fn into each worker; under "fork"
@@ -201,8 +201,8 @@ def count_batches(dataset: Dataset[Any], batch_size: int, fixed: Mapping[str, An
     before the run starts.
     """
     try:
-        loader = DataLoader(
-            dataset, **merge_loader_kwargs(BASELINE_PARAMS, batch_size=batch_size, fixed=fixed)
+        loader = build_loader(
+            dataset, merge_loader_kwargs(BASELINE_PARAMS, batch_size=batch_size, fixed=fixed)
         )
     except (TypeError, ValueError) as error:
         raise InvalidInputError(f"DataLoader rejected loader_kwargs: {error}") from error

@@ -35,7 +35,7 @@ def test_demo_tunes_prints_and_saves(tmp_path: Path) -> None:
         str(out),
     ):
         assert text in done.stdout
-    assert json.loads(out.read_text())["schema_version"] == 1
+    assert json.loads(out.read_text())["schema_version"] == 2
     assert autoloader.load(out).params["num_workers"] >= 0
 
 

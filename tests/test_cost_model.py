@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoloader._cost_model import guess_workers
+from autoloader._cost_model import guess_workers, loads_on_several_threads
 from autoloader._search_space import SearchSpace
 
 
@@ -36,3 +36,15 @@ def test_guesses_come_before_the_ladder_within_the_range() -> None:
     resolved, _ = space.resolve(usable_cpus=2, has_accelerator=False, batches_per_epoch=100)
     counts = [p["num_workers"] for p in resolved.ladder(first=[5, 6, 40])]
     assert counts == [5, 6, 1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("load", "cpu", "expected"),
+    [(0.010, 0.019, True), (0.010, 0.010, False), (0.010, 0.0, False), (0.0, 0.0, False)],
+    ids=["two-threads", "one-thread", "waiting", "nothing-loaded"],
+)
+def test_loading_on_several_threads_is_told_by_cpu_over_wall_time(
+    load: float, cpu: float, expected: bool
+) -> None:
+    baseline = {"load_seconds": load, "load_cpu_seconds": cpu}
+    assert loads_on_several_threads(baseline) is expected

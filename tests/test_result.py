@@ -7,10 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import BatchSampler, TensorDataset
 
 import autoloader
 from autoloader import EnvironmentMismatchWarning, ResultFileError, TrialRecord, TuneResult
+from autoloader._batching import same_batch
 from autoloader._environment import Environment
+from autoloader._search_space import normalize_params
+from autoloader._threads import LimitThreads
 
 from .workloads import SleepDataset
 
@@ -22,6 +27,9 @@ def _result(**changes: Any) -> TuneResult:
             "prefetch_factor": 4,
             "persistent_workers": True,
             "pin_memory": False,
+            "batched_fetch": False,
+            "worker_threads": None,
+            "in_order": True,
         },
         "throughput": 700.0,
         "baseline": 150.0,
@@ -61,8 +69,18 @@ def test_json_round_trip(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # same machine: no warning
         again = autoloader.load(path)
     assert again == result
-    assert json.loads(path.read_text())["schema_version"] == 1
+    assert json.loads(path.read_text())["schema_version"] == 2
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
+
+
+def test_a_version_1_file_loads_with_the_defaults_it_measured(tmp_path: Path) -> None:
+    data = _result().as_dict()
+    data["schema_version"] = 1
+    for key in ("batched_fetch", "worker_threads", "in_order"):
+        del data["params"][key]
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(data))
+    assert autoloader.load(path).params == _result().params
 
 
 def test_a_partial_result_stays_partial(tmp_path: Path) -> None:
@@ -84,6 +102,7 @@ def test_loader_kwargs_merge_fixed_and_tuned_and_overrides_win() -> None:
         "prefetch_factor": 4,
         "persistent_workers": True,
         "pin_memory": False,
+        "in_order": True,
     }
     assert result.loader_kwargs(shuffle=False, prefetch_factor=6)["prefetch_factor"] == 6
     no_workers = result.loader_kwargs(num_workers=0)
@@ -97,6 +116,37 @@ def test_make_loader_builds_a_working_loader() -> None:
     assert loader.drop_last
     assert sum(batch.shape[0] for batch in loader) == 16
     del loader
+
+
+def test_batched_fetch_loads_the_same_batches_in_the_same_order() -> None:
+    dataset = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
+    batched = _result(params=normalize_params({"batched_fetch": True}))
+    per_item = _result(params=normalize_params({}))
+    for seed in (0, 1):  # shuffle=True and drop_last=True are fixed options of _result()
+        a = batched.make_loader(dataset, generator=torch.Generator().manual_seed(seed))
+        b = per_item.make_loader(dataset, generator=torch.Generator().manual_seed(seed))
+        assert a.batch_size is None and isinstance(a.sampler, BatchSampler)
+        assert len(a) == len(b) == 2
+        assert all(same_batch(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_batched_fetch_needs_the_dataset_and_no_collate_fn() -> None:
+    batched = _result(params=normalize_params({"batched_fetch": True}))
+    with pytest.raises(ValueError, match="pass the dataset, or use make_loader"):
+        batched.loader_kwargs()
+    dataset = TensorDataset(torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="without a collate_fn; pass batched_fetch=False"):
+        batched.make_loader(dataset, collate_fn=list)
+    assert batched.make_loader(dataset, collate_fn=list, batched_fetch=False).batch_size == 8
+
+
+def test_worker_threads_wrap_the_users_worker_init_fn() -> None:
+    limited = _result(params=normalize_params({"num_workers": 2, "worker_threads": 1}))
+    kwargs = limited.loader_kwargs(worker_init_fn=print)
+    assert isinstance(kwargs["worker_init_fn"], LimitThreads)
+    assert kwargs["worker_init_fn"].threads == 1 and kwargs["worker_init_fn"].then is print
+    assert "worker_threads" not in kwargs and "batched_fetch" not in kwargs
+    assert "worker_init_fn" not in limited.loader_kwargs(num_workers=0)
 
 
 def test_options_the_file_cannot_keep_are_asked_for(tmp_path: Path) -> None:
@@ -138,7 +188,7 @@ def test_another_machine_is_warned_about(tmp_path: Path) -> None:
     [
         ("{not json", "is not valid JSON"),
         ("[]", "a result must be a JSON object"),
-        ('{"schema_version": 99}', "schema_version is 99, but this autoloader reads version 1"),
+        ('{"schema_version": 99}', "schema_version is 99, but this autoloader reads versions 1, 2"),
         ('{"schema_version": 1}', "missing field 'params'"),
     ],
 )

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 
 import autoloader
 from autoloader import SearchSpace
+from autoloader._search_space import trial_params
 
 from .workloads import SleepDataset, sleep_step
 
@@ -92,7 +93,7 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
     for trial in after:
         queued = trial.system_attrs.get("fixed_params")
         if queued is not None and trial.state == TrialState.COMPLETE:
-            measured = {k: v for k, v in trial.user_attrs["params"].items() if v is not None}
+            measured = trial_params(trial.user_attrs["params"])
             assert queued == measured
 
 

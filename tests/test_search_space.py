@@ -4,7 +4,7 @@ import optuna
 import pytest
 
 from autoloader import InvalidInputError, SearchSpace
-from autoloader._search_space import normalize_params
+from autoloader._search_space import normalize_params, trial_params
 
 
 def test_defaults_resolve_for_the_machine() -> None:
@@ -57,6 +57,11 @@ def test_pin_memory_asked_without_accelerator_is_fixed_off_and_said() -> None:
         ({"prefetch_factor": 0}, "at least 1"),
         ({"persistent_workers": ()}, "has no choices"),
         ({"pin_memory": "yes"}, "bool or a tuple of bools"),
+        ({"batched_fetch": "yes"}, "bool or a tuple of bools"),
+        ({"in_order": ()}, "has no choices"),
+        ({"worker_threads": 0}, "at least 1 but got 0; use None"),
+        ({"worker_threads": (None, "2")}, "tuple of ints and None"),
+        ({"worker_threads": True}, "tuple of ints and None"),
     ],
 )
 def test_bad_ranges_are_rejected(kwargs: dict[str, object], message: str) -> None:
@@ -95,7 +100,8 @@ def test_suggest_draws_worker_options_only_with_workers() -> None:
         params = space.suggest(trial)
         seen.add(params["num_workers"])
         if params["num_workers"] == 0:
-            assert set(trial.params) == {"num_workers", "pin_memory"}
+            assert set(trial.params) == {"num_workers", "pin_memory", "batched_fetch"}
+            assert params["worker_threads"] is None and params["in_order"] is True
             assert params["prefetch_factor"] is None
             assert params["persistent_workers"] is False
         else:
@@ -117,4 +123,58 @@ def test_normalize_params() -> None:
         "prefetch_factor": None,
         "persistent_workers": False,
         "pin_memory": False,
+        "batched_fetch": False,
+        "worker_threads": None,
+        "in_order": True,
     }
+
+
+def test_new_options_resolve_to_what_applies() -> None:
+    space, notes = SearchSpace().resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, batched_fetch_problem=None
+    )
+    assert space.batched_fetch == (False, True)
+    assert any("batched_fetch searched" in note for note in notes)
+    assert space.worker_threads == (None, 1)
+    assert space.in_order == (True,)  # reordering only when the user allows it
+    single, _ = SearchSpace().resolve(
+        usable_cpus=1, has_accelerator=False, batches_per_epoch=None, batched_fetch_problem="no"
+    )
+    assert single.batched_fetch == (False,)
+    assert single.worker_threads == (None,)
+
+
+def test_batched_fetch_asked_of_a_dataset_that_cannot_is_an_error() -> None:
+    with pytest.raises(InvalidInputError, match="batched_fetch=True was asked for, but it raised"):
+        SearchSpace(batched_fetch=True).resolve(
+            usable_cpus=2,
+            has_accelerator=False,
+            batches_per_epoch=None,
+            batched_fetch_problem="it raised",
+        )
+
+
+def test_ladder_fetches_batches_limits_threads_and_reorders_where_allowed() -> None:
+    space, _ = SearchSpace(num_workers=(0, 4), in_order=(True, False)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, batched_fetch_problem=None
+    )
+    ladder = space.ladder(limit_threads=True)
+    assert [p["num_workers"] for p in ladder] == [0, 1, 2, 4]
+    assert all(p["batched_fetch"] for p in ladder)
+    assert ladder[0] == normalize_params({"num_workers": 0, "batched_fetch": True})
+    assert all(p["worker_threads"] == 1 and p["in_order"] is False for p in ladder[1:])
+    plain = space.ladder(limit_threads=False)
+    assert all(p["worker_threads"] is None for p in plain)
+
+
+def test_queued_settings_name_what_suggest_draws() -> None:
+    space, _ = SearchSpace(num_workers=(0, 2), in_order=(True, False)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, batched_fetch_problem=None
+    )
+    study = optuna.create_study()
+    for params in space.ladder(limit_threads=True):
+        study.enqueue_trial(trial_params(params))
+        trial = study.ask()
+        assert space.suggest(trial) == params
+        assert trial.params == trial_params(params)
+        study.tell(trial, 1.0)

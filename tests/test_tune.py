@@ -11,11 +11,12 @@ from unittest import mock
 import optuna
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import autoloader
 from autoloader import BaselineError, InvalidInputError, SearchSpace, UnpicklableError
 from autoloader._memory import tree_memory
+from autoloader._search_space import trial_params
 
 from .workloads import (
     CountingDataset,
@@ -230,6 +231,26 @@ def test_tune_returns_measured_settings(tmp_path: Path) -> None:
     assert again.throughput == result.throughput
 
 
+def test_a_tensor_dataset_is_tuned_with_batched_fetch(tmp_path: Path) -> None:
+    dataset = TensorDataset(torch.randn(4096, 16), torch.arange(4096))
+    result = _tune(dataset, noop_step, batch_size=64, time_budget=6.0)
+    assert any("batched_fetch searched" in note for note in result.notes)
+    batched = [t for t in result.trials if t.params.get("batched_fetch")]
+    assert batched and not [t for t in batched if t.state == "failed"]
+    again = autoloader.load(result.save(tmp_path / "best.json"))
+    loader = again.make_loader(dataset)
+    assert sum(len(y) for _, y in loader) == 4096
+    del loader
+
+
+def test_batched_fetch_asked_of_a_dataset_that_cannot_fails_before_any_trial() -> None:
+    with pytest.raises(
+        InvalidInputError,
+        match="batched_fetch=True was asked for, but dataset\\[list of indices\\] raised TypeError",
+    ):
+        _tune(SleepDataset(64, latency=0.0), noop_step, search_space={"batched_fetch": True})
+
+
 def test_n_trials_caps_the_search() -> None:
     result = _tune(time_budget=30.0, n_trials=2)
     assert sum(t.phase == "search" for t in result.trials) == 2
@@ -358,7 +379,7 @@ def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
     for trial in study.trials:
         queued = trial.system_attrs.get("fixed_params")
         if queued is not None:
-            measured = {k: v for k, v in trial.user_attrs["params"].items() if v is not None}
+            measured = trial_params(trial.user_attrs["params"])
             assert queued == measured, (trial.number, trial.user_attrs["phase"])
 
 

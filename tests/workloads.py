@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
+from typing import Any
 
+import numpy as np
 import torch
+from threadpoolctl import threadpool_info
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
@@ -241,3 +245,59 @@ class StartMethodCheckingStep:
         method = multiprocessing.get_start_method()
         if method != self.expected:
             raise RuntimeError(f"workers start with {method!r}, not {self.expected!r}")
+
+
+class ArrayDataset(Dataset[dict[str, Any]]):
+    """Backed by a numpy array: ``dataset[list]`` is one fancy indexing."""
+
+    def __init__(self, length: int = 64) -> None:
+        self.features = np.arange(length * 3, dtype=np.float32).reshape(length, 3)
+        self.labels = np.arange(length)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        return {"x": self.features[index], "y": self.labels[index]}
+
+
+class FirstOnlyDataset(ArrayDataset):
+    """Accepts a list of indices, but answers it with the first item's features only."""
+
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        first = index[0] if isinstance(index, list) else index
+        return {"x": self.features[first], "y": self.labels[index]}
+
+
+class AugmentedDataset(ArrayDataset):
+    """Random noise on every read: two loads of a batch never agree."""
+
+    def __getitem__(self, index: Any) -> dict[str, Any]:
+        item = super().__getitem__(index)
+        return {"x": item["x"] + np.random.rand(*np.shape(item["x"])), "y": item["y"]}
+
+
+class ThreadsInWorker(Dataset[torch.Tensor]):
+    """Each item reports the threads its worker's native pools may run, and the
+    environment variables they read: BLAS, OpenMP, torch, ``OMP_NUM_THREADS``."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        pools = {pool["user_api"]: pool["num_threads"] for pool in threadpool_info()}
+        omp = int(os.environ.get("OMP_NUM_THREADS", "0"))
+        return torch.tensor([pools.get("blas", 0), torch.get_num_threads(), omp])
+
+
+def mark_worker(worker_id: int) -> None:
+    """A user's ``worker_init_fn``: leaves a trace the worker's items can report."""
+    os.environ["AUTOLOADER_TEST_WORKER"] = str(worker_id)
+
+
+class WorkerMarks(Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return int(os.environ.get("AUTOLOADER_TEST_WORKER", "-1"))
