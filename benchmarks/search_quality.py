@@ -3,13 +3,17 @@
 For each workload, in one run on one machine:
 
 1. ``autoloader.tune()`` with its default search space, timed;
-2. the exhaustive grid over the same space, timed; its best setting is the oracle.
-   Each (num_workers, prefetch_factor) is measured once: persistent_workers only
-   changes the epoch model's start-up term, which that one measurement gives for both
-   values (so the grid costs half of what measuring both would);
-3. the tuned setting, the oracle, ``num_workers=0`` and the folklore heuristics
-   (workers = cores, 2 x cores, cores / 2, with DataLoader's defaults otherwise)
-   measured again, interleaved (A B C ... A B C ...), for the same time each.
+2. the exhaustive grid over the same space, timed, with prefetch_factor in 1, 2, 4, 8
+   (the tuner may pick any of 1-8). Each setting is measured once for both values of
+   persistent_workers: that option only changes the epoch model's start-up term, which
+   the one measurement gives for both (so the grid costs half of what measuring both
+   would);
+3. the tuned setting, the grid's 3 best (the best of them, re-measured, is the
+   oracle), ``num_workers=0``, the folklore heuristics (workers = cores, 2 x cores,
+   cores / 2, with DataLoader's defaults otherwise) and, for each new option the space
+   searches (batched_fetch, worker_threads, in_order), the grid's best setting with
+   each of its values, all measured again, interleaved (A B C ... A B C ...), for the
+   same time each.
 
 Values are samples per second over a training epoch, start-up included (the tuner's
 objective, ``NOTE [ Epoch model ]`` in ``autoloader/_study.py``).
@@ -21,6 +25,7 @@ objective, ``NOTE [ Epoch model ]`` in ``autoloader/_study.py``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -34,6 +39,7 @@ from typing import Any
 import psutil
 
 import autoloader
+from autoloader._batching import batched_fetch_problem
 from autoloader._measure import Deadlines, Measurement, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, tree_memory
 from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
@@ -43,6 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import WORKLOADS, Workload
 
 DEADLINES = Deadlines(first=60, each=60)
+# Grid settings re-measured before the best of them is named the oracle.
+TOP = 3
 
 
 @dataclass
@@ -92,23 +100,53 @@ def folklore(cpus: int) -> dict[str, dict[str, Any]]:
     }
 
 
+GRID_PREFETCH = (1, 2, 4, 8)
+# Options searched besides the worker count and prefetch, with the value that is not
+# DataLoader's usual behaviour.
+NEW_BEHAVIOUR: dict[str, Any] = {"batched_fetch": True, "worker_threads": 1, "in_order": False}
+KNOBS = tuple(NEW_BEHAVIOUR)
+
+
 def grid(context: Context, space: SearchSpace, seconds: float) -> tuple[dict[str, float], float]:
     """The value of every setting in ``space``, and the seconds the grid took."""
     started = time.perf_counter()
     low, high = space.num_workers  # type: ignore[misc]
     prefetch_low, prefetch_high = space.prefetch_factor  # type: ignore[misc]
+    prefetch_grid = [p for p in GRID_PREFETCH if prefetch_low <= p <= prefetch_high]
     values: dict[str, float] = {}
     for workers in range(low, high + 1):
-        prefetches = [None] if workers == 0 else range(prefetch_low, prefetch_high + 1)
-        for prefetch in prefetches:
+        prefetches: list[int | None] = [None] if workers == 0 else list(prefetch_grid)
+        knobs = [getattr(space, k) if workers or k == "batched_fetch" else [None] for k in KNOBS]
+        for prefetch, *chosen in itertools.product(prefetches, *knobs):
             measured = normalize_params(
-                {"num_workers": workers, "prefetch_factor": prefetch, "persistent_workers": True}
+                {
+                    "num_workers": workers,
+                    "prefetch_factor": prefetch,
+                    "persistent_workers": True,
+                    **{k: v for k, v in zip(KNOBS, chosen, strict=True) if v is not None},
+                }
             )
             m = context.measure(measured, seconds)
             for persistent in space.persistent_workers if workers else [False]:  # type: ignore[union-attr]
                 params = {**measured, "persistent_workers": persistent and workers > 0}
                 values[params_key(params)] = 0.0 if m is None else context.value(params, m)
     return values, time.perf_counter() - started
+
+
+def knob_candidates(values: dict[str, float], space: SearchSpace) -> dict[str, dict[str, Any]]:
+    """For each option the space searches, the grid's best setting with each value."""
+    candidates = {}
+    for knob in KNOBS:
+        choices = getattr(space, knob)
+        if len(choices) < 2:
+            continue
+        for choice in choices:
+            keys = [k for k in values if json.loads(k)[knob] == choice]
+            if knob != "batched_fetch":  # the option exists only with workers
+                keys = [k for k in keys if json.loads(k)["num_workers"] > 0]
+            best = max(keys, key=values.__getitem__)
+            candidates[f"best with {knob}={choice}"] = json.loads(best)
+    return candidates
 
 
 def interleaved(
@@ -140,6 +178,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         batch_size=workload.batch_size,
         time_budget=args.time_budget,
         memory_budget=budget,
+        search_space=workload.search_space,
         show_progress=False,
     )
     tune_seconds = time.perf_counter() - started
@@ -156,20 +195,28 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     baseline = context.measure(BASELINE_PARAMS, args.seconds)
     assert baseline is not None
     context.refill_seconds = baseline.load_seconds
-    space, _ = SearchSpace().resolve(
-        usable_cpus=cpus, has_accelerator=False, batches_per_epoch=batches_per_epoch
+    space, _ = SearchSpace(**workload.search_space).resolve(
+        usable_cpus=cpus,
+        has_accelerator=False,
+        batches_per_epoch=batches_per_epoch,
+        batched_fetch_problem=batched_fetch_problem(dataset, workload.batch_size, {}),
     )
     values, grid_seconds = grid(context, space, args.seconds)
-    oracle_key = max(values, key=values.__getitem__)
-    print(f"grid of {len(values)} settings in {grid_seconds:.1f} s; oracle {oracle_key}")
+    top = sorted(values, key=values.__getitem__, reverse=True)[:TOP]
+    print(f"grid of {len(values)} settings in {grid_seconds:.1f} s; best {top[0]}")
 
     candidates = {
         "tuned": result.params,
-        "oracle": json.loads(oracle_key),
+        **{f"grid #{i + 1}": json.loads(key) for i, key in enumerate(top)},
         "num_workers=0": BASELINE_PARAMS,
         **folklore(cpus),
+        **knob_candidates(values, space),
     }
     measured = interleaved(context, candidates, args.rounds, args.seconds)
+    # The oracle: the best of the grid's top settings once re-measured side by side; a
+    # single grid measurement can flatter a setting.
+    oracle_key = max(top, key=lambda key: statistics.median(measured[key]))
+    candidates["oracle"] = json.loads(oracle_key)
     medians = {}
     print(f"{'setting':34} {'samples/s':>9} {'(min-max)':>13} {'/ceiling':>8}  params")
     for name, params in candidates.items():
@@ -178,6 +225,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         print(f"{name:34} {medians[name]:9.0f} ({min(runs):5.0f}-{max(runs):5.0f}) "
               f"{medians[name] / workload.ceiling:8.2f}  {params}")  # fmt: skip
     best_heuristic = max(v for k, v in medians.items() if k.startswith("workers ="))
+    knobs = {k: v for k, v in medians.items() if k.startswith("best with")}
     row = {
         "workload": workload.name,
         "ceiling": workload.ceiling,
@@ -193,6 +241,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         "time_ratio": tune_seconds / grid_seconds,
         "tuned_params": result.params,
         "oracle_params": json.loads(oracle_key),
+        "knobs": knobs,
     }
     print(f"tuned/oracle {row['tuned_over_oracle']:.3f}, "
           f"tuned/best heuristic {row['tuned_over_heuristic']:.3f}, "
@@ -240,6 +289,16 @@ def main() -> None:
               f"{r['tuned_over_oracle']:.3f} | {r['tuned_over_heuristic']:.3f} | "
               f"{r['tuned_over_ceiling']:.2f} | {r['tune_seconds']:.0f} | "
               f"{r['grid_seconds']:.0f} | {r['time_ratio']:.3f} |")  # fmt: skip
+    print("\n| workload | option | best with it | best without | with/without |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        for knob, value in NEW_BEHAVIOUR.items():
+            on = f"best with {knob}={value}"
+            off = f"best with {knob}={None if knob == 'worker_threads' else not value}"
+            if on in r["knobs"] and off in r["knobs"]:
+                with_it, without = r["knobs"][on], r["knobs"][off]
+                print(f"| {r['workload']} | {knob}={value} | {with_it:.0f} | "
+                      f"{without:.0f} | {with_it / without:.2f} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as file:
             json.dump(rows, file, indent=2)

@@ -129,7 +129,7 @@ class Workload:
     batch_size: int
     step_seconds: float
     memory_budget: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    search_space: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ceiling(self) -> float:
@@ -143,7 +143,15 @@ WORKLOADS = {
     w.name: w
     for w in (
         Workload("latency", "5 ms wait per item", Latency, 4096, 8, 0.010),
-        Workload("jitter", "log-normal wait per item, median 3 ms", JitteryLatency, 4096, 8, 0.010),
+        Workload(
+            "jitter",
+            "log-normal wait per item, median 3 ms; batches may come out of order",
+            JitteryLatency,
+            4096,
+            8,
+            0.010,
+            search_space={"in_order": (True, False)},
+        ),
         Workload("cpu-python", "pure-Python transform per item", PythonTransform, 4096, 8, 0.005),
         Workload("cpu-blas", "numpy BLAS transform per item", BlasTransform, 4096, 8, 0.005),
         Workload(

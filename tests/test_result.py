@@ -130,6 +130,16 @@ def test_batched_fetch_loads_the_same_batches_in_the_same_order() -> None:
         assert all(same_batch(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_out_of_order_loading_gives_every_batch() -> None:
+    reordered = _result(params=normalize_params({"num_workers": 2, "in_order": False}))
+    loader = reordered.make_loader(SleepDataset(24, latency=0.0), shuffle=False)
+    try:
+        assert loader.in_order is False
+        assert sorted(float(x) for batch in loader for x in batch[:, 0]) == list(range(24))
+    finally:
+        del loader
+
+
 def test_batched_fetch_needs_the_dataset_and_no_collate_fn() -> None:
     batched = _result(params=normalize_params({"batched_fetch": True}))
     with pytest.raises(ValueError, match="pass the dataset, or use make_loader"):
