@@ -327,8 +327,11 @@ class MemoryWatch:
             self._thread = None
 
     def new_children(self) -> list[psutil.Process]:
-        """Descendants of this process that did not exist when the watch started."""
-        return [p for p in self._process.children(recursive=True) if p.pid not in self._preexisting]
+        """Descendants of this process that did not exist when the watch started: the
+        trial's, to be stopped with it. The standard library's helpers (see
+        :func:`_multiprocessing_helpers`) are not, even when the trial started them."""
+        keep = self._preexisting | _multiprocessing_helpers()
+        return [p for p in self._process.children(recursive=True) if p.pid not in keep]
 
     def sample(self) -> int:
         """Estimate the tree's memory now (see ``NOTE [ Cheap memory sampling ]``)."""
@@ -439,3 +442,18 @@ def kill(processes: Iterable[psutil.Process]) -> None:
             os.kill(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+def _multiprocessing_helpers() -> frozenset[int]:
+    """Pids of the helper processes multiprocessing starts on first need and keeps for
+    the rest of the session: the resource tracker (semaphores and shared memory of the
+    spawn and forkserver start methods) and the forkserver. A trial may be what
+    starts them; killing them would leak those resources, or break the next trial.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = (
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+    )
+    return frozenset(pid for pid in pids if pid)

@@ -17,6 +17,7 @@ def summary(result: TuneResult) -> str:
         ("prefetch_factor", str(result.params["prefetch_factor"])),
         ("persistent_workers", str(result.params["persistent_workers"])),
         ("pin_memory", str(result.params["pin_memory"])),
+        *_unusual(result.params),
         ("throughput", f"{result.throughput:,.0f} samples/s"),
         ("baseline (num_workers=0)", f"{result.baseline:,.0f} samples/s"),
         ("speedup", f"{result.speedup:.2f}x"),
@@ -46,6 +47,7 @@ def describe(record: TrialRecord) -> str:
         setting += f" prefetch={p.get('prefetch_factor')} persistent={p.get('persistent_workers')}"
     if p.get("pin_memory"):
         setting += " pin_memory=True"
+    setting += "".join(f" {name}={value}" for name, value in _unusual(p))
     if record.state != "complete":
         return f"trial {record.number} [{record.phase}] {setting}: {record.state} ({record.reason})"
     rate = record.samples_per_second or 0.0
@@ -55,3 +57,15 @@ def describe(record: TrialRecord) -> str:
         f"trial {record.number} [{record.phase}] {setting}: {rate:.0f} samples/s, "
         f"waits {wait:.0%} for data, peak {memory}"
     )
+
+
+# Settings shown only when they differ from DataLoader's usual behaviour.
+_USUAL = {"batched_fetch": False, "worker_threads": None, "in_order": True}
+
+
+def _unusual(params: dict[str, object]) -> list[tuple[str, str]]:
+    return [
+        (name, str(params[name]))
+        for name, usual in _USUAL.items()
+        if name in params and params[name] != usual
+    ]

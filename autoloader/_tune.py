@@ -225,6 +225,8 @@ def tune(
                 "finished; tune again for a complete search"
             )
             _logger.warning("tuning interrupted; returning the best of the finished trials")
+        if search.stopped_early is not None:
+            notes.append(search.stopped_early)
         records = search.records()
         params, throughput, baseline = search.best()
     saved, unsaved = split_loader_kwargs(fixed)

@@ -25,6 +25,14 @@ def no_leftover_processes() -> Iterator[None]:
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    described = [_describe(p) for p in left]
     for process in left:
         process.kill()
-    assert not left, f"test left child processes behind: {[p.pid for p in left]}"
+    assert not left, f"test left child processes behind: {described}"
+
+
+def _describe(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid} {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return str(process.pid)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -158,3 +162,44 @@ def test_worker_errors_are_summarised_with_their_origin() -> None:
         _runner(FailingDataset(64)).measure(_params(1), max_seconds=2)
     assert "\n" not in info.value.summary
     assert re.search(r"tests/workloads\.py:\d+ in __getitem__$", info.value.where)
+
+
+_STARTS_THE_TRACKER = """
+import multiprocessing, psutil
+from multiprocessing import resource_tracker
+from autoloader._measure import TrialRunner
+from autoloader._memory import tree_memory
+from autoloader._search_space import normalize_params
+from tests.workloads import SleepDataset, noop_step
+
+if __name__ == "__main__":
+    runner = TrialRunner(
+        SleepDataset(64, latency=0.0), noop_step, batch_size=4,
+        memory_budget=tree_memory() + 2**31,
+        fixed_kwargs={"multiprocessing_context": "spawn"},
+    )
+    assert resource_tracker._resource_tracker._pid is None
+    for _ in range(2):
+        runner.measure(normalize_params({"num_workers": 1}), max_seconds=1.0)
+        pid = resource_tracker._resource_tracker._pid
+        assert pid is not None and psutil.pid_exists(pid), "the tracker was killed"
+    print("tracker kept", pid)
+"""
+
+
+def test_a_resource_tracker_started_by_a_trial_outlives_it(tmp_path: Path) -> None:
+    """Spawned workers' queues start multiprocessing's resource tracker on first use; the
+    trial's clean-up must leave it running, as it serves the whole session."""
+    script = tmp_path / "starts_tracker.py"
+    script.write_text(_STARTS_THE_TRACKER)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tracker kept" in done.stdout

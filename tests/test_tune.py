@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autoloader
 from autoloader import BaselineError, InvalidInputError, SearchSpace, UnpicklableError
 from autoloader._memory import tree_memory
-from autoloader._search_space import trial_params
+from autoloader._search_space import BASELINE_PARAMS, trial_params
 
 from .workloads import (
     CountingDataset,
@@ -30,6 +30,7 @@ from .workloads import (
     failing_step,
     noop_step,
     sleep_step,
+    slow_step,
 )
 
 QUICK = {"time_budget": 5.0, "show_progress": False}
@@ -249,6 +250,26 @@ def test_batched_fetch_asked_of_a_dataset_that_cannot_fails_before_any_trial() -
         match="batched_fetch=True was asked for, but dataset\\[list of indices\\] raised TypeError",
     ):
         _tune(SleepDataset(64, latency=0.0), noop_step, search_space={"batched_fetch": True})
+
+
+def test_a_loop_bound_by_its_step_is_not_searched() -> None:
+    result = _tune(SleepDataset(1024, latency=0.0), slow_step, time_budget=30.0)
+    (note,) = [n for n in result.notes if "bound by its step" in n]
+    assert "already with num_workers=0" in note and "nothing was searched" in note
+    assert [t.phase for t in result.trials] == ["baseline"]
+    # Nothing beats the step: workers would only cost memory and start-up.
+    assert result.params == BASELINE_PARAMS
+
+
+def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its_step() -> None:
+    # Items of 5 ms, batches of 4, a 200 ms step: loading (20 ms) shows at num_workers=0,
+    # and vanishes with one worker, the first setting tried.
+    result = _tune(SleepDataset(1024, latency=0.005), slow_step, time_budget=30.0)
+    (note,) = [n for n in result.notes if "bound by its step" in n]
+    assert "the search stopped after 1 trials" in note
+    assert [t.phase for t in result.trials].count("search") == 1
+    # One runoff round, not as many as the time left allows.
+    assert [t.phase for t in result.trials].count("runoff") == 2  # the setting, the baseline
 
 
 def test_n_trials_caps_the_search() -> None:
