@@ -13,13 +13,13 @@ For each workload, in one run on one machine:
    cores / 2, with DataLoader's defaults otherwise) and, for each new option the space
    searches (batched_fetch, worker_threads, in_order), the grid's best setting with
    each of its values, all measured again, interleaved (A B C ... A B C ...), for the
-   same time each.
+   same time each (3 s: the length of the tuner's own trials at a 30 s budget).
 
 Values are samples per second over a training epoch, start-up included (the tuner's
 objective, ``NOTE [ Epoch model ]`` in ``autoloader/_study.py``).
 
     python benchmarks/search_quality.py [--workloads latency,tensor] [--time-budget 30]
-        [--rounds 3] [--seconds 2] [--sizes]
+        [--rounds 3] [--seconds 2] [--remeasure-seconds 3] [--sizes]
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         **folklore(cpus),
         **knob_candidates(values, space),
     }
-    measured = interleaved(context, candidates, args.rounds, args.seconds)
+    measured = interleaved(context, candidates, args.rounds, args.remeasure_seconds)
     # The oracle: the best of the grid's top settings once re-measured side by side; a
     # single grid measurement can flatter a setting.
     oracle_key = max(top, key=lambda key: statistics.median(measured[key]))
@@ -271,7 +271,14 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--time-budget", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0, help="per grid or re-measure trial")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per grid trial")
+    parser.add_argument(
+        "--remeasure-seconds",
+        type=float,
+        default=3.0,
+        help="per re-measure trial; as long as the tuner's trials at a 30 s budget, as "
+        "shorter ones catch the CPU burst of many workers starting and understate them",
+    )
     parser.add_argument("--sizes", action="store_true", help="also time 1e3 vs 1e6 items")
     parser.add_argument("--json", help="write the summary rows here")
     args = parser.parse_args()

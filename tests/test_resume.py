@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,7 +12,6 @@ import time
 from pathlib import Path
 
 import optuna
-import psutil
 import pytest
 from optuna.trial import TrialState
 
@@ -56,8 +56,11 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
         os.kill(child.pid, signal.SIGKILL)  # the tuner alone, as the OOM killer would
         child.wait(timeout=30)
     finally:
-        for process in psutil.Process().children(recursive=True):
-            process.kill()  # its orphaned DataLoader workers, had they not exited
+        # Its orphaned DataLoader workers, had they not exited: they are in its session's
+        # process group. (Not every child of this process: multiprocessing's resource
+        # tracker is one, and serves the rest of the test session.)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
         if child.poll() is None:
             child.kill()
             child.wait()
