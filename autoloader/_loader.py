@@ -50,10 +50,13 @@ def merge_loader_kwargs(
 def build_loader(dataset: Dataset[Any], options: Mapping[str, Any]) -> DataLoader[Any]:
     """A DataLoader over ``dataset`` from :func:`merge_loader_kwargs` output (see
     :func:`dataloader_kwargs`)."""
-    kwargs = dataloader_kwargs(dataset, options)
+    return new_loader(dataset, dataloader_kwargs(dataset, options))
+
+
+def new_loader(dataset: Dataset[Any], kwargs: Mapping[str, Any]) -> DataLoader[Any]:
+    """``DataLoader(dataset, **kwargs)``, without torch's warning about more workers than
+    cores: trials use them on purpose, and a tuned count was measured to pay."""
     with warnings.catch_warnings():
-        # torch warns when workers outnumber cores; trials do so on purpose, and a tuned
-        # count was measured to pay.
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         return DataLoader(dataset, **kwargs)
 

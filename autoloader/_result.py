@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from autoloader._environment import Environment
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader._loader import dataloader_kwargs, merge_loader_kwargs
+from autoloader._loader import dataloader_kwargs, merge_loader_kwargs, new_loader
 from autoloader._search_space import TUNED_KEYS, normalize_params
 
 SCHEMA_VERSION = 2
@@ -148,11 +148,7 @@ class TuneResult:
 
     def make_loader(self, dataset: Dataset[Any], **overrides: Any) -> DataLoader[Any]:
         """A ``DataLoader`` over ``dataset`` with the tuned settings; overrides win."""
-        kwargs = self.loader_kwargs(dataset, **overrides)
-        with warnings.catch_warnings():
-            # torch warns when workers outnumber cores; this count was measured to pay.
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
-            return DataLoader(dataset, **kwargs)
+        return new_loader(dataset, self.loader_kwargs(dataset, **overrides))
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able content of the result file."""
