@@ -23,6 +23,7 @@ from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError
 from autoloader._isolation import SubprocessRunner
+from autoloader._loader import SUPPORTS_IN_ORDER
 from autoloader._measure import Runner, TrialRunner
 from autoloader._memory import default_memory_budget, format_bytes, parse_bytes, tree_memory
 from autoloader._progress import Progress
@@ -181,6 +182,7 @@ def tune(
             if space.batched_fetch != (False,)
             else None
         ),
+        supports_in_order=SUPPORTS_IN_ORDER,
     )
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import BatchSampler, TensorDataset
 
 import autoloader
+import autoloader._loader
 from autoloader import EnvironmentMismatchWarning, ResultFileError, TrialRecord, TuneResult
 from autoloader._batching import same_batch
 from autoloader._environment import Environment
@@ -138,6 +139,15 @@ def test_out_of_order_loading_gives_every_batch() -> None:
         assert sorted(float(x) for batch in loader for x in batch[:, 0]) == list(range(24))
     finally:
         del loader
+
+
+def test_reordered_settings_need_a_torch_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autoloader._loader, "SUPPORTS_IN_ORDER", False)
+    reordered = _result(params=normalize_params({"num_workers": 2, "in_order": False}))
+    with pytest.raises(ValueError, match=r"in_order=False needs torch 2\.6"):
+        reordered.loader_kwargs()
+    in_order = _result(params=normalize_params({"num_workers": 2}))
+    assert "in_order" not in in_order.loader_kwargs()  # an older DataLoader would reject it
 
 
 def test_batched_fetch_needs_the_dataset_and_no_collate_fn() -> None:
