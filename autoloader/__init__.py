@@ -9,6 +9,7 @@ Example::
     loader = result.make_loader(dataset)
 """
 
+from autoloader._diagnose import Diagnosis, diagnose
 from autoloader._environment import Environment
 from autoloader._exceptions import (
     AllSettingsFailedError,
@@ -17,6 +18,7 @@ from autoloader._exceptions import (
     EnvironmentMismatchWarning,
     InvalidInputError,
     IsolationError,
+    LoopError,
     ResultFileError,
     UnpicklableError,
 )
@@ -30,16 +32,19 @@ __all__ = [
     "AllSettingsFailedError",
     "AutoloaderError",
     "BaselineError",
+    "Diagnosis",
     "Environment",
     "EnvironmentMismatchWarning",
     "InvalidInputError",
     "IsolationError",
+    "LoopError",
     "ResultFileError",
     "SearchSpace",
     "TrialRecord",
     "TuneResult",
     "UnpicklableError",
     "__version__",
+    "diagnose",
     "load",
     "tune",
 ]

@@ -9,6 +9,8 @@ The tree::
     │                                           collate_fn or step_fn is broken, not a setting
     ├── AllSettingsFailedError                  every setting with workers failed: the
     │                                           pipeline does not run in worker processes
+    ├── LoopError                               diagnose(): the loop over the user's
+    │                                           loader failed
     ├── IsolationError                          under isolation="subprocess", a trial's
     │                                           process could not start or load its work
     └── ResultFileError                         a saved result cannot be read back
@@ -43,6 +45,13 @@ class AllSettingsFailedError(AutoloaderError):
 
     The fault is in running the pipeline in worker processes, not in one setting, so
     the run stops instead of spending its budget on more failures.
+    """
+
+
+class LoopError(AutoloaderError):
+    """:func:`autoloader.diagnose` could not run the loop over the given loader: the
+    dataset, collate_fn or step_fn raised, or a worker died. The original exception is
+    chained as ``__cause__``.
     """
 
 

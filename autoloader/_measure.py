@@ -68,6 +68,8 @@ class Measurement:
         load_cpu_seconds: mean CPU seconds this process spent per batch while blocked in
             ``next()``. With ``num_workers=0`` it tells CPU-bound loading (close to
             ``load_seconds``) from waiting on I/O (close to 0).
+        memory_growth: bytes per second, the fastest sustained growth of the process
+            tree during the trial (copy-on-read, a leak), bursts excluded.
     """
 
     samples_per_second: float
@@ -82,6 +84,7 @@ class Measurement:
     peak_memory: int
     batch_bytes: int = 0
     load_cpu_seconds: float = 0.0
+    memory_growth: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -471,6 +474,45 @@ class TrialRunner:
             TrialError: the dataset, collate_fn or step_fn raised or hung
                 (``TrialTimeout``), or a worker died.
         """
+
+        def build() -> DataLoader[Any]:
+            kwargs = merge_loader_kwargs(
+                params, batch_size=self.batch_size, fixed=self.fixed_kwargs
+            )
+            return build_loader(self.dataset, kwargs)
+
+        return self._measure(build, params, max_seconds, on_window, deadlines)
+
+    def measure_loader(
+        self,
+        loader: DataLoader[Any],
+        *,
+        max_seconds: float,
+        deadlines: Deadlines | None = None,
+    ) -> Measurement:
+        """Measure the loop over a DataLoader built elsewhere (the user's own, for
+        :func:`autoloader.diagnose`). Its workers are stopped at the end; the loader
+        starts new ones the next time it is iterated.
+
+        Raises:
+            The same as :meth:`measure`.
+        """
+        workers = loader.num_workers
+        params = {
+            "num_workers": workers,
+            "prefetch_factor": loader.prefetch_factor if workers else None,
+            "pin_memory": loader.pin_memory,
+        }
+        return self._measure(lambda: loader, params, max_seconds, None, deadlines)
+
+    def _measure(
+        self,
+        build: Callable[[], DataLoader[Any]],
+        params: Mapping[str, Any],
+        max_seconds: float,
+        on_window: WindowCallback | None,
+        deadlines: Deadlines | None,
+    ) -> Measurement:
         started = perf_counter()
         watch = MemoryWatch(self.memory_budget, ends_at=time.monotonic() + max_seconds).start()
         live = _Live()
@@ -483,10 +525,7 @@ class TrialRunner:
             warnings.filterwarnings("ignore", message="This DataLoader will create")
             failed = True
             try:
-                kwargs = merge_loader_kwargs(
-                    params, batch_size=self.batch_size, fixed=self.fixed_kwargs
-                )
-                live.loader = build_loader(self.dataset, kwargs)
+                live.loader = build()
                 measurement = self._time_loop(
                     live.loader,
                     live,
@@ -687,6 +726,7 @@ class TrialRunner:
             peak_memory=watch.peak,
             batch_bytes=batch_bytes,
             load_cpu_seconds=total.wait_cpu / total.batches,
+            memory_growth=watch.growth,
         )
 
 

@@ -149,6 +149,26 @@ def default_memory_budget() -> int:
     return tree_memory() + int(_DEFAULT_BUDGET_SHARE * available_memory())
 
 
+def resolve_memory_budget(memory_budget: int | str | None) -> int:
+    """Bytes the process tree may use: ``memory_budget`` parsed and checked, or the
+    default (:func:`default_memory_budget`) for ``None``.
+
+    Raises:
+        InvalidInputError: the budget is malformed or below what the tree uses now.
+    """
+    if memory_budget is None:
+        return default_memory_budget()
+    budget = parse_bytes(memory_budget)
+    in_use = tree_memory()
+    if budget <= in_use:
+        raise InvalidInputError(
+            f"memory_budget {format_bytes(budget)} is below what this process tree already "
+            f"uses ({format_bytes(in_use)}); every trial would be stopped. Give a larger "
+            "budget, or None for a safe share of the available memory."
+        )
+    return budget
+
+
 def is_oom_error(error: BaseException) -> bool:
     """Whether ``error`` is an allocator out-of-memory error (CPU, CUDA or other device).
 
@@ -254,6 +274,11 @@ class MemoryWatch:
         interval (float, optional): seconds between samples. (default: ``0.1``)
         ends_at (float, optional): ``time.monotonic()`` time the trial ends, to which
             growth is projected; ``None`` disables the projection. (default: ``None``)
+
+    Attributes:
+        peak: bytes, the highest memory of the tree seen.
+        growth: bytes per second, the fastest sustained growth seen (see
+            :class:`Growth`; bursts such as workers starting do not count).
     """
 
     # NOTE [ Cheap memory sampling ]
@@ -293,6 +318,7 @@ class MemoryWatch:
         self.interval = interval
         self.ends_at = ends_at
         self.peak = 0
+        self.growth = 0.0
         self.projected: int | None = None
         self._process = psutil.Process()
         self._exceeded = threading.Event()
@@ -363,6 +389,8 @@ class MemoryWatch:
     def _projects_over(self, now: float, used: int, rss: int) -> bool:
         """Whether growth at the current rate passes the budget by ``ends_at``."""
         rate = self._growth.rate()
+        if rate is not None:
+            self.growth = max(self.growth, rate)
         if self.ends_at is None or rate is None or rate <= 0:
             self._over_projections = 0
             return False

@@ -48,6 +48,13 @@ class TrialRecord:
         relative_error: 95% confidence half-width of ``samples_per_second``, relative.
         duration: seconds the trial took.
         reason: why the trial was pruned or failed.
+        load_seconds: mean seconds per batch the loop was blocked waiting for data.
+        step_seconds: mean seconds per batch in the step.
+        load_cpu_seconds: mean CPU seconds of the main process per batch while it
+            waited (with ``num_workers=0``: the CPU part of loading).
+        batch_bytes: bytes of the tensors in one batch.
+        memory_growth: bytes per second, the fastest sustained growth of the process
+            tree (copy-on-read of Python objects in workers, a leak).
     """
 
     number: int
@@ -62,6 +69,11 @@ class TrialRecord:
     relative_error: float | None = None
     duration: float | None = None
     reason: str | None = None
+    load_seconds: float | None = None
+    step_seconds: float | None = None
+    load_cpu_seconds: float | None = None
+    batch_bytes: int | None = None
+    memory_growth: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

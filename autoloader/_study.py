@@ -498,6 +498,11 @@ class Search:
             relative_error=None if relative_error in (None, math.inf) else relative_error,
             duration=measurement.get("duration"),
             reason=attrs.get("reason"),
+            load_seconds=measurement.get("load_seconds"),
+            step_seconds=measurement.get("step_seconds"),
+            load_cpu_seconds=measurement.get("load_cpu_seconds"),
+            batch_bytes=measurement.get("batch_bytes"),
+            memory_growth=measurement.get("memory_growth"),
         )
 
     def _groups(self, phases: tuple[str, ...]) -> dict[str, tuple[list[FrozenTrial], list[float]]]:

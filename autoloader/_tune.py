@@ -25,7 +25,7 @@ from autoloader._exceptions import InvalidInputError
 from autoloader._isolation import SubprocessRunner
 from autoloader._loader import SUPPORTS_IN_ORDER
 from autoloader._measure import Runner, TrialRunner
-from autoloader._memory import default_memory_budget, format_bytes, parse_bytes, tree_memory
+from autoloader._memory import format_bytes, resolve_memory_budget
 from autoloader._progress import Progress
 from autoloader._pruner import ClearlyWorsePruner
 from autoloader._result import TuneResult, split_loader_kwargs
@@ -162,7 +162,7 @@ def tune(
         start_method(fixed, environment.start_method),
     )
     isolation = check_isolation(isolation)
-    memory_bytes = _memory_budget(memory_budget)
+    memory_bytes = resolve_memory_budget(memory_budget)
     in_process = TrialRunner(
         dataset,
         step_fn,
@@ -247,20 +247,6 @@ def tune(
         unsaved_loader_kwargs=unsaved,
         _in_memory_kwargs={k: fixed[k] for k in unsaved},
     )
-
-
-def _memory_budget(memory_budget: int | str | None) -> int:
-    if memory_budget is None:
-        return default_memory_budget()
-    budget = parse_bytes(memory_budget)
-    in_use = tree_memory()
-    if budget <= in_use:
-        raise InvalidInputError(
-            f"memory_budget {format_bytes(budget)} is below what this process tree already "
-            f"uses ({format_bytes(in_use)}); every trial would be stopped. Give a larger "
-            "budget, or None for a safe share of the available memory."
-        )
-    return budget
 
 
 def _study_name(

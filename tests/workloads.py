@@ -29,6 +29,20 @@ class SleepDataset(Dataset[torch.Tensor]):
         return torch.full((self.width,), float(index))
 
 
+class BusyDataset(SleepDataset):
+    """Each item keeps a CPU busy for ``cpu_seconds`` in Python, like a decode."""
+
+    def __init__(self, length: int = 512, cpu_seconds: float = 0.005) -> None:
+        super().__init__(length, latency=0.0)
+        self.cpu_seconds = cpu_seconds
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        until = time.process_time() + self.cpu_seconds
+        while time.process_time() < until:
+            pass
+        return super().__getitem__(index)
+
+
 class CountingDataset(SleepDataset):
     """Counts reads made in this process (fork workers count in their own copy)."""
 

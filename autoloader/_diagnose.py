@@ -1,0 +1,339 @@
+"""``autoloader.diagnose``: is data loading the bottleneck of this loop, and of what kind?
+
+NOTE [ Verdict ]
+The user's own DataLoader is measured twice, without changing it: the training loop
+(``next(loader)`` then ``step_fn``), then the loader alone (a step that does nothing),
+which gives the loader's own time per batch. The verdict, in this order:
+
+- ``memory-bound``: the process tree passed the memory budget, or came within 10% of
+  it: more workers or prefetch would not fit.
+- ``step-bound``: the loop waits for data less than 5% of its time, or its workers
+  deliver batches faster than the step takes them and the wait left is the main
+  process receiving them. More workers cannot make it faster.
+- ``loader-bound (CPU)``: the processes that load (the workers, or the main process with
+  ``num_workers=0``) were busy on the CPU for more than half of their time: more
+  workers help up to the number of CPUs, not beyond.
+- ``loader-bound (latency)``: they mostly waited (storage, network, locks): workers
+  beyond the number of CPUs overlap the waits.
+
+The loading processes' CPU time comes from the kernel's accounting of reaped children
+(``os.times()``): the workers are joined when the measurement stops them, so their
+whole CPU time is counted, start-up included.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from autoloader._device import resolve_device
+from autoloader._environment import Environment
+from autoloader._exceptions import InvalidInputError, LoopError
+from autoloader._measure import Measurement, TrialError, TrialRunner
+from autoloader._memory import MemoryBudgetExceeded, format_bytes, resolve_memory_budget
+from autoloader._validation import check_positive_number, check_step_fn
+
+# Share of the loop's time waiting for data under which it is step-bound.
+_STEP_BOUND_WAIT = 0.05
+# Share of the loading processes' time on the CPU above which loading is CPU work.
+_CPU_BOUND_SHARE = 0.5
+# Share of the memory budget from which the loop is memory-bound.
+_MEMORY_NEAR = 0.9
+# Sustained growth of the tree, bytes/s, from which it is shown.
+_GROWTH_SHOWN = 1 << 20
+# Share of the measuring time given to the loop; the rest times the loader alone.
+_LOOP_SHARE = 0.6
+
+VERDICTS = ("step-bound", "loader-bound (CPU)", "loader-bound (latency)", "memory-bound")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What :func:`diagnose` measured of a training loop, and its verdict.
+
+    Attributes:
+        verdict: ``"step-bound"``, ``"loader-bound (CPU)"``, ``"loader-bound (latency)"``
+            or ``"memory-bound"`` (see ``NOTE [ Verdict ]``).
+        reason: the figures behind the verdict and what to do, in a sentence or two.
+        num_workers: the loader's worker count.
+        batch_size: samples per batch, as measured.
+        samples_per_second: the loop's steady rate; ``None`` if it passed the budget.
+        data_wait_fraction: share of the loop's time blocked waiting for a batch.
+        step_seconds: the step's own time per batch (data transfer included).
+        loop_load_seconds: seconds per batch the loop waited for data.
+        loader_seconds: the loader's own time per batch, measured with no step.
+        time_to_first_batch: seconds from ``iter(loader)`` to the first batch.
+        peak_memory: bytes, the highest PSS of the process tree (workers included).
+        memory_growth: bytes per second, the fastest sustained growth of the tree.
+        memory_budget: bytes the tree was allowed.
+        loading_cpu_share: share of the loading processes' time spent on the CPU.
+        usable_cpus: CPUs this process may run on.
+    """
+
+    verdict: str
+    reason: str
+    num_workers: int
+    batch_size: int
+    samples_per_second: float | None
+    data_wait_fraction: float | None
+    step_seconds: float | None
+    loop_load_seconds: float | None
+    loader_seconds: float | None
+    time_to_first_batch: float | None
+    peak_memory: int
+    memory_growth: float
+    memory_budget: int
+    loading_cpu_share: float | None
+    usable_cpus: int
+
+    @property
+    def ceiling(self) -> float | None:
+        """Samples/s if the loop never waited for data: ``batch_size / step_seconds``."""
+        if not self.step_seconds:
+            return None
+        return self.batch_size / self.step_seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        rows = [("verdict", self.verdict)]
+        if self.samples_per_second is not None and self.data_wait_fraction is not None:
+            rows.append(
+                (
+                    "loop",
+                    f"{self.samples_per_second:,.0f} samples/s, waits for data "
+                    f"{self.data_wait_fraction:.0%} of the time",
+                )
+            )
+        if self.step_seconds is not None:
+            ceiling = f" (ceiling {self.ceiling:,.0f} samples/s)" if self.ceiling else ""
+            rows.append(("step", f"{_ms(self.step_seconds)} per batch{ceiling}"))
+        if self.loader_seconds is not None:
+            rows.append(
+                (
+                    "loader alone",
+                    f"{_ms(self.loader_seconds)} per batch "
+                    f"({self.batch_size / self.loader_seconds:,.0f} samples/s), "
+                    f"num_workers={self.num_workers}",
+                )
+            )
+        if self.time_to_first_batch is not None:
+            rows.append(("first batch", f"{self.time_to_first_batch:.2f} s after iter()"))
+        memory = f"{format_bytes(self.peak_memory)} peak of a {format_bytes(self.memory_budget)}"
+        memory += " budget"
+        if self.memory_growth >= _GROWTH_SHOWN:
+            memory += f", grew up to {format_bytes(self.memory_growth)}/s"
+        rows.append(("memory (process tree)", memory))
+        if self.loading_cpu_share is not None:
+            who = "the workers" if self.num_workers else "the main process"
+            rows.append(
+                (
+                    "loading on CPU",
+                    f"{self.loading_cpu_share:.0%} of {who}' time"
+                    if self.num_workers
+                    else f"{self.loading_cpu_share:.0%} of {who}'s loading time",
+                )
+            )
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{name:<{width}}  {value}" for name, value in rows]
+        lines.append(textwrap.fill(self.reason, width=88))
+        return "\n".join(lines)
+
+
+def diagnose(
+    loader: DataLoader[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    device: str | torch.device | None = None,
+    seconds: float = 10.0,
+    memory_budget: int | str | None = None,
+) -> Diagnosis:
+    """Measure the training loop over ``loader`` as it is, and say what bounds it.
+
+    Nothing is tuned: the loop (``next(loader)``, then ``step_fn(batch)``) runs for
+    at most ``0.6 * seconds``, then the loader alone for at most the rest (each stops
+    earlier once its rate is known within 5%), under the same memory
+    watchdog as :func:`autoloader.tune`. The loader is left as it was; workers it
+    started are stopped, and it starts new ones the next time it is iterated.
+
+    Args:
+        loader (DataLoader): the loader to diagnose, as used in training.
+        step_fn (callable): one training step; receives a batch.
+        device (str or torch.device, optional): if set, each batch is moved there before
+            ``step_fn``. (default: ``None``)
+        seconds (float, optional): the longest the measurements may take, worker
+            start-up excluded. (default: ``10``)
+        memory_budget (int or str, optional): bytes the process tree may use, e.g.
+            ``"6GiB"``; ``None`` means what it uses now plus 80% of the memory
+            available. (default: ``None``)
+
+    Returns:
+        Diagnosis: the figures and the verdict; ``print()`` it.
+
+    Raises:
+        InvalidInputError: an argument is wrong; raised before anything runs.
+        LoopError: the dataset, collate_fn or step_fn raised, or a worker died.
+
+    Example::
+
+        print(autoloader.diagnose(train_loader, train_step))
+    """
+    if not isinstance(loader, DataLoader):
+        raise InvalidInputError(
+            f"loader must be a torch.utils.data.DataLoader, but got {type(loader).__name__}. "
+            "To tune settings for a dataset, use autoloader.tune(dataset, step_fn)."
+        )
+    step_fn = check_step_fn(step_fn)
+    seconds = check_positive_number(
+        "seconds", seconds, hint=" It is about how long the diagnosis measures."
+    )
+    resolved_device = resolve_device(device)
+    budget = resolve_memory_budget(memory_budget)
+    batch_size = loader.batch_size or 1
+    usable_cpus = Environment.current().usable_cpus
+
+    def runner(step: Callable[[Any], object], on: torch.device | None) -> TrialRunner:
+        return TrialRunner(
+            loader.dataset, step, batch_size=batch_size, memory_budget=budget, device=on
+        )
+
+    workers = loader.num_workers
+    children_before = _children_cpu()
+    try:
+        loop = runner(step_fn, resolved_device).measure_loader(
+            loader, max_seconds=_LOOP_SHARE * seconds
+        )
+        children_cpu = _children_cpu() - children_before
+        alone = runner(_no_step, None).measure_loader(
+            loader, max_seconds=(1 - _LOOP_SHARE) * seconds
+        )
+    except MemoryBudgetExceeded as error:
+        return _memory_bound(error, workers, batch_size, budget, usable_cpus)
+    except TrialError as error:
+        raise LoopError(
+            f"The loop over the loader failed: {error}"
+            + (f" at {error.where}" if error.where else "")
+            + ". Fix it and run the loop once by hand before diagnosing it."
+        ) from error.error
+
+    if workers:
+        cpu_share = children_cpu / (loop.duration * min(workers, usable_cpus))
+    else:
+        cpu_share = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
+    cpu_share = min(1.0, cpu_share)
+    verdict, reason = _verdict(loop, alone, cpu_share, workers, budget, usable_cpus)
+    return Diagnosis(
+        verdict=verdict,
+        reason=reason,
+        num_workers=workers,
+        batch_size=batch_size,
+        samples_per_second=loop.samples_per_second,
+        data_wait_fraction=loop.data_wait_fraction,
+        step_seconds=loop.step_seconds,
+        loop_load_seconds=loop.load_seconds,
+        loader_seconds=alone.load_seconds + alone.step_seconds,
+        time_to_first_batch=loop.time_to_first_batch,
+        peak_memory=max(loop.peak_memory, alone.peak_memory),
+        memory_growth=max(loop.memory_growth, alone.memory_growth),
+        memory_budget=budget,
+        loading_cpu_share=cpu_share,
+        usable_cpus=usable_cpus,
+    )
+
+
+def _verdict(
+    loop: Measurement,
+    alone: Measurement,
+    cpu_share: float,
+    workers: int,
+    budget: int,
+    usable_cpus: int,
+) -> tuple[str, str]:
+    peak = max(loop.peak_memory, alone.peak_memory)
+    step, loader = loop.step_seconds, alone.load_seconds + alone.step_seconds
+    if peak >= _MEMORY_NEAR * budget:
+        return "memory-bound", (
+            f"The process tree peaked at {format_bytes(peak)}, {peak / budget:.0%} of the "
+            f"{format_bytes(budget)} budget: more workers or prefetch would not fit. Make "
+            "items smaller in memory (numpy arrays rather than Python objects), or fewer "
+            "workers with batched fetch."
+        )
+    wait = loop.data_wait_fraction
+    if wait < _STEP_BOUND_WAIT:
+        return "step-bound", (
+            f"Data loading is not the bottleneck: the loop waits for data {wait:.0%} of the "
+            f"time, the step takes {_ms(step)} per batch and the loader alone "
+            f"{_ms(loader)}. More workers would only cost memory and start-up."
+        )
+    if workers and loader <= step:
+        return "step-bound", (
+            f"The loader alone delivers a batch every {_ms(loader)}, faster than the step's "
+            f"{_ms(step)}, yet the loop waits for data {wait:.0%} of the time: that is the "
+            "main process receiving each batch from a worker (unpickling, shared-memory "
+            "handles), which more workers do not remove. Fewer, larger transfers do: "
+            "batched fetch, or a larger batch."
+        )
+    figures = (
+        f"The loop waits for data {wait:.0%} of the time: the loader needs {_ms(loader)} "
+        f"per batch with num_workers={workers}, the step {_ms(step)}."
+    )
+    who = {0: "the main process", 1: "the worker"}.get(workers, f"the {workers} workers")
+    if cpu_share > _CPU_BOUND_SHARE:
+        return "loader-bound (CPU)", (
+            f"{figures} Loading is CPU work ({who} on the CPU {cpu_share:.0%} of the "
+            f"time): workers help up to the {usable_cpus} CPUs, not beyond; then make "
+            "the transform cheaper, limit each worker's native threads, or fetch whole "
+            "batches. autoloader.tune() finds the best setting."
+        )
+    return "loader-bound (latency)", (
+        f"{figures} Loading mostly waits ({who} on the CPU only {cpu_share:.0%} of the "
+        f"time: storage, network, sleeps): more workers, even beyond the {usable_cpus} "
+        "CPUs, overlap the waits. autoloader.tune() finds how many."
+    )
+
+
+def _memory_bound(
+    error: MemoryBudgetExceeded, workers: int, batch_size: int, budget: int, usable_cpus: int
+) -> Diagnosis:
+    return Diagnosis(
+        verdict="memory-bound",
+        reason=(
+            f"The loop was stopped: {error}. The workers were killed. Use fewer workers or "
+            "a smaller prefetch_factor, or make items smaller in memory (numpy arrays "
+            "rather than Python objects, which forked workers copy as they read them)."
+        ),
+        num_workers=workers,
+        batch_size=batch_size,
+        samples_per_second=None,
+        data_wait_fraction=None,
+        step_seconds=None,
+        loop_load_seconds=None,
+        loader_seconds=None,
+        time_to_first_batch=None,
+        peak_memory=error.peak,
+        memory_growth=0.0,
+        memory_budget=budget,
+        loading_cpu_share=None,
+        usable_cpus=usable_cpus,
+    )
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have exited and been waited for."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+def _no_step(batch: object) -> None:
+    """The step of the loader-alone measurement."""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"

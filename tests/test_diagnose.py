@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import DataLoader
+
+import autoloader
+from autoloader import Diagnosis, InvalidInputError, LoopError
+
+from .workloads import (
+    BusyDataset,
+    FailingDataset,
+    MemoryHogDataset,
+    SleepDataset,
+    failing_step,
+    noop_step,
+    slow_step,
+)
+
+
+def test_a_loop_that_waits_on_reads_is_latency_bound() -> None:
+    loader = DataLoader(SleepDataset(256, latency=0.005), batch_size=4)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=3)
+    assert diagnosis.verdict == "loader-bound (latency)"
+    assert diagnosis.num_workers == 0 and diagnosis.batch_size == 4
+    assert diagnosis.data_wait_fraction is not None and diagnosis.data_wait_fraction > 0.5
+    assert diagnosis.loading_cpu_share is not None and diagnosis.loading_cpu_share < 0.5
+    # 4 items of 5 ms: the loader alone cannot take less than 20 ms a batch.
+    assert diagnosis.loader_seconds is not None and diagnosis.loader_seconds >= 0.02
+    assert diagnosis.peak_memory > 0 and diagnosis.memory_budget > diagnosis.peak_memory
+
+
+def test_a_loop_whose_workers_burn_cpu_is_cpu_bound() -> None:
+    loader = DataLoader(BusyDataset(256, cpu_seconds=0.01), batch_size=4, num_workers=1)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=3)
+    assert diagnosis.verdict == "loader-bound (CPU)"
+    assert diagnosis.loading_cpu_share is not None and diagnosis.loading_cpu_share > 0.5
+    assert "the worker on the CPU" in diagnosis.reason
+
+
+def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> None:
+    loader = DataLoader(SleepDataset(64, latency=0.0), batch_size=4, num_workers=1)
+    diagnosis = autoloader.diagnose(loader, slow_step, seconds=2)
+    assert diagnosis.verdict == "step-bound"
+    assert diagnosis.step_seconds is not None and diagnosis.step_seconds >= 0.2
+    assert diagnosis.ceiling == pytest.approx(4 / diagnosis.step_seconds)
+    # The loader is left as it was: a full epoch, from new workers.
+    assert sum(len(batch) for batch in loader) == 64
+
+
+def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
+    from autoloader._memory import tree_memory
+
+    loader = DataLoader(MemoryHogDataset(hog_bytes=400 << 20), batch_size=4, num_workers=2)
+    budget = tree_memory() + (300 << 20)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=4, memory_budget=budget)
+    assert diagnosis.verdict == "memory-bound"
+    assert diagnosis.samples_per_second is None
+    assert "memory budget" in diagnosis.reason and "fewer workers" in diagnosis.reason
+
+
+def test_str_shows_the_verdict_and_the_figures_behind_it() -> None:
+    loader = DataLoader(SleepDataset(128, latency=0.002), batch_size=4)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=2)
+    text = str(diagnosis)
+    assert text.splitlines()[0].split() == ["verdict", *diagnosis.verdict.split()]
+    for label in ("loop", "step", "loader alone", "first batch", "memory (process tree)"):
+        assert any(line.startswith(label) for line in text.splitlines()), label
+    assert diagnosis.as_dict()["verdict"] == diagnosis.verdict
+    assert isinstance(diagnosis, Diagnosis)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"loader": SleepDataset(8)}, "loader must be a torch.utils.data.DataLoader"),
+        ({"step_fn": 3}, "step_fn must be callable"),
+        ({"seconds": 0}, "seconds must be"),
+        ({"memory_budget": "1KiB"}, "below what this process tree already uses"),
+    ],
+)
+def test_bad_arguments_fail_before_anything_runs(arguments: dict, message: str) -> None:
+    call = {"loader": DataLoader(SleepDataset(8), batch_size=2), "step_fn": noop_step}
+    call.update(arguments)
+    with pytest.raises(InvalidInputError, match=message):
+        autoloader.diagnose(call.pop("loader"), call.pop("step_fn"), **call)
+
+
+def test_a_broken_loop_says_what_raised() -> None:
+    loader = DataLoader(FailingDataset(8, latency=0.0), batch_size=8, num_workers=1)
+    with pytest.raises(LoopError, match="corrupt record 3") as caught:
+        autoloader.diagnose(loader, noop_step, seconds=1)
+    assert caught.value.__cause__ is not None
+    with pytest.raises(LoopError, match="shape mismatch in step"):
+        autoloader.diagnose(DataLoader(SleepDataset(8), batch_size=2), failing_step, seconds=1)
