@@ -1,14 +1,74 @@
-"""The ``autoloader`` command: a thin layer that parses, calls the library and prints."""
+"""The ``autoloader`` command: a thin layer that parses, calls the library and prints.
+
+Library errors (:class:`~autoloader.AutoloaderError`) become one line on stderr and exit
+status 1; usage errors, including a ``MODULE:NAME`` that cannot be imported, exit 2
+(argparse's convention).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
 
 from autoloader._exceptions import AutoloaderError
-from autoloader._report import summary
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from autoloader._tune import tune
+
+    dataset = factory = args.dataset
+    if not isinstance(dataset, Dataset) and callable(factory):
+        try:  # a factory: the dataset is built here, not at import
+            dataset = factory()
+        except Exception as error:
+            name = getattr(factory, "__qualname__", "the dataset factory")
+            raise AutoloaderError(f"{name}() raised {type(error).__name__}: {error}") from error
+    result = tune(
+        dataset,
+        args.step,
+        batch_size=args.batch_size,
+        time_budget=args.time_budget,
+        n_trials=args.n_trials,
+        memory_budget=args.memory_budget,
+        loader_kwargs={"shuffle": True} if args.shuffle else None,
+        device=args.device,
+        seed=args.seed,
+        storage=args.storage,
+        show_progress=not args.quiet,
+        isolation=args.isolation,
+    )
+    print(result.report())
+    path = result.save(args.out)
+    print(f"\nsaved to {path}: autoloader.load({str(path)!r}).make_loader(dataset)")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from autoloader._result import load
+
+    print(load(args.result).report())
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from autoloader._result import load
+
+    result = load(args.result)
+    try:
+        result.plot(args.output)
+    except ImportError as error:
+        raise AutoloaderError(str(error)) from None
+    print(f"wrote {args.output}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -31,12 +91,53 @@ def _demo(args: argparse.Namespace) -> int:
         loader_kwargs={"shuffle": True},
         show_progress=not args.quiet,
     )
-    ceiling = args.batch_size / args.step_time
-    print(summary(result))
-    print(f"step-bound ceiling (batch_size / step time): {ceiling:,.0f} samples/s")
+    print(result.report())
     path = result.save(args.out)
-    print(f"saved to {path}; load it with autoloader.load({str(path)!r}).make_loader(dataset)")
+    print(f"\nsaved to {path}; load it with autoloader.load({str(path)!r}).make_loader(dataset)")
     return 0
+
+
+def import_object(spec: str) -> Any:
+    """``"package.module:name"`` or ``"path/to/file.py:name"`` to the object it names.
+
+    Raises:
+        argparse.ArgumentTypeError: the spec is malformed or does not import.
+    """
+    module_name, colon, name = spec.rpartition(":")
+    if not colon or not module_name or not name.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{spec!r} is not MODULE:NAME (e.g. my_data:make_dataset or train.py:step)"
+        )
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).resolve()
+            if not path.is_file():
+                raise argparse.ArgumentTypeError(f"{module_name}: no such file")
+            # Importable by name too, so that spawned workers can unpickle its objects.
+            sys.path.insert(0, str(path.parent))
+            module = importlib.import_module(path.stem)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except argparse.ArgumentTypeError:
+        raise
+    except Exception as error:  # the user's module raised while importing
+        raise argparse.ArgumentTypeError(
+            f"cannot import {module_name!r}: {type(error).__name__}: {error}"
+        ) from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise argparse.ArgumentTypeError(f"{module_name!r} has no {name!r}") from None
+
+
+def _whole_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,11 +147,99 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every trial")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    tune = commands.add_parser(
+        "tune",
+        help="tune the DataLoader settings for your dataset and step",
+        description="Tune DataLoader settings for a dataset and training step named as "
+        "MODULE:NAME (a module on the path, or a .py file), print the report and save "
+        "the result as JSON.",
+        epilog="example: autoloader tune my_data:make_dataset train.py:step --batch-size 64",
+    )
+    tune.add_argument(
+        "dataset",
+        type=import_object,
+        metavar="MODULE:DATASET_FACTORY",
+        help="a function that returns the Dataset (called with no arguments), or a Dataset",
+    )
+    tune.add_argument(
+        "step",
+        type=import_object,
+        metavar="MODULE:STEP",
+        help="the training step: a function that receives one batch",
+    )
+    tune.add_argument(
+        "--batch-size", type=_whole_number, required=True, metavar="N", help="samples per batch"
+    )
+    tune.add_argument(
+        "--time-budget",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds the tuning may take (default: 60)",
+    )
+    tune.add_argument(
+        "--n-trials", type=_whole_number, metavar="N", help="cap on search trials (default: none)"
+    )
+    tune.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="memory the process tree may use, e.g. 6GiB (default: a safe share of what is free)",
+    )
+    tune.add_argument(
+        "--out",
+        default="best.json",
+        metavar="PATH",
+        help="where to write the result (default: best.json)",
+    )
+    tune.add_argument(
+        "--storage",
+        metavar="URL",
+        help="keep the study in a journal file or an Optuna storage URL (sqlite:///t.db) "
+        "so that an interrupted run resumes; watch it with optuna-dashboard",
+    )
+    tune.add_argument("--shuffle", action="store_true", help="shuffle, as in training")
+    tune.add_argument("--device", help="move each batch there before the step, e.g. cuda")
+    tune.add_argument("--seed", type=int, default=0, help="the sampler's seed (default: 0)")
+    tune.add_argument(
+        "--isolation",
+        choices=("in-process", "subprocess"),
+        default="in-process",
+        help="run each trial in its own process to survive crashes (default: in-process)",
+    )
+    tune.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    tune.set_defaults(handler=_tune)
+
+    show = commands.add_parser(
+        "show",
+        help="print the report of a saved result",
+        description="Print the report of a result saved by tune: the settings against "
+        "the defaults, the speedup, the bottleneck and advice.",
+    )
+    show.add_argument("result", metavar="RESULT.json")
+    show.set_defaults(handler=_show)
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw a saved result's trials to an image",
+        description="Draw samples/s against num_workers for each prefetch_factor, with the "
+        "step's ceiling and the baseline, and the search history (needs matplotlib).",
+    )
+    plot.add_argument("result", metavar="RESULT.json")
+    plot.add_argument(
+        "-o",
+        "--output",
+        default="tuning.png",
+        metavar="PATH",
+        help="image to write; the format follows the suffix (default: tuning.png)",
+    )
+    plot.set_defaults(handler=_plot)
+
     demo = commands.add_parser(
         "demo",
         help="tune a built-in synthetic workload and print the result",
         description="Tune a built-in workload (latency-bound reads plus a CPU transform, "
-        "a 10 ms step), print the best settings against num_workers=0, write the JSON.",
+        "a 10 ms step), print the report, write the JSON.",
     )
     demo.add_argument(
         "--time-budget",
@@ -90,12 +279,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    return f"autoloader: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(message)s",
     )
+    warnings.formatwarning = _warning_line
     try:
         code: int = args.handler(args)
     except AutoloaderError as error:

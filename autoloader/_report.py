@@ -1,42 +1,38 @@
-"""Plain-text summaries of a tuning result."""
+"""Plain-text summaries of a tuning result: a short one, and the report with advice.
+
+NOTE [ Advice ]
+Every line of advice quotes a figure measured in the same run, and is given only when
+that figure says it applies:
+
+- batched fetch: the best trial fetching whole batches against the best one fetching
+  item by item;
+- copy-on-read: a sustained growth of the process tree with workers that the baseline
+  (no workers) did not show;
+- ``/dev/shm``: the bytes of batches the tuned setting keeps in flight (batch bytes x
+  prefetch x workers) against the size of ``/dev/shm``;
+- a loader slower than the step even at the best setting: the two times per batch,
+  and the dataset's size as tensors, which may fit on the accelerator;
+- workers repeating each other's randomness: two workers' first reads of item 0 gave
+  the same random result (``TuneResult.facts``).
+"""
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Iterator
+
 from autoloader._memory import format_bytes
 from autoloader._result import TrialRecord, TuneResult
+from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS
 
-
-def summary(result: TuneResult) -> str:
-    """A short table: the tuned settings, throughput against the baseline, the trials."""
-    states = [t.state for t in result.trials]
-    chosen = [t for t in result.trials if t.state == "complete" and t.params == result.params]
-    wait = chosen[-1].data_wait_fraction if chosen else None
-    peak = max((t.peak_memory or 0 for t in chosen), default=0)
-    rows = [
-        ("num_workers", str(result.params["num_workers"])),
-        ("prefetch_factor", str(result.params["prefetch_factor"])),
-        ("persistent_workers", str(result.params["persistent_workers"])),
-        ("pin_memory", str(result.params["pin_memory"])),
-        *_unusual(result.params),
-        ("throughput", f"{result.throughput:,.0f} samples/s"),
-        ("baseline (num_workers=0)", f"{result.baseline:,.0f} samples/s"),
-        ("speedup", f"{result.speedup:.2f}x"),
-    ]
-    if wait is not None:
-        rows.append(("time waiting for data", f"{wait:.0%}"))
-    if peak:
-        rows.append(("peak memory (process tree)", format_bytes(peak)))
-    rows.append(
-        (
-            "trials",
-            f"{len(states)} run, {states.count('pruned')} pruned, "
-            f"{states.count('failed')} failed, in {result.tuning_seconds:.0f} s",
-        )
-    )
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
-    lines.extend(f"note: {note}" for note in result.notes)
-    return "\n".join(lines)
+# Sustained growth, bytes/s, that counts as memory growing on read.
+_GROWTH = 1 << 20
+# Share of /dev/shm that batches in flight may fill before it is worth a word.
+_SHM_SHARE = 0.25
+# Share of the loop's time waiting for data above which the loader is still the limit.
+_STILL_WAITING = 0.2
+# Above this ratio, batched fetch is worth telling about.
+_BATCHED_GAIN = 1.1
 
 
 def describe(record: TrialRecord) -> str:
@@ -69,3 +65,216 @@ def _unusual(params: dict[str, object]) -> list[tuple[str, str]]:
         for name, usual in _USUAL.items()
         if name in params and params[name] != usual
     ]
+
+
+def report(result: TuneResult) -> str:
+    """The report of ``TuneResult.report()`` and ``autoloader show``."""
+    env = result.environment
+    chosen = _chosen(result)
+    baseline = _baseline(result)
+    lines = [
+        f"autoloader report: batch size {result.batch_size}, measured on "
+        f"{env.usable_cpus} CPUs, {format_bytes(env.memory_total)}, torch "
+        f"{env.torch_version}, {env.accelerator or 'no accelerator'}"
+        + (" (interrupted: best of the finished trials)" if result.partial else ""),
+        "",
+        f"{'setting':<20} {'tuned':>8} {'default':>8}",
+    ]
+    for name in TUNED_KEYS:
+        value, default = result.params.get(name), BASELINE_PARAMS.get(name)
+        mark = "" if value == default else "  <"
+        lines.append(f"{name:<20} {_show(value):>8} {_show(default):>8}{mark}")
+    lines.append("")
+    rows = [
+        (
+            "throughput",
+            f"{result.throughput:,.0f} samples/s against {result.baseline:,.0f} with the "
+            f"defaults: {result.speedup:.2f}x",
+        )
+    ]
+    if baseline and chosen and baseline.data_wait_fraction is not None:
+        rows.append(
+            (
+                "waiting for data",
+                f"{baseline.data_wait_fraction:.0%} of the loop's time with the defaults, "
+                f"{chosen.data_wait_fraction or 0:.0%} tuned",
+            )
+        )
+    bottleneck = _bottleneck(result, baseline, chosen)
+    if bottleneck:
+        rows.append(("bottleneck", bottleneck))
+    if chosen and chosen.peak_memory:
+        rows.append(
+            (
+                "peak memory",
+                f"{format_bytes(chosen.peak_memory)} (process tree, tuned), budget "
+                f"{format_bytes(result.memory_budget)}",
+            )
+        )
+    states = [t.state for t in result.trials]
+    rows.append(
+        (
+            "trials",
+            f"{len(states)} run, {states.count('pruned')} pruned, "
+            f"{states.count('failed')} failed, in {result.tuning_seconds:.0f} s",
+        )
+    )
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        lines.extend(_wrapped(value, first=f"{name:<{width}}  ", rest=" " * (width + 2)))
+    advice = list(advise(result))
+    if advice:
+        lines += ["", "advice"]
+        for line in advice:
+            lines.extend(_wrapped(line, first="- ", rest="  "))
+    if result.notes:
+        lines += ["", "notes"]
+        for note in result.notes:
+            lines.extend(_wrapped(note, first="- ", rest="  "))
+    return "\n".join(lines)
+
+
+def advise(result: TuneResult) -> Iterator[str]:
+    """Advice lines, each backed by a figure of this run (see ``NOTE [ Advice ]``)."""
+    complete = [t for t in result.trials if t.state == "complete" and t.samples_per_second]
+    chosen = _chosen(result)
+    baseline = _baseline(result)
+    facts = result.facts
+
+    batched = [t for t in complete if t.params.get("batched_fetch")]
+    per_item = [t for t in complete if not t.params.get("batched_fetch")]
+    if batched and per_item:
+        fast = max(batched, key=_rate)
+        slow = max(per_item, key=_rate)
+        if _rate(fast) >= _BATCHED_GAIN * _rate(slow):
+            yield (
+                f"The dataset can be indexed a batch at a time, and fetching whole batches "
+                f"is {_rate(fast) / _rate(slow):.1f}x faster than item by item plus "
+                f"collate ({_rate(fast):,.0f} against {_rate(slow):,.0f} samples/s, the "
+                "best of each). make_loader() does it; for your own DataLoader use "
+                "loader_kwargs(dataset)."
+            )
+
+    base_growth = (baseline.memory_growth or 0.0) if baseline else 0.0
+    growing = [
+        t for t in complete if t.params.get("num_workers") and (t.memory_growth or 0) >= _GROWTH
+    ]
+    if growing and base_growth < _GROWTH:
+        worst = max(growing, key=lambda t: t.memory_growth or 0.0)
+        yield (
+            f"Worker memory grows as they read: {format_bytes(worst.memory_growth or 0)}/s "
+            f"in trial {worst.number} (num_workers={worst.params['num_workers']}), "
+            f"against {format_bytes(base_growth)}/s without workers. Forked workers copy "
+            "every page of Python objects they read (reference counts are written on "
+            "read): over an epoch each worker can end up with its own copy. Store the "
+            "dataset as numpy arrays or tensors instead of lists of Python objects."
+        )
+
+    shm = facts.get("shm_bytes")
+    if chosen and shm and chosen.batch_bytes and result.params["num_workers"]:
+        workers = result.params["num_workers"]
+        prefetch = result.params["prefetch_factor"] or 2
+        in_flight = chosen.batch_bytes * prefetch * workers
+        if in_flight >= _SHM_SHARE * shm:
+            yield (
+                f"/dev/shm is {format_bytes(shm)} and the tuned setting keeps up to "
+                f"{format_bytes(in_flight)} of batches in flight there "
+                f"({format_bytes(chosen.batch_bytes)} per batch x prefetch {prefetch} x "
+                f"{workers} workers). Give it more room (in Docker: --shm-size), or "
+                "lower prefetch_factor, or workers fail with bus errors or 'No space left "
+                "on device'."
+            )
+    shm_failures = [t for t in result.trials if t.reason and "shm" in t.reason.lower()]
+    if shm_failures:
+        yield (
+            f"{len(shm_failures)} trial(s) failed on shared memory (/dev/shm is "
+            f"{format_bytes(shm or 0)}): give it more room (in Docker: --shm-size)."
+        )
+
+    if (
+        chosen
+        and (chosen.data_wait_fraction or 0) >= _STILL_WAITING
+        and chosen.step_seconds
+        and chosen.load_seconds
+    ):
+        step = chosen.step_seconds
+        load = chosen.load_seconds + step  # the loop's time per batch, step included
+        line = (
+            f"Even with the best setting the loop waits for data "
+            f"{chosen.data_wait_fraction:.0%} of the time: a batch takes {_ms(load)} to "
+            f"come, the step {_ms(step)}."
+        )
+        length = facts.get("dataset_length")
+        if length and chosen.batch_bytes:
+            size = chosen.batch_bytes / result.batch_size * length
+            line += (
+                f" As tensors the whole dataset is about {format_bytes(size)} "
+                f"({format_bytes(chosen.batch_bytes)} per batch of {result.batch_size}, "
+                f"{length:,} items): if that fits in the accelerator's memory, preload it "
+                "there once and index batches on the device; else store it decoded, so "
+                "loading is a read."
+            )
+        yield line
+
+    if facts.get("workers_repeat_randomness"):
+        yield (
+            "Workers repeat each other's randomness: item 0 read first in two workers "
+            "gave the same random result, while two reads in this process differ. The "
+            "dataset holds its own random generator, copied into every worker. Re-seed "
+            "it per worker in a worker_init_fn, e.g. "
+            "info = torch.utils.data.get_worker_info(); "
+            "info.dataset.rng = np.random.default_rng(info.seed)."
+        )
+
+
+def _bottleneck(
+    result: TuneResult, baseline: TrialRecord | None, chosen: TrialRecord | None
+) -> str | None:
+    if not baseline or baseline.load_seconds is None or not baseline.step_seconds:
+        return None
+    load, step = baseline.load_seconds, baseline.step_seconds
+    if baseline.data_wait_fraction is not None and baseline.data_wait_fraction < 0.05:
+        return (
+            f"the step: with the defaults the loop already waits for data only "
+            f"{baseline.data_wait_fraction:.0%} of the time (step {_ms(step)} per batch)"
+        )
+    cpu = (baseline.load_cpu_seconds or 0.0) / load if load else 0.0
+    kind = "CPU work" if cpu > 0.5 else "mostly waiting on I/O"
+    text = (
+        f"loading: with the defaults a batch took {_ms(load)} to load ({kind}, "
+        f"{min(cpu, 1.0):.0%} of it on the CPU), the step {_ms(step)}"
+    )
+    if chosen and chosen.step_seconds:
+        ceiling = result.batch_size / chosen.step_seconds
+        text += (
+            f"; tuned, the loop reaches {result.throughput / ceiling:.0%} of the step's "
+            f"ceiling of {ceiling:,.0f} samples/s"
+        )
+    return text
+
+
+def _chosen(result: TuneResult) -> TrialRecord | None:
+    """The latest complete measurement of the tuned setting (a runoff one if any)."""
+    matches = [t for t in result.trials if t.state == "complete" and t.params == result.params]
+    return matches[-1] if matches else None
+
+
+def _baseline(result: TuneResult) -> TrialRecord | None:
+    matches = [t for t in result.trials if t.state == "complete" and t.phase == "baseline"]
+    return matches[0] if matches else None
+
+
+def _rate(record: TrialRecord) -> float:
+    return record.epoch_samples_per_second or record.samples_per_second or 0.0
+
+
+def _show(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _wrapped(text: str, *, first: str, rest: str) -> list[str]:
+    return textwrap.wrap(text, width=92, initial_indent=first, subsequent_indent=rest)

@@ -101,6 +101,8 @@ class TuneResult:
         unsaved_loader_kwargs: names of fixed options the file cannot keep (a
             collate_fn, a sampler...): pass them to :meth:`make_loader` after
             :func:`autoloader.load`.
+        facts: what was checked of the dataset and machine before the search (see
+            ``autoloader._facts``), for the report's advice.
 
     Example::
 
@@ -121,6 +123,7 @@ class TuneResult:
     partial: bool = False
     fixed_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     unsaved_loader_kwargs: tuple[str, ...] = ()
+    facts: dict[str, Any] = field(default_factory=dict)
     _in_memory_kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -162,6 +165,30 @@ class TuneResult:
         """A ``DataLoader`` over ``dataset`` with the tuned settings; overrides win."""
         return new_loader(dataset, self.loader_kwargs(dataset, **overrides))
 
+    def report(self) -> str:
+        """A readable report: the settings against the defaults, the speedup, the
+        bottleneck, and advice, each line backed by a figure measured in this run."""
+        from autoloader._report import report
+
+        return report(self)
+
+    def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
+        """Draw the trials: samples/s against ``num_workers``, one line per
+        ``prefetch_factor``, the step's ceiling and the baseline, pruned and failed
+        trials marked; and the search's history. Needs matplotlib
+        (``pip install autoloader[plot]``).
+
+        Args:
+            path: where to save the figure (PNG, SVG, PDF by the suffix); ``None``
+                only returns it.
+
+        Returns:
+            The ``matplotlib.figure.Figure``.
+        """
+        from autoloader._plot import plot
+
+        return plot(self, path)
+
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able content of the result file."""
         return {
@@ -178,6 +205,7 @@ class TuneResult:
             "notes": list(self.notes),
             "partial": self.partial,
             "environment": self.environment.as_dict(),
+            "facts": dict(self.facts),
             "trials": [t.as_dict() for t in self.trials],
         }
 
@@ -247,6 +275,7 @@ class TuneResult:
                 unsaved_loader_kwargs=tuple(
                     str(n) for n in _typed(data, "unsaved_loader_kwargs", list)
                 ),
+                facts=_typed({"facts": {}, **data}, "facts", dict),
             )
         except (TypeError, ValueError) as error:
             raise ResultFileError(f"malformed result: {error}") from None

@@ -22,6 +22,7 @@ from autoloader._batching import batched_fetch_problem
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError
+from autoloader._facts import dataset_facts
 from autoloader._isolation import SubprocessRunner
 from autoloader._loader import SUPPORTS_IN_ORDER
 from autoloader._measure import Runner, TrialRunner
@@ -184,6 +185,7 @@ def tune(
         ),
         supports_in_order=SUPPORTS_IN_ORDER,
     )
+    facts = dataset_facts(dataset, dataset_length, fixed)
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
         type(dataset).__name__,
@@ -245,6 +247,7 @@ def tune(
         partial=partial,
         fixed_loader_kwargs=saved,
         unsaved_loader_kwargs=unsaved,
+        facts=facts,
         _in_memory_kwargs={k: fixed[k] for k in unsaved},
     )
 

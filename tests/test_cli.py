@@ -20,23 +20,104 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_tunes_prints_and_saves(tmp_path: Path) -> None:
+PIPELINE = """
+import time
+import torch
+from torch.utils.data import Dataset
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, index):
+        time.sleep(0.002)
+        return torch.full((4,), float(index))
+
+
+def make_dataset():
+    return Slow()
+
+
+def step(batch):
+    time.sleep(0.005)
+
+
+def broken():
+    raise RuntimeError("no data directory")
+"""
+
+
+def test_demo_tunes_prints_the_report_and_saves(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     done = _run(
         "demo", "--time-budget", "4", "--items", "512", "--out", str(out), "-q", cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    for text in (
-        "num_workers",
-        "baseline (num_workers=0)",
-        "speedup",
-        "trials",
-        "ceiling",
-        str(out),
-    ):
+    for text in ("num_workers", "with the defaults", "bottleneck", "trials", str(out)):
         assert text in done.stdout
     assert json.loads(out.read_text())["schema_version"] == 2
     assert autoloader.load(out).params["num_workers"] >= 0
+
+
+def test_tune_show_and_plot_a_user_pipeline(tmp_path: Path) -> None:
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    out = tmp_path / "runs" / "best.json"
+    journal = tmp_path / "study.log"
+    done = _run(
+        "tune", "pipe:make_dataset", "pipe.py:step", "--batch-size", "8",
+        "--time-budget", "5", "--out", str(out), "--storage", str(journal), "-q",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "with the defaults" in done.stdout and str(out) in done.stdout
+    assert journal.stat().st_size > 0  # the study went to the storage
+    result = autoloader.load(out)
+    assert result.batch_size == 8
+
+    shown = _run("show", str(out), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == result.report()
+
+    image = tmp_path / "tuning.png"
+    drawn = _run("plot", str(out), "-o", str(image), cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    assert image.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_factory_that_raises_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    done = _run("tune", "pipe:broken", "pipe:step", "--batch-size", "8", "-q", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "autoloader: error: broken() raised RuntimeError: no data directory"
+    )
+
+
+def test_names_that_do_not_import_are_usage_errors(tmp_path: Path) -> None:
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    for spec, message in (
+        ("pipe", "is not MODULE:NAME"),
+        ("pipe:nothing", "'pipe' has no 'nothing'"),
+        ("missing_module:make", "cannot import 'missing_module'"),
+        ("missing.py:make", "missing.py: no such file"),
+    ):
+        done = _run("tune", spec, "pipe:step", "--batch-size", "8", cwd=tmp_path)
+        assert done.returncode == 2 and message in done.stderr, (spec, done.stderr)
+    # --batch-size is required
+    assert _run("tune", "pipe:make_dataset", "pipe:step", cwd=tmp_path).returncode == 2
+
+
+def test_show_of_a_missing_or_broken_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    missing = _run("show", "nothere.json", cwd=tmp_path)
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == (
+        "autoloader: error: cannot read nothere.json: No such file or directory"
+    )
+    (tmp_path / "bad.json").write_text("{}")
+    for command in ("show", "plot"):
+        bad = _run(command, "bad.json", cwd=tmp_path)
+        assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_library_errors_are_one_line_and_exit_1(tmp_path: Path) -> None:
@@ -51,7 +132,10 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert _run("demo", "--time-budget", "soon", cwd=tmp_path).returncode == 2
 
 
-def test_help_lists_the_demo(tmp_path: Path) -> None:
+def test_help_lists_every_command_and_each_has_its_own(tmp_path: Path) -> None:
     done = _run("--help", cwd=tmp_path)
     assert done.returncode == 0
-    assert "demo" in done.stdout
+    for command in ("tune", "show", "plot", "demo"):
+        assert command in done.stdout
+        helped = _run(command, "--help", cwd=tmp_path)
+        assert helped.returncode == 0 and helped.stdout.startswith(f"usage: autoloader {command}")
