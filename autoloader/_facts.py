@@ -11,16 +11,37 @@ Measured once, before the search, and saved with the result (``TuneResult.facts`
   different workers gave the same result. A dataset that holds its own random generator
   (``self.rng = np.random.default_rng()``) has it copied into every worker, so the
   workers draw the same "random" numbers; ``None`` if not checked.
+- ``copy_on_read``: with fork, bytes of private memory a forked process gains per item
+  it reads for the first time (see ``NOTE [ Copy-on-read probe ]``), and
+  ``copy_on_read_items``, how many items that was measured over; ``None`` if not
+  measured (another start method, an iterable dataset, fewer than 1,000 items);
+  ``process_bytes``, this process's resident memory then, which bounds the copy.
+
+NOTE [ Copy-on-read probe ]
+A forked worker shares its parent's pages until it writes to one. Reading a Python
+object writes its reference count, so a worker that reads a list of Python objects
+copies, page by page, the part of the dataset it reads: over an epoch, each worker can
+end up with its own copy. The memory watchdog cannot tell this slow growth from noise
+in a trial of a few seconds, so it is measured directly: a forked process reads a few
+items to warm the allocator up, then reads fresh items for up to half a second (pass A),
+then the same items again (pass B), reading its private memory (USS) between passes.
+Copy-on-read grows in A only; a leak grows in both; the allocator's reuse in neither.
+The per-item copy is ``(A - B) / items``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import shutil
+import time
 import warnings
 from collections.abc import Mapping
+from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+import psutil
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from autoloader._batching import same_batch
@@ -29,11 +50,28 @@ from autoloader._batching import same_batch
 _WORKER_OPTIONS = ("worker_init_fn", "multiprocessing_context", "collate_fn")
 
 
+# Copy-on-read probe (see NOTE [ Copy-on-read probe ]).
+_PROBE_MIN_ITEMS = 1000
+_PROBE_WARMUP_ITEMS = 32
+_PROBE_MAX_ITEMS = 4000
+_PROBE_SECONDS = 0.5
+_PROBE_TIMEOUT = 30.0
+
+
 def dataset_facts(
-    dataset: Dataset[Any], dataset_length: int | None, fixed: Mapping[str, Any]
+    dataset: Dataset[Any],
+    dataset_length: int | None,
+    fixed: Mapping[str, Any],
+    *,
+    start_method: str,
 ) -> dict[str, Any]:
     """Measure the facts of the module docstring; none of them raises."""
     random_items = _random_items(dataset, dataset_length)
+    copy_on_read, items = (
+        _copy_on_read(dataset, dataset_length)
+        if start_method == "fork" and dataset_length
+        else (None, None)
+    )
     return {
         "dataset_length": dataset_length,
         "shm_bytes": shm_bytes(),
@@ -41,7 +79,65 @@ def dataset_facts(
         "workers_repeat_randomness": (
             _workers_repeat_randomness(dataset, fixed) if random_items else None
         ),
+        "copy_on_read": copy_on_read,
+        "copy_on_read_items": items,
+        "process_bytes": psutil.Process().memory_info().rss,
     }
+
+
+def _copy_on_read(dataset: Dataset[Any], length: int) -> tuple[float | None, int | None]:
+    """Bytes copied per item read in a forked process, and over how many items."""
+    if isinstance(dataset, IterableDataset) or length < _PROBE_MIN_ITEMS:
+        return None, None
+    try:
+        context = multiprocessing.get_context("fork")
+    except ValueError:  # no fork on this platform
+        return None, None
+    order = np.random.default_rng(0).permutation(length)[: _PROBE_WARMUP_ITEMS + _PROBE_MAX_ITEMS]
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_probe, args=(dataset, order.tolist(), sender), name="autoloader-probe"
+    )
+    process.start()
+    sender.close()
+    try:
+        if not receiver.poll(_PROBE_TIMEOUT):
+            return None, None
+        first, second, items = receiver.recv()
+    except (EOFError, OSError):  # the probe died: the baseline reports a broken dataset
+        return None, None
+    finally:
+        receiver.close()
+        process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if items == 0:
+        return None, None
+    return max(0.0, (first - second) / items), items
+
+
+def _probe(dataset: Dataset[Any], order: list[int], out: Connection) -> None:
+    """In a forked process: the private memory passes A and B gained (see the NOTE)."""
+    me = psutil.Process()
+    try:
+        for index in order[:_PROBE_WARMUP_ITEMS]:
+            dataset[index]
+        fresh = order[_PROBE_WARMUP_ITEMS:]
+        before = me.memory_full_info().uss
+        read, until = 0, time.monotonic() + _PROBE_SECONDS
+        while read < len(fresh) and time.monotonic() < until:
+            dataset[fresh[read]]
+            read += 1
+        after_first = me.memory_full_info().uss
+        for index in fresh[:read]:
+            dataset[index]
+        after_second = me.memory_full_info().uss
+        out.send((after_first - before, after_second - after_first, read))
+    except Exception:
+        out.send((0, 0, 0))
+    finally:
+        out.close()
 
 
 def shm_bytes() -> int | None:

@@ -6,8 +6,8 @@ that figure says it applies:
 
 - batched fetch: the best trial fetching whole batches against the best one fetching
   item by item;
-- copy-on-read: a sustained growth of the process tree with workers that the baseline
-  (no workers) did not show;
+- copy-on-read: the private memory a forked process gains per item it reads (see
+  ``NOTE [ Copy-on-read probe ]``), times the items of an epoch;
 - ``/dev/shm``: the bytes of batches the tuned setting keeps in flight (batch bytes x
   prefetch x workers) against the size of ``/dev/shm``;
 - a loader slower than the step even at the best setting: the two times per batch,
@@ -18,6 +18,7 @@ that figure says it applies:
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Iterator
 
@@ -25,8 +26,10 @@ from autoloader._memory import format_bytes
 from autoloader._result import TrialRecord, TuneResult
 from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS
 
-# Sustained growth, bytes/s, that counts as memory growing on read.
-_GROWTH = 1 << 20
+# Bytes copied per item read from which copy-on-read is worth a word.
+_COPY_PER_ITEM = 1024
+# ... and copied in all by the probe, below which the allocator's noise could explain it.
+_COPY_MEASURED = 1 << 20
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
 _SHM_SHARE = 0.25
 # Share of the loop's time waiting for data above which the loader is still the limit.
@@ -138,14 +141,13 @@ def advise(result: TuneResult) -> Iterator[str]:
     """Advice lines, each backed by a figure of this run (see ``NOTE [ Advice ]``)."""
     complete = [t for t in result.trials if t.state == "complete" and t.samples_per_second]
     chosen = _chosen(result)
-    baseline = _baseline(result)
     facts = result.facts
 
     batched = [t for t in complete if t.params.get("batched_fetch")]
-    per_item = [t for t in complete if not t.params.get("batched_fetch")]
-    if batched and per_item:
+    one_by_one = [t for t in complete if not t.params.get("batched_fetch")]
+    if batched and one_by_one:
         fast = max(batched, key=_rate)
-        slow = max(per_item, key=_rate)
+        slow = max(one_by_one, key=_rate)
         if _rate(fast) >= _BATCHED_GAIN * _rate(slow):
             yield (
                 f"The dataset can be indexed a batch at a time, and fetching whole batches "
@@ -155,19 +157,29 @@ def advise(result: TuneResult) -> Iterator[str]:
                 "loader_kwargs(dataset)."
             )
 
-    base_growth = (baseline.memory_growth or 0.0) if baseline else 0.0
-    growing = [
-        t for t in complete if t.params.get("num_workers") and (t.memory_growth or 0) >= _GROWTH
-    ]
-    if growing and base_growth < _GROWTH:
-        worst = max(growing, key=lambda t: t.memory_growth or 0.0)
-        yield (
-            f"Worker memory grows as they read: {format_bytes(worst.memory_growth or 0)}/s "
-            f"in trial {worst.number} (num_workers={worst.params['num_workers']}), "
-            f"against {format_bytes(base_growth)}/s without workers. Forked workers copy "
-            "every page of Python objects they read (reference counts are written on "
-            "read): over an epoch each worker can end up with its own copy. Store the "
-            "dataset as numpy arrays or tensors instead of lists of Python objects."
+    per_item, items = facts.get("copy_on_read"), facts.get("copy_on_read_items")
+    length = facts.get("dataset_length")
+    if (
+        per_item
+        and items
+        and length
+        and per_item >= _COPY_PER_ITEM
+        and per_item * items >= _COPY_MEASURED
+    ):
+        per_worker = min(per_item * length, facts.get("process_bytes") or math.inf)
+        workers = result.params["num_workers"]
+        line = (
+            f"Workers copy the dataset as they read it: a forked process gained "
+            f"{format_bytes(per_item)} of private memory per item it read for the first "
+            f"time ({items:,} items measured), so over an epoch of {length:,} items each "
+            f"worker can end up with about {format_bytes(per_worker)} of its own"
+        )
+        if workers:
+            line += f" ({format_bytes(per_worker * workers)} for the tuned {workers} workers)"
+        yield line + (
+            ". Reading a Python object writes its reference count, which copies its page. "
+            "Store the dataset as numpy arrays or tensors instead of lists of Python "
+            "objects."
         )
 
     shm = facts.get("shm_bytes")
@@ -197,12 +209,10 @@ def advise(result: TuneResult) -> Iterator[str]:
         and chosen.step_seconds
         and chosen.load_seconds
     ):
-        step = chosen.step_seconds
-        load = chosen.load_seconds + step  # the loop's time per batch, step included
         line = (
             f"Even with the best setting the loop waits for data "
-            f"{chosen.data_wait_fraction:.0%} of the time: a batch takes {_ms(load)} to "
-            f"come, the step {_ms(step)}."
+            f"{chosen.data_wait_fraction:.0%} of the time: {_ms(chosen.load_seconds)} per "
+            f"batch on top of the step's {_ms(chosen.step_seconds)}."
         )
         length = facts.get("dataset_length")
         if length and chosen.batch_bytes:

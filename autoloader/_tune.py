@@ -185,7 +185,9 @@ def tune(
         ),
         supports_in_order=SUPPORTS_IN_ORDER,
     )
-    facts = dataset_facts(dataset, dataset_length, fixed)
+    facts = dataset_facts(
+        dataset, dataset_length, fixed, start_method=start_method(fixed, environment.start_method)
+    )
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
         type(dataset).__name__,

@@ -88,11 +88,30 @@ def test_batched_fetch_advice_quotes_both_rates() -> None:
     assert "12.0x faster than item by item" in line and "4,800 against 400" in line
 
 
-def test_copy_on_read_advice_when_only_workers_grow() -> None:
+def test_copy_on_read_advice_projects_the_probe_over_an_epoch() -> None:
     tuned = {"num_workers": 4}
-    grows = _trial(1, "search", tuned, 900.0, memory_growth=40 * MiB)
-    (line,) = advise(_result([BASELINE, grows], tuned))
-    assert "40.0 MiB/s in trial 1 (num_workers=4)" in line and "numpy arrays" in line
+    facts = {
+        "dataset_length": 100_000,
+        "copy_on_read": 8 * 1024,
+        "copy_on_read_items": 500,
+        "process_bytes": 2 << 30,
+    }
+    result = _result([BASELINE, _trial(1, "search", tuned, 900.0)], tuned, facts=facts)
+    (line,) = advise(result)
+    assert "8.0 KiB of private memory per item" in line and "(500 items measured)" in line
+    # 100,000 x 8 KiB = 781 MiB, under the 2 GiB this process held
+    assert "about 781.2 MiB of its own (3.1 GiB for the tuned 4 workers)" in line
+    bounded = _result(
+        [BASELINE, _trial(1, "search", tuned, 900.0)],
+        tuned,
+        facts={**facts, "process_bytes": 512 * MiB},
+    )
+    (line,) = advise(bounded)
+    assert "about 512.0 MiB of its own" in line
+    small = {**facts, "copy_on_read": 100.0}  # a TensorDataset measures ~100 B: noise
+    assert not list(
+        advise(_result([BASELINE, _trial(1, "search", tuned, 900.0)], tuned, facts=small))
+    )
 
 
 def test_shm_advice_counts_the_batches_in_flight() -> None:
@@ -107,7 +126,7 @@ def test_a_loader_still_slower_than_the_step_gets_the_dataset_size() -> None:
     tuned = {"num_workers": 2}
     slow = _trial(1, "search", tuned, 300.0, data_wait_fraction=0.7, load_seconds=0.03)
     (line,) = advise(_result([BASELINE, slow], tuned))
-    assert "waits for data 70% of the time" in line and "takes 40.0 ms" in line
+    assert "waits for data 70% of the time: 30.0 ms per batch on top of the step's 10.0 ms" in line
     # 1 MiB per batch of 16, 10,000 items
     assert "about 625.0 MiB" in line and "preload it" in line
 
@@ -134,12 +153,33 @@ class OwnGeneratorDataset(Dataset[torch.Tensor]):
 
 
 def test_facts_tell_workers_that_repeat_randomness_from_those_that_do_not() -> None:
-    repeating = dataset_facts(OwnGeneratorDataset(), 8, {})
+    repeating = dataset_facts(OwnGeneratorDataset(), 8, {}, start_method="fork")
     assert repeating["random_items"] is True and repeating["workers_repeat_randomness"] is True
     # numpy's global generator, which DataLoader seeds per worker
-    seeded = dataset_facts(AugmentedDataset(8), 8, {})
+    seeded = dataset_facts(AugmentedDataset(8), 8, {}, start_method="fork")
     assert seeded["random_items"] is True and seeded["workers_repeat_randomness"] is False
-    plain = dataset_facts(TensorDataset(torch.arange(8)), 8, {})
+    plain = dataset_facts(TensorDataset(torch.arange(8)), 8, {}, start_method="fork")
     assert plain["random_items"] is False and plain["workers_repeat_randomness"] is None
     assert plain["dataset_length"] == 8 and plain["shm_bytes"] and plain["shm_bytes"] > 0
-    assert dataset_facts(SleepDataset(4), 4, {})["random_items"] is False
+    assert dataset_facts(SleepDataset(4), 4, {}, start_method="fork")["random_items"] is False
+
+
+class PythonRecords(Dataset[torch.Tensor]):
+    """Items kept as Python objects: reading one writes its reference counts."""
+
+    def __init__(self, length: int = 20_000) -> None:
+        self.records = [{"id": i, "values": [float(i)] * 16} for i in range(length)]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(self.records[index]["values"])
+
+
+def test_the_probe_finds_copy_on_read_in_python_objects_and_not_in_tensors() -> None:
+    records = dataset_facts(PythonRecords(), 20_000, {}, start_method="fork")
+    tensors = dataset_facts(TensorDataset(torch.randn(20_000, 16)), 20_000, {}, start_method="fork")
+    assert records["copy_on_read_items"] and tensors["copy_on_read_items"]
+    assert records["copy_on_read"] > 10 * max(tensors["copy_on_read"], 100.0)
+    assert dataset_facts(PythonRecords(), 20_000, {}, start_method="spawn")["copy_on_read"] is None
