@@ -37,6 +37,7 @@ from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError, LoopError
 from autoloader._measure import Measurement, TrialError, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, resolve_memory_budget
+from autoloader._report import format_seconds as _ms
 from autoloader._validation import check_positive_number, check_step_fn
 
 # Share of the loop's time waiting for data under which it is step-bound.
@@ -333,7 +334,3 @@ def _children_cpu() -> float:
 
 def _no_step(batch: object) -> None:
     """The step of the loader-alone measurement."""
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"

@@ -1,6 +1,6 @@
 """``TuneResult.plot()``: what the trials measured, as a picture (matplotlib, optional).
 
-Left: samples/s over an epoch against ``num_workers``, one line per ``prefetch_factor``
+Left: steady samples/s against ``num_workers``, one line per ``prefetch_factor``
 (and per fetch mode where batched fetch was searched), the best of each setting's other
 options at each point; the step's ceiling and the baseline as horizontal lines; the
 tuned setting starred; pruned trials as crosses at the rate they had when stopped,
@@ -47,7 +47,9 @@ def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figu
 
 
 def _rate(record: TrialRecord) -> float | None:
-    return record.epoch_samples_per_second or record.samples_per_second
+    """Steady samples/s, as ``TuneResult.throughput`` and ``baseline``; a pruned trial
+    has only the estimate it was stopped on."""
+    return record.samples_per_second or record.epoch_samples_per_second
 
 
 def _draw_by_workers(axes: Any, result: TuneResult) -> None:
@@ -114,14 +116,15 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
         [result.params["num_workers"]],
         [result.throughput],
         marker="*",
-        s=220,
-        color="gold",
-        edgecolor="black",
+        s=320,
+        facecolors="none",  # hollow: the measured point under it stays visible
+        edgecolors="black",
+        linewidths=1.3,
         zorder=4,
-        label="tuned",
+        label="tuned (median of its runs)",
     )
     axes.set_xlabel("num_workers")
-    axes.set_ylabel("samples/s over an epoch")
+    axes.set_ylabel("samples/s")
     axes.set_title("Throughput by setting (best of the other options)")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
@@ -152,7 +155,7 @@ def _draw_history(axes: Any, result: TuneResult) -> None:
         if any(t.phase == phase for t in result.trials):
             axes.scatter([], [], color=colour, s=22, label=phase)
     axes.set_xlabel("trial")
-    axes.set_ylabel("samples/s over an epoch")
+    axes.set_ylabel("samples/s")
     axes.set_title(f"Search history ({len(result.trials)} trials, {result.tuning_seconds:.0f} s)")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)

@@ -282,8 +282,12 @@ def _show(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _ms(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    """``0.0123`` as ``"12.3 ms"``; 10 s and more in seconds."""
     return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+_ms = format_seconds
 
 
 def _wrapped(text: str, *, first: str, rest: str) -> list[str]:

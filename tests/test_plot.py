@@ -30,7 +30,7 @@ def test_plot_draws_each_prefetch_line_the_limits_and_every_trial(tmp_path: Path
     by_workers, history = figure.axes
     labels = by_workers.get_legend_handles_labels()[1]
     assert labels[:3] == ["num_workers=0", "prefetch 2", "prefetch 4"]
-    assert {"pruned (1)", "failed (1)", "tuned"} <= set(labels)
+    assert {"pruned (1)", "failed (1)", "tuned (median of its runs)"} <= set(labels)
     lines = {line.get_label(): line for line in by_workers.get_lines()}
     assert list(lines["prefetch 2"].get_xdata()) == [2, 4]
     assert list(lines["prefetch 2"].get_ydata()) == [700.0, 1210.0]  # best of each point
