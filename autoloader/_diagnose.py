@@ -6,13 +6,16 @@ The user's own DataLoader is measured twice, without changing it: the training l
 which gives the loader's own time per batch. The verdict, in this order:
 
 - ``memory-bound``: the process tree passed the memory budget, or came within 10% of
-  it: more workers or prefetch would not fit.
+  it, or will pass it within an epoch as forked workers copy the Python objects they
+  read (measured by the probe of ``NOTE [ Copy-on-read probe ]``).
 - ``step-bound``: the loop waits for data less than 5% of its time, or its workers
   deliver batches faster than the step takes them and the wait left is the main
   process receiving them. More workers cannot make it faster.
 - ``loader-bound (CPU)``: the processes that load (the workers, or the main process with
   ``num_workers=0``) were busy on the CPU for more than half of their time: more
-  workers help up to the number of CPUs, not beyond.
+  workers help up to the number of CPUs, not beyond. Or, with workers, the main process
+  was on the CPU for more than a third of its wait: receiving batches (unpickling,
+  opening shared memory) is the limit, and more workers do not move it.
 - ``loader-bound (latency)``: they mostly waited (storage, network, locks): workers
   beyond the number of CPUs overlap the waits.
 
@@ -35,19 +38,23 @@ from torch.utils.data import DataLoader
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError, LoopError
+from autoloader._facts import copied_per_worker, copy_on_read_facts
 from autoloader._measure import Measurement, TrialError, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, resolve_memory_budget
 from autoloader._report import format_seconds as _ms
-from autoloader._validation import check_positive_number, check_step_fn
+from autoloader._validation import check_positive_number, check_step_fn, start_method
 
 # Share of the loop's time waiting for data under which it is step-bound.
 _STEP_BOUND_WAIT = 0.05
 # Share of the loading processes' time on the CPU above which loading is CPU work.
 _CPU_BOUND_SHARE = 0.5
+# Share of the main process's wait spent on the CPU, with workers, above which receiving
+# batches is the limit. On the 2-core machine: 0.55-0.67 when it was (free items, no
+# step), 0.07-0.18 when workers were (sleeping or CPU-bound items); the workers' own
+# CPU use keeps it well under 1 even when receiving is all the main process does.
+_RECEIVING_SHARE = 0.35
 # Share of the memory budget from which the loop is memory-bound.
 _MEMORY_NEAR = 0.9
-# Sustained growth of the tree, bytes/s, from which it is shown.
-_GROWTH_SHOWN = 1 << 20
 # Share of the measuring time given to the loop; the rest times the loader alone.
 _LOOP_SHARE = 0.6
 
@@ -71,8 +78,11 @@ class Diagnosis:
         loader_seconds: the loader's own time per batch, measured with no step.
         time_to_first_batch: seconds from ``iter(loader)`` to the first batch.
         peak_memory: bytes, the highest PSS of the process tree (workers included).
-        memory_growth: bytes per second, the fastest sustained growth of the tree.
         memory_budget: bytes the tree was allowed.
+        copied_per_worker: with forked workers, bytes of the dataset each can end up
+            copying over an epoch (copy-on-read of Python objects, see
+            ``NOTE [ Copy-on-read probe ]``); ``None`` where the probe found none or
+            did not run.
         loading_cpu_share: share of the loading processes' time spent on the CPU.
         usable_cpus: CPUs this process may run on.
     """
@@ -88,10 +98,10 @@ class Diagnosis:
     loader_seconds: float | None
     time_to_first_batch: float | None
     peak_memory: int
-    memory_growth: float
     memory_budget: int
     loading_cpu_share: float | None
     usable_cpus: int
+    copied_per_worker: float | None = None
 
     @property
     def ceiling(self) -> float | None:
@@ -128,10 +138,15 @@ class Diagnosis:
         if self.time_to_first_batch is not None:
             rows.append(("first batch", f"{self.time_to_first_batch:.2f} s after iter()"))
         memory = f"{format_bytes(self.peak_memory)} peak of a {format_bytes(self.memory_budget)}"
-        memory += " budget"
-        if self.memory_growth >= _GROWTH_SHOWN:
-            memory += f", grew up to {format_bytes(self.memory_growth)}/s"
-        rows.append(("memory (process tree)", memory))
+        rows.append(("memory (process tree)", memory + " budget"))
+        if self.copied_per_worker is not None:
+            rows.append(
+                (
+                    "copy-on-read",
+                    f"each worker copies up to {format_bytes(self.copied_per_worker)} of "
+                    "the dataset over an epoch",
+                )
+            )
         if self.loading_cpu_share is not None:
             who = "the workers" if self.num_workers else "the main process"
             rows.append(
@@ -170,7 +185,8 @@ def diagnose(
         device (str or torch.device, optional): if set, each batch is moved there before
             ``step_fn``. (default: ``None``)
         seconds (float, optional): the longest the measurements may take, worker
-            start-up excluded. (default: ``10``)
+            start-up excluded; with forked workers, the copy-on-read probe adds about a
+            second. (default: ``10``)
         memory_budget (int or str, optional): bytes the process tree may use, e.g.
             ``"6GiB"``; ``None`` means what it uses now plus 80% of the memory
             available. (default: ``None``)
@@ -206,6 +222,14 @@ def diagnose(
         )
 
     workers = loader.num_workers
+    method = start_method(
+        {"multiprocessing_context": loader.multiprocessing_context},
+        Environment.current().start_method,
+    )
+    facts = copy_on_read_facts(
+        loader.dataset, _length(loader.dataset), start_method=method if workers else "none"
+    )
+    copied = copied_per_worker(facts)
     children_before = _children_cpu()
     try:
         loop = runner(step_fn, resolved_device).measure_loader(
@@ -229,7 +253,7 @@ def diagnose(
     else:
         cpu_share = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
     cpu_share = min(1.0, cpu_share)
-    verdict, reason = _verdict(loop, alone, cpu_share, workers, budget, usable_cpus)
+    verdict, reason = _verdict(loop, alone, cpu_share, workers, budget, usable_cpus, copied)
     return Diagnosis(
         verdict=verdict,
         reason=reason,
@@ -242,10 +266,10 @@ def diagnose(
         loader_seconds=alone.load_seconds + alone.step_seconds,
         time_to_first_batch=loop.time_to_first_batch,
         peak_memory=max(loop.peak_memory, alone.peak_memory),
-        memory_growth=max(loop.memory_growth, alone.memory_growth),
         memory_budget=budget,
         loading_cpu_share=cpu_share,
         usable_cpus=usable_cpus,
+        copied_per_worker=copied,
     )
 
 
@@ -256,6 +280,7 @@ def _verdict(
     workers: int,
     budget: int,
     usable_cpus: int,
+    copied: float | None,
 ) -> tuple[str, str]:
     peak = max(loop.peak_memory, alone.peak_memory)
     step, loader = loop.step_seconds, alone.load_seconds + alone.step_seconds
@@ -265,6 +290,14 @@ def _verdict(
             f"{format_bytes(budget)} budget: more workers or prefetch would not fit. Make "
             "items smaller in memory (numpy arrays rather than Python objects), or fewer "
             "workers with batched fetch."
+        )
+    if copied is not None and peak + workers * copied >= budget:
+        return "memory-bound", (
+            f"The process tree peaked at {format_bytes(peak)} in this short run, but each "
+            f"of the {workers} workers copies the Python objects it reads (up to "
+            f"{format_bytes(copied)} each over an epoch): {format_bytes(peak + workers * copied)} "
+            f"by the end of one, past the {format_bytes(budget)} budget. Store the dataset "
+            "as numpy arrays or tensors, or use fewer workers."
         )
     wait = loop.data_wait_fraction
     if wait < _STEP_BOUND_WAIT:
@@ -286,6 +319,15 @@ def _verdict(
         f"per batch with num_workers={workers}, the step {_ms(step)}."
     )
     who = {0: "the main process", 1: "the worker"}.get(workers, f"the {workers} workers")
+    receiving = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
+    if workers and receiving > _RECEIVING_SHARE:
+        return "loader-bound (CPU)", (
+            f"{figures} The main process is the limit: it was on the CPU {receiving:.0%} "
+            "of the time it waited, receiving batches from the workers (unpickling, "
+            "shared-memory handles), which more workers do not speed up. Fewer, larger "
+            "transfers do: batched fetch, a larger batch, or num_workers=0 if loading is "
+            "cheap."
+        )
     if cpu_share > _CPU_BOUND_SHARE:
         return "loader-bound (CPU)", (
             f"{figures} Loading is CPU work ({who} on the CPU {cpu_share:.0%} of the "
@@ -319,11 +361,17 @@ def _memory_bound(
         loader_seconds=None,
         time_to_first_batch=None,
         peak_memory=error.peak,
-        memory_growth=0.0,
         memory_budget=budget,
         loading_cpu_share=None,
         usable_cpus=usable_cpus,
     )
+
+
+def _length(dataset: object) -> int | None:
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _children_cpu() -> float:

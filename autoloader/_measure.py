@@ -68,8 +68,6 @@ class Measurement:
         load_cpu_seconds: mean CPU seconds this process spent per batch while blocked in
             ``next()``. With ``num_workers=0`` it tells CPU-bound loading (close to
             ``load_seconds``) from waiting on I/O (close to 0).
-        memory_growth: bytes per second, the fastest sustained growth of the process
-            tree during the trial (copy-on-read, a leak), bursts excluded.
     """
 
     samples_per_second: float
@@ -84,7 +82,6 @@ class Measurement:
     peak_memory: int
     batch_bytes: int = 0
     load_cpu_seconds: float = 0.0
-    memory_growth: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -726,7 +723,6 @@ class TrialRunner:
             peak_memory=watch.peak,
             batch_bytes=batch_bytes,
             load_cpu_seconds=total.wait_cpu / total.batches,
-            memory_growth=watch.growth,
         )
 
 

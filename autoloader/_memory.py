@@ -274,11 +274,6 @@ class MemoryWatch:
         interval (float, optional): seconds between samples. (default: ``0.1``)
         ends_at (float, optional): ``time.monotonic()`` time the trial ends, to which
             growth is projected; ``None`` disables the projection. (default: ``None``)
-
-    Attributes:
-        peak: bytes, the highest memory of the tree seen.
-        growth: bytes per second, the fastest sustained growth seen (see
-            :class:`Growth`; bursts such as workers starting do not count).
     """
 
     # NOTE [ Cheap memory sampling ]
@@ -318,7 +313,6 @@ class MemoryWatch:
         self.interval = interval
         self.ends_at = ends_at
         self.peak = 0
-        self.growth = 0.0
         self.projected: int | None = None
         self._process = psutil.Process()
         self._exceeded = threading.Event()
@@ -389,8 +383,6 @@ class MemoryWatch:
     def _projects_over(self, now: float, used: int, rss: int) -> bool:
         """Whether growth at the current rate passes the budget by ``ends_at``."""
         rate = self._growth.rate()
-        if rate is not None:
-            self.growth = max(self.growth, rate)
         if self.ends_at is None or rate is None or rate <= 0:
             self._over_projections = 0
             return False

@@ -18,18 +18,14 @@ that figure says it applies:
 
 from __future__ import annotations
 
-import math
 import textwrap
 from collections.abc import Iterator
 
+from autoloader._facts import copied_per_worker
 from autoloader._memory import format_bytes
 from autoloader._result import TrialRecord, TuneResult
 from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS
 
-# Bytes copied per item read from which copy-on-read is worth a word.
-_COPY_PER_ITEM = 1024
-# ... and copied in all by the probe, below which the allocator's noise could explain it.
-_COPY_MEASURED = 1 << 20
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
 _SHM_SHARE = 0.25
 # Share of the loop's time waiting for data above which the loader is still the limit.
@@ -157,22 +153,15 @@ def advise(result: TuneResult) -> Iterator[str]:
                 "loader_kwargs(dataset)."
             )
 
-    per_item, items = facts.get("copy_on_read"), facts.get("copy_on_read_items")
-    length = facts.get("dataset_length")
-    if (
-        per_item
-        and items
-        and length
-        and per_item >= _COPY_PER_ITEM
-        and per_item * items >= _COPY_MEASURED
-    ):
-        per_worker = min(per_item * length, facts.get("process_bytes") or math.inf)
+    per_worker = copied_per_worker(facts)
+    if per_worker is not None:
         workers = result.params["num_workers"]
         line = (
             f"Workers copy the dataset as they read it: a forked process gained "
-            f"{format_bytes(per_item)} of private memory per item it read for the first "
-            f"time ({items:,} items measured), so over an epoch of {length:,} items each "
-            f"worker can end up with about {format_bytes(per_worker)} of its own"
+            f"{format_bytes(facts['copy_on_read'])} of private memory per item it read for "
+            f"the first time ({facts['copy_on_read_items']:,} items measured), so over an "
+            f"epoch of {facts['dataset_length']:,} items each worker can end up with about "
+            f"{format_bytes(per_worker)} of its own"
         )
         if workers:
             line += f" ({format_bytes(per_worker * workers)} for the tuned {workers} workers)"

@@ -53,8 +53,6 @@ class TrialRecord:
         load_cpu_seconds: mean CPU seconds of the main process per batch while it
             waited (with ``num_workers=0``: the CPU part of loading).
         batch_bytes: bytes of the tensors in one batch.
-        memory_growth: bytes per second, the fastest sustained growth of the process
-            tree (copy-on-read of Python objects in workers, a leak).
     """
 
     number: int
@@ -73,7 +71,6 @@ class TrialRecord:
     step_seconds: float | None = None
     load_cpu_seconds: float | None = None
     batch_bytes: int | None = None
-    memory_growth: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

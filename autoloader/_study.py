@@ -502,7 +502,6 @@ class Search:
             step_seconds=measurement.get("step_seconds"),
             load_cpu_seconds=measurement.get("load_cpu_seconds"),
             batch_bytes=measurement.get("batch_bytes"),
-            memory_growth=measurement.get("memory_growth"),
         )
 
     def _groups(self, phases: tuple[str, ...]) -> dict[str, tuple[list[FrozenTrial], list[float]]]:

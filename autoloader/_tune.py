@@ -154,13 +154,14 @@ def tune(
         raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
     batches_per_epoch = count_batches(dataset, batch_size, fixed)
     environment = Environment.current()
+    method = start_method(fixed, environment.start_method)
     check_picklable(
         {
             "dataset": dataset,
             "collate_fn": fixed.get("collate_fn"),
             "worker_init_fn": fixed.get("worker_init_fn"),
         },
-        start_method(fixed, environment.start_method),
+        method,
     )
     isolation = check_isolation(isolation)
     memory_bytes = resolve_memory_budget(memory_budget)
@@ -185,9 +186,7 @@ def tune(
         ),
         supports_in_order=SUPPORTS_IN_ORDER,
     )
-    facts = dataset_facts(
-        dataset, dataset_length, fixed, start_method=start_method(fixed, environment.start_method)
-    )
+    facts = dataset_facts(dataset, dataset_length, fixed, start_method=method)
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
         type(dataset).__name__,

@@ -6,6 +6,7 @@ from torch.utils.data import DataLoader
 import autoloader
 from autoloader import Diagnosis, InvalidInputError, LoopError
 
+from .test_report import PythonRecords
 from .workloads import (
     BusyDataset,
     FailingDataset,
@@ -56,6 +57,32 @@ def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
     assert diagnosis.verdict == "memory-bound"
     assert diagnosis.samples_per_second is None
     assert "memory budget" in diagnosis.reason and "fewer workers" in diagnosis.reason
+
+
+def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -> None:
+    from autoloader._memory import tree_memory
+
+    # 60,000 dicts: each forked worker copies ~120 MiB of them over an epoch, while a
+    # short run barely grows the tree.
+    loader = DataLoader(PythonRecords(60_000), batch_size=16, num_workers=2)
+    budget = tree_memory() + (150 << 20)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=2, memory_budget=budget)
+    assert diagnosis.copied_per_worker is not None and diagnosis.copied_per_worker > 50 << 20
+    assert diagnosis.samples_per_second is not None  # the run itself stayed under budget
+    assert diagnosis.verdict == "memory-bound"
+    assert "copies the Python objects it reads" in diagnosis.reason
+    assert "copy-on-read" in str(diagnosis)
+
+
+def test_a_main_process_busy_receiving_batches_is_cpu_bound() -> None:
+    # Free items and no step: the workers wait on the main process, which spends its
+    # time receiving batches. Epochs long enough not to be all worker start-up.
+    dataset = SleepDataset(1 << 17, latency=0.0, width=4)
+    loader = DataLoader(dataset, batch_size=64, num_workers=2)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=2)
+    assert diagnosis.verdict == "loader-bound (CPU)"
+    assert "The main process is the limit" in diagnosis.reason
+    assert diagnosis.copied_per_worker is None  # tensors made on read: nothing copied
 
 
 def test_str_shows_the_verdict_and_the_figures_behind_it() -> None:

@@ -31,7 +31,6 @@ def _trial(
         "step_seconds": 0.01,
         "load_cpu_seconds": 0.0001,
         "batch_bytes": MiB,
-        "memory_growth": 0.0,
         "peak_memory": 300 * MiB,
     }
     values.update(more)
