@@ -144,6 +144,7 @@ def _copy_on_read(dataset: Dataset[Any], length: int) -> tuple[float | None, int
         if process.is_alive():
             process.kill()
             process.join()
+        process.close()  # its sentinel is a file descriptor too
     if items == 0:
         return None, None
     return max(0.0, (first - second) / items), items

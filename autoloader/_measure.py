@@ -780,7 +780,19 @@ def _worker_exits(
             signals.append(-code)
         elif code:
             codes.append(code)
+    if not signals and not codes:
+        # The worker was already reaped elsewhere (rarely seen in the test suite): torch's
+        # own message still names the exit code.
+        found = _TORCH_EXIT_CODE.search(str(error))
+        if found:
+            code = int(found["code"])
+            (signals if code < 0 else codes).append(abs(code))
     return tuple(signals), tuple(codes)
+
+
+# DataLoader's message for a worker that exited: "DataLoader worker (pid 32512) exited
+# unexpectedly with exit code 3. Details are lost due to multiprocessing. ..."
+_TORCH_EXIT_CODE = re.compile(r"exited unexpectedly with exit code (?P<code>-?\d+)")
 
 
 def _shutdown(iterator: object, loader: DataLoader[Any] | None, *, abandon: bool = False) -> None:

@@ -198,3 +198,14 @@ def test_a_shutdown_that_hangs_is_cut_short(monkeypatch: pytest.MonkeyPatch) -> 
     assert classify(error, params=PARAMS).reason.startswith(
         "timeout: no progress for 1 s while stopping the trial's workers"
     )
+
+
+def test_an_exit_code_only_torch_saw_is_read_from_its_message() -> None:
+    from autoloader._measure import _worker_exits
+
+    error = RuntimeError(
+        "DataLoader worker (pid 32512) exited unexpectedly with exit code 3. Details are "
+        "lost due to multiprocessing. Rerunning with num_workers=0 may give better error trace."
+    )
+    assert _worker_exits(None, error) == ((), (3,))
+    assert _worker_exits(None, RuntimeError("worker exited unexpectedly")) == ((), ())
