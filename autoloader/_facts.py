@@ -23,8 +23,9 @@ object writes its reference count, so a worker that reads a list of Python objec
 copies, page by page, the part of the dataset it reads: over an epoch, each worker can
 end up with its own copy. The memory watchdog cannot tell this slow growth from noise
 in a trial of a few seconds, so it is measured directly: a forked process reads a few
-items to warm the allocator up, then reads fresh items for up to half a second (pass A),
-then the same items again (pass B), reading its private memory (USS) between passes.
+items (a quarter second at most) to warm the allocator up, then fresh items for up to
+half a second (pass A), then the same items again (pass B), reading its private memory
+(USS) between passes.
 Copy-on-read grows in A only; a leak grows in both; the allocator's reuse in neither.
 The per-item copy is ``(A - B) / items``.
 """
@@ -125,7 +126,9 @@ def _copy_on_read(dataset: Dataset[Any], length: int) -> tuple[float | None, int
         context = multiprocessing.get_context("fork")
     except ValueError:  # no fork on this platform
         return None, None
-    order = np.random.default_rng(0).permutation(length)[: _PROBE_WARMUP_ITEMS + _PROBE_MAX_ITEMS]
+    # O(items) whatever the length (no permutation of a billion indices).
+    count = min(length, _PROBE_WARMUP_ITEMS + _PROBE_MAX_ITEMS)
+    order = np.random.default_rng(0).choice(length, size=count, replace=False)
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(
         target=_probe, args=(dataset, order.tolist(), sender), name="autoloader-probe"
@@ -154,8 +157,11 @@ def _probe(dataset: Dataset[Any], order: list[int], out: Connection) -> None:
     """In a forked process: the private memory passes A and B gained (see the NOTE)."""
     me = psutil.Process()
     try:
+        until = time.monotonic() + _PROBE_SECONDS / 2
         for index in order[:_PROBE_WARMUP_ITEMS]:
             dataset[index]
+            if time.monotonic() > until:  # slow items: warm enough
+                break
         fresh = order[_PROBE_WARMUP_ITEMS:]
         before = me.memory_full_info().uss
         read, until = 0, time.monotonic() + _PROBE_SECONDS
