@@ -132,14 +132,6 @@ def import_object(spec: str) -> Any:
         raise argparse.ArgumentTypeError(f"{module_name!r} has no {name!r}") from None
 
 
-def _whole_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoloader",
@@ -169,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the training step: a function that receives one batch",
     )
     tune.add_argument(
-        "--batch-size", type=_whole_number, required=True, metavar="N", help="samples per batch"
+        "--batch-size", type=int, required=True, metavar="N", help="samples per batch"
     )
     tune.add_argument(
         "--time-budget",
@@ -179,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the tuning may take (default: 60)",
     )
     tune.add_argument(
-        "--n-trials", type=_whole_number, metavar="N", help="cap on search trials (default: none)"
+        "--n-trials", type=int, metavar="N", help="cap on search trials (default: none)"
     )
     tune.add_argument(
         "--memory-budget",
