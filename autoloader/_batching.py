@@ -33,6 +33,8 @@ from torch.utils.data import (
 )
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from autoloader._deadlines import TrialTimeout
+
 # Options that take part in forming batches item by item; batched fetch replaces them.
 _PER_ITEM_OPTIONS = ("collate_fn", "batch_sampler")
 
@@ -42,7 +44,8 @@ def batched_fetch_problem(
 ) -> str | None:
     """Why ``dataset`` cannot be fetched a batch at a time, or ``None`` if it can.
 
-    Loads two batches both ways in this process (see ``NOTE [ Batched fetch ]``).
+    Loads two batches both ways in this process (see ``NOTE [ Batched fetch ]``). A
+    :class:`~autoloader._deadlines.TrialTimeout` (the check's deadline) goes through.
     """
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset yields items, it is not indexed"
@@ -60,6 +63,8 @@ def batched_fetch_problem(
     for indices in probes:
         try:
             batched = default_convert(dataset[indices])  # type: ignore[no-untyped-call]
+        except TrialTimeout:  # the check's deadline, not an answer from the dataset
+            raise
         except Exception as error:  # any failure means: not indexable by a list
             return (
                 f"dataset[list of indices] raised {type(error).__name__}: "
@@ -67,6 +72,8 @@ def batched_fetch_problem(
             )
         try:
             items = [dataset[i] for i in indices]
+        except TrialTimeout:
+            raise
         except Exception:  # a fault of the dataset itself: the baseline reports it
             return "loading its items one by one failed"
         per_item = default_collate(items)  # type: ignore[no-untyped-call]

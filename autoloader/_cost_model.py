@@ -18,6 +18,14 @@ Loading whose CPU time exceeds its wall time ran on several threads at once: a n
 thread pool (BLAS, OpenMP) inside the dataset. Each worker would start one as wide as
 the machine, so the first settings measured limit each worker to one thread (see
 ``NOTE [ Worker threads ]``).
+
+A step that trains on the CPU adds a term: the step's threads and the workers share the
+cores, so a batch takes at least ``(step_cpu + cpu_load) / cores``. When loading is
+CPU work, that term (not the step's own time) bounds the loop, and the step does a real
+share of the CPU work (a quarter or more), workers overlap loading with the step only by
+taking cores from it; a step on several threads also loses more than the core a worker
+takes. A step on an accelerator, or one that does no work, leaves the cores to the
+workers; loading that mostly waits is overlapped by workers with little CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from collections.abc import Mapping
 _CPU_BOUND_SHARE = 0.5
 # CPU seconds per wall second of loading above which it ran on several threads.
 _MULTI_THREADED_SHARE = 1.2
+# Share of the CPU work per batch from which a step that trains on the CPU counts.
+_STEP_SHARE_OF_WORK = 0.25
 
 
 def guess_workers(baseline: Mapping[str, float], *, usable_cpus: int) -> list[int]:
@@ -51,3 +61,28 @@ def loads_on_several_threads(baseline: Mapping[str, float]) -> bool:
     """Whether the baseline's loading kept more than one CPU busy at once."""
     load = float(baseline.get("load_seconds", 0.0))
     return load > 0 and float(baseline.get("load_cpu_seconds", 0.0)) > _MULTI_THREADED_SHARE * load
+
+
+def cpu_bound_seconds(*, step: float, step_cpu: float, load_cpu: float, usable_cpus: int) -> float:
+    """Seconds per batch no setting can beat when the step and loading share the CPUs: the
+    step's own time, or both CPU works spread over the CPUs (see ``NOTE [ Cost model ]``)."""
+    return max(step, (step_cpu + load_cpu) / usable_cpus)
+
+
+def step_competes_with_workers(
+    *,
+    step: float,
+    step_cpu: float,
+    load_cpu: float,
+    loading_cpu_share: float,
+    usable_cpus: int,
+) -> bool:
+    """Whether a step that takes ``step`` seconds and ``step_cpu`` CPU seconds per batch
+    competes with workers for the cores, loading taking ``load_cpu`` CPU seconds per
+    batch, on the CPU ``loading_cpu_share`` of its time (see ``NOTE [ Cost model ]``)."""
+    work = step_cpu + load_cpu
+    return (
+        loading_cpu_share > _CPU_BOUND_SHARE
+        and step_cpu >= _STEP_SHARE_OF_WORK * work
+        and work / usable_cpus > step
+    )

@@ -11,6 +11,9 @@ which gives the loader's own time per batch. The verdict, in this order:
 - ``step-bound``: the loop waits for data less than 5% of its time, or its workers
   deliver batches faster than the step takes them and the wait left is the main
   process receiving them. More workers cannot make it faster.
+- ``CPU-bound (step and loader)``: the step itself runs on the CPU, keeping at least
+  half a CPU busy and leaving less than one free, and loading is CPU work too (see
+  ``NOTE [ Cost model ]``): workers take cores from the step.
 - ``loader-bound (CPU)``: the processes that load (the workers, or the main process with
   ``num_workers=0``) were busy on the CPU for more than half of their time: more
   workers help up to the number of CPUs, not beyond. Or, with workers, the main process
@@ -29,16 +32,18 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from autoloader._cost_model import cpu_bound_seconds, step_competes_with_workers
+from autoloader._deadlines import Deadlines, TrialTimeout
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError, LoopError
-from autoloader._facts import copied_per_worker, copy_on_read_facts
+from autoloader._facts import Checks, copied_per_worker
 from autoloader._measure import Measurement, TrialError, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, resolve_memory_budget
 from autoloader._report import format_seconds as _ms
@@ -57,8 +62,20 @@ _RECEIVING_SHARE = 0.35
 _MEMORY_NEAR = 0.9
 # Share of the measuring time given to the loop; the rest times the loader alone.
 _LOOP_SHARE = 0.6
+# The checks (the copy-on-read probe, workers repeating samples) get this share of the
+# measuring time on top of it, and at least _MIN_CHECKS_SECONDS.
+_CHECKS_SHARE = 0.2
+_MIN_CHECKS_SECONDS = 1.0
+# A batch that takes this many times the whole measuring time is hung.
+_HANG_FACTOR = 2.0
 
-VERDICTS = ("step-bound", "loader-bound (CPU)", "loader-bound (latency)", "memory-bound")
+VERDICTS = (
+    "step-bound",
+    "CPU-bound (step and loader)",
+    "loader-bound (CPU)",
+    "loader-bound (latency)",
+    "memory-bound",
+)
 
 
 @dataclass(frozen=True)
@@ -66,8 +83,9 @@ class Diagnosis:
     """What :func:`diagnose` measured of a training loop, and its verdict.
 
     Attributes:
-        verdict: ``"step-bound"``, ``"loader-bound (CPU)"``, ``"loader-bound (latency)"``
-            or ``"memory-bound"`` (see ``NOTE [ Verdict ]``).
+        verdict: ``"step-bound"``, ``"CPU-bound (step and loader)"``,
+            ``"loader-bound (CPU)"``, ``"loader-bound (latency)"`` or ``"memory-bound"``
+            (see ``NOTE [ Verdict ]``).
         reason: the figures behind the verdict and what to do, in a sentence or two.
         num_workers: the loader's worker count.
         batch_size: samples per batch, as measured.
@@ -83,8 +101,13 @@ class Diagnosis:
             copying over an epoch (copy-on-read of Python objects, see
             ``NOTE [ Copy-on-read probe ]``); ``None`` where the probe found none or
             did not run.
+        missing: for each check that could not be made, why (it ran out of its time,
+            or the dataset raised in it).
         loading_cpu_share: share of the loading processes' time spent on the CPU.
         usable_cpus: CPUs this process may run on.
+        step_cpus: CPUs the step kept busy while it ran (its CPU seconds per second):
+            about 0 for a step on an accelerator, up to ``usable_cpus`` for training on
+            the CPU.
     """
 
     verdict: str
@@ -102,6 +125,8 @@ class Diagnosis:
     loading_cpu_share: float | None
     usable_cpus: int
     copied_per_worker: float | None = None
+    missing: dict[str, str] = field(default_factory=dict)
+    step_cpus: float | None = None
 
     @property
     def ceiling(self) -> float | None:
@@ -125,7 +150,10 @@ class Diagnosis:
             )
         if self.step_seconds is not None:
             ceiling = f" (ceiling {self.ceiling:,.0f} samples/s)" if self.ceiling else ""
-            rows.append(("step", f"{_ms(self.step_seconds)} per batch{ceiling}"))
+            on_cpu = ""
+            if self.step_cpus is not None and self.step_cpus >= 0.05:
+                on_cpu = f", keeping {self.step_cpus:.1f} CPUs busy"
+            rows.append(("step", f"{_ms(self.step_seconds)} per batch{ceiling}{on_cpu}"))
         if self.loader_seconds is not None:
             rows.append(
                 (
@@ -157,6 +185,7 @@ class Diagnosis:
                     else f"{self.loading_cpu_share:.0%} of {who}'s loading time",
                 )
             )
+        rows += [(f"not checked: {name}", why) for name, why in self.missing.items()]
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value}" for name, value in rows]
         lines.append(textwrap.fill(self.reason, width=88))
@@ -185,8 +214,10 @@ def diagnose(
         device (str or torch.device, optional): if set, each batch is moved there before
             ``step_fn``. (default: ``None``)
         seconds (float, optional): the longest the measurements may take, worker
-            start-up excluded; with forked workers, the copy-on-read probe adds about a
-            second. (default: ``10``)
+            start-up excluded; the checks (the copy-on-read probe with forked workers,
+            repeated samples with an ``IterableDataset``) add a fifth of it, at least a
+            second. A batch that takes twice this long is taken as hung.
+            (default: ``10``)
         memory_budget (int or str, optional): bytes the process tree may use, e.g.
             ``"6GiB"``; ``None`` means what it uses now plus 80% of the memory
             available. (default: ``None``)
@@ -195,8 +226,10 @@ def diagnose(
         Diagnosis: the figures and the verdict; ``print()`` it.
 
     Raises:
-        InvalidInputError: an argument is wrong; raised before anything runs.
-        LoopError: the dataset, collate_fn or step_fn raised, or a worker died.
+        InvalidInputError: an argument is wrong; raised before anything runs. Or the
+            loader's workers repeat each other's samples (an ``IterableDataset`` that
+            does not split its items between workers).
+        LoopError: the dataset, collate_fn or step_fn raised or hung, or a worker died.
 
     Example::
 
@@ -222,26 +255,42 @@ def diagnose(
         )
 
     workers = loader.num_workers
-    method = start_method(
-        {"multiprocessing_context": loader.multiprocessing_context},
-        Environment.current().start_method,
+    options = {
+        "collate_fn": loader.collate_fn,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+    }
+    method = start_method(options, Environment.current().start_method)
+    checks = Checks(
+        loader.dataset,
+        {name: value for name, value in options.items() if value is not None},
+        batch_size=batch_size,
+        seconds=max(_MIN_CHECKS_SECONDS, _CHECKS_SHARE * seconds),
+        memory_budget=budget,
     )
-    facts = copy_on_read_facts(
-        loader.dataset, _length(loader.dataset), start_method=method if workers else "none"
-    )
+    if workers > 1:
+        checks.repeated_samples()
+    facts = checks.copy_on_read(_length(loader.dataset), start_method=method if workers else "none")
     copied = copied_per_worker(facts)
+    deadlines = Deadlines.per_batch(_HANG_FACTOR * seconds, workers=workers)
     children_before = _children_cpu()
     try:
         loop = runner(step_fn, resolved_device).measure_loader(
-            loader, max_seconds=_LOOP_SHARE * seconds
+            loader, max_seconds=_LOOP_SHARE * seconds, deadlines=deadlines
         )
         children_cpu = _children_cpu() - children_before
         alone = runner(_no_step, None).measure_loader(
-            loader, max_seconds=(1 - _LOOP_SHARE) * seconds
+            loader, max_seconds=(1 - _LOOP_SHARE) * seconds, deadlines=deadlines
         )
     except MemoryBudgetExceeded as error:
         return _memory_bound(error, workers, batch_size, budget, usable_cpus)
     except TrialError as error:
+        if isinstance(error.error, TrialTimeout):
+            raise LoopError(
+                f"The loop over the loader made {error.error}: a worker, the dataset or "
+                "step_fn hangs. If a batch really takes that long, give diagnose() more "
+                f"seconds: a batch may take {_HANG_FACTOR:.0f} times as many."
+            ) from error.error
         raise LoopError(
             f"The loop over the loader failed: {error}"
             + (f" at {error.where}" if error.where else "")
@@ -250,10 +299,15 @@ def diagnose(
 
     if workers:
         cpu_share = children_cpu / (loop.duration * min(workers, usable_cpus))
+        # The workers' CPU seconds per second, over the loop's seconds per batch.
+        load_cpu = children_cpu / loop.duration * (loop.load_seconds + loop.step_seconds)
     else:
         cpu_share = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
+        load_cpu = loop.load_cpu_seconds
     cpu_share = min(1.0, cpu_share)
-    verdict, reason = _verdict(loop, alone, cpu_share, workers, budget, usable_cpus, copied)
+    verdict, reason = _verdict(
+        loop, alone, cpu_share, load_cpu, workers, budget, usable_cpus, copied
+    )
     return Diagnosis(
         verdict=verdict,
         reason=reason,
@@ -270,6 +324,8 @@ def diagnose(
         loading_cpu_share=cpu_share,
         usable_cpus=usable_cpus,
         copied_per_worker=copied,
+        missing=dict(checks.missing),
+        step_cpus=_step_cpus(loop),
     )
 
 
@@ -277,6 +333,7 @@ def _verdict(
     loop: Measurement,
     alone: Measurement,
     cpu_share: float,
+    load_cpu: float,
     workers: int,
     budget: int,
     usable_cpus: int,
@@ -319,6 +376,26 @@ def _verdict(
         f"per batch with num_workers={workers}, the step {_ms(step)}."
     )
     who = {0: "the main process", 1: "the worker"}.get(workers, f"the {workers} workers")
+    if step_competes_with_workers(
+        step=step,
+        step_cpu=loop.step_cpu_seconds,
+        load_cpu=load_cpu,
+        loading_cpu_share=cpu_share,
+        usable_cpus=usable_cpus,
+    ):
+        best = cpu_bound_seconds(
+            step=step, step_cpu=loop.step_cpu_seconds, load_cpu=load_cpu, usable_cpus=usable_cpus
+        )
+        return "CPU-bound (step and loader)", (
+            f"{figures} The step runs on the CPU too, keeping {_step_cpus(loop):.1f} of the "
+            f"{usable_cpus} CPUs busy, and loading is CPU work ({who} on the CPU "
+            f"{cpu_share:.0%} of the time): workers overlap loading with the step only by "
+            f"taking cores from it. Even perfectly overlapped, the two take {_ms(best)} per "
+            f"batch of the CPUs, against {_ms(step + loop.load_seconds)} now, and a step on "
+            "several threads slows down by more than the core a worker takes. A cheaper "
+            "transform, or data decoded once ahead of training, makes this loop faster; "
+            "autoloader.tune() measures whether workers pay."
+        )
     receiving = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
     if workers and receiving > _RECEIVING_SHARE:
         return "loader-bound (CPU)", (
@@ -372,6 +449,11 @@ def _length(dataset: object) -> int | None:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def _step_cpus(loop: Measurement) -> float:
+    """CPUs the step kept busy while it ran."""
+    return loop.step_cpu_seconds / loop.step_seconds if loop.step_seconds else 0.0
 
 
 def _children_cpu() -> float:

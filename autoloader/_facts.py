@@ -1,4 +1,4 @@
-"""Facts about the dataset and the machine that the report's advice rests on.
+"""The checks made before the search, and the facts the report's advice rests on.
 
 Measured once, before the search, and saved with the result (``TuneResult.facts``):
 
@@ -11,95 +11,288 @@ Measured once, before the search, and saved with the result (``TuneResult.facts`
   different workers gave the same result. A dataset that holds its own random generator
   (``self.rng = np.random.default_rng()``) has it copied into every worker, so the
   workers draw the same "random" numbers; ``None`` if not checked.
-- ``copy_on_read``: with fork, bytes of private memory a forked process gains per item
-  it reads for the first time (see ``NOTE [ Copy-on-read probe ]``), and
+- ``copy_on_read``: with fork, bytes of its parent's memory a forked process copies per
+  item it reads for the first time (see ``NOTE [ Copy-on-read probe ]``), and
   ``copy_on_read_items``, how many items that was measured over; ``None`` if not
   measured (another start method, an iterable dataset, fewer than 1,000 items);
   ``process_bytes``, this process's resident memory then, which bounds the copy.
+- ``missing``: for each fact a check could not establish, why (it ran out of its time,
+  or the dataset raised in it).
+
+Before any of them, an ``IterableDataset`` is checked for workers that repeat each other's
+samples (see ``NOTE [ Repeated samples ]``): that is refused, not recorded.
+
+NOTE [ Checks before the search ]
+The checks read items and start processes, out of the run's time budget: together they
+get ``checks_seconds(time_budget)``, a small share of it, and each check a fixed share of
+that (``_SHARES``). Each is held to its time: in this process by the trial's alarm
+(:func:`~autoloader._measure.time_limit`), with workers through
+:meth:`TrialRunner.first_batches <autoloader._measure.TrialRunner.first_batches>` (the
+trial's watchdog, deadline and clean-up), in the forked probe by waiting for it no
+longer and killing it. A check that overruns costs its share and no more; its fact is
+recorded missing with the reason, the run goes on, and the report says what was not
+checked.
+
+NOTE [ Forked processes ]
+A process forked from one that has run torch's intra-op thread pool (OpenMP: any op on
+more than ~32k elements, such as normalising a 3x112x112 image) inherits a pool whose
+threads do not exist, and deadlocks at its own first such op. DataLoader's workers are
+safe because they set one thread before reading; the probe, the one process autoloader
+forks itself, does the same.
 
 NOTE [ Copy-on-read probe ]
-A forked worker shares its parent's pages until it writes to one. Reading a Python
-object writes its reference count, so a worker that reads a list of Python objects
-copies, page by page, the part of the dataset it reads: over an epoch, each worker can
-end up with its own copy. The memory watchdog cannot tell this slow growth from noise
-in a trial of a few seconds, so it is measured directly: a forked process reads a few
-items (a quarter second at most) to warm the allocator up, then fresh items for up to
-half a second (pass A), then the same items again (pass B), reading its private memory
-(USS) between passes.
-Copy-on-read grows in A only; a leak grows in both; the allocator's reuse in neither.
-The per-item copy is ``(A - B) / items``.
+A forked worker shares its parent's pages until one of them writes to a page. Reading a
+Python object writes its reference count, so a worker that reads a list of Python
+objects copies, page by page, the part of the dataset it reads: over an epoch, each
+worker can end up with its own copy. The memory watchdog cannot tell this slow growth
+from noise in a trial of a few seconds, so it is measured directly: a forked process
+reads a few items to warm up, then two runs of fresh items, and reads how much of the
+memory it shares dirty with its parent (``Shared_Dirty`` of ``/proc/self/smaps_rollup``)
+each run turned private. Memory the process allocates itself (a cache, a leak, the
+allocator's arenas) is private from the start and does not count: it is not a copy.
+The per-item copy is the smaller of the two runs' rates: copy-on-read grows with the
+items read, in both runs alike, while a one-off copy (a cache the parent allocated, such
+as HDF5's chunk cache, rewritten once in the child) falls in one run only. The
+collector's first full pass in a worker also copies every object it visits; that is
+paid once per worker, not per item, so the probe freezes the collector.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
+import itertools
 import math
 import multiprocessing
 import shutil
+import signal
 import time
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import psutil
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from autoloader._batching import same_batch
+from autoloader._batching import batched_fetch_problem, same_batch
+from autoloader._deadlines import TrialTimeout, time_limit
+from autoloader._exceptions import InvalidInputError
+from autoloader._loader import build_loader, merge_loader_kwargs, new_loader
+from autoloader._measure import TrialError, TrialRunner, describe_error
+from autoloader._memory import default_memory_budget
+
+_T = TypeVar("_T")
 
 # Options of the user's loader that decide how workers start and read.
 _WORKER_OPTIONS = ("worker_init_fn", "multiprocessing_context", "collate_fn")
 
+# The checks' share of the run's time budget, and its bounds in seconds.
+_CHECKS_SHARE = 0.1
+_MIN_CHECKS_SECONDS = 1.0
+_MAX_CHECKS_SECONDS = 20.0
+# Each check's share of the checks' time (see NOTE [ Checks before the search ]). A
+# map-style dataset meets the first four, an iterable one the last.
+_SHARES = {
+    "batched_fetch": 0.2,
+    "random_items": 0.1,
+    "workers_repeat_randomness": 0.2,
+    "copy_on_read": 0.5,
+    "repeated_samples": 0.5,
+}
+# A check given less time than this is not started.
+_MIN_CHECK_SECONDS = 0.05
 
 # Copy-on-read probe (see NOTE [ Copy-on-read probe ]).
 _PROBE_MIN_ITEMS = 1000
 _PROBE_WARMUP_ITEMS = 32
 _PROBE_MAX_ITEMS = 4000
-_PROBE_SECONDS = 0.5
-_PROBE_TIMEOUT = 30.0
+# Share of the probe's time its reads may take; the rest is for forking and reporting.
+# They take at most _PROBE_MAX_READING seconds: a quarter to warm up, a quarter for
+# each of its three runs (see NOTE [ Copy-on-read probe ]).
+_PROBE_READING_SHARE = 0.8
+_PROBE_MAX_READING = 2.0
+_SMAPS = Path("/proc/self/smaps_rollup")
 # Bytes copied per item read from which copy-on-read is worth a word...
 _COPY_PER_ITEM = 1024
 # ... and copied in all by the probe, below which the allocator's noise could explain it
-# (a latency-bound image dataset measured 1.2 KiB per item over 148 items).
+# (a TensorDataset measures some 200 B per item).
 _COPY_MEASURED = 1 << 20
 
 
-def dataset_facts(
-    dataset: Dataset[Any],
-    dataset_length: int | None,
-    fixed: Mapping[str, Any],
-    *,
-    start_method: str,
-) -> dict[str, Any]:
-    """Measure the facts of the module docstring; none of them raises."""
-    random_items = _random_items(dataset, dataset_length)
-    return {
-        "shm_bytes": shm_bytes(),
-        "random_items": random_items,
-        "workers_repeat_randomness": (
-            _workers_repeat_randomness(dataset, fixed) if random_items else None
-        ),
-        **copy_on_read_facts(dataset, dataset_length, start_method=start_method),
-    }
+def checks_seconds(time_budget: float) -> float:
+    """The time all checks before the search may take, out of the run's ``time_budget``."""
+    return min(_MAX_CHECKS_SECONDS, max(_MIN_CHECKS_SECONDS, _CHECKS_SHARE * time_budget))
 
 
-def copy_on_read_facts(
-    dataset: Dataset[Any], dataset_length: int | None, *, start_method: str
-) -> dict[str, Any]:
-    """``dataset_length``, ``copy_on_read``, ``copy_on_read_items`` and
-    ``process_bytes`` of the module docstring."""
-    per_item, items = (
-        _copy_on_read(dataset, dataset_length)
-        if start_method == "fork" and dataset_length
-        else (None, None)
-    )
-    return {
-        "dataset_length": dataset_length,
-        "copy_on_read": per_item,
-        "copy_on_read_items": items,
-        "process_bytes": psutil.Process().memory_info().rss,
-    }
+class Checks:
+    """The checks made before the search, each held to its share of ``seconds`` (see
+    ``NOTE [ Checks before the search ]``).
+
+    Args:
+        dataset (Dataset): the user's dataset.
+        fixed (dict): the user's DataLoader options.
+        batch_size (int): samples per batch.
+        seconds (float): the time all the checks may take together.
+        memory_budget (int, optional): bytes the process tree may use while a check runs
+            workers; ``None`` means the default budget. (default: ``None``)
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        fixed: Mapping[str, Any],
+        *,
+        batch_size: int,
+        seconds: float,
+        memory_budget: int | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.fixed = dict(fixed)
+        self.batch_size = batch_size
+        self.seconds = seconds
+        self.missing: dict[str, str] = {}
+        self._ends = time.monotonic() + seconds
+        self._runner = TrialRunner(
+            dataset,
+            _no_step,
+            batch_size=batch_size,
+            memory_budget=memory_budget if memory_budget is not None else default_memory_budget(),
+            fixed_kwargs=fixed,
+        )
+
+    def _run(self, name: str, check: Callable[[float], _T]) -> _T | None:
+        """``check(seconds)`` within its share of the time left; ``None``, with the reason
+        in :attr:`missing`, if it overran it or failed."""
+        seconds = min(_SHARES[name] * self.seconds, self._ends - time.monotonic())
+        if seconds < _MIN_CHECK_SECONDS:
+            self.missing[name] = "not checked: the checks before the search ran out of time"
+            return None
+        try:
+            return check(seconds)
+        except Exception as error:  # a broken dataset: the baseline reports it properly
+            self.missing[name] = self._why(error, seconds)
+            return None
+
+    def _why(self, error: Exception, seconds: float) -> str:
+        cause = error.error if isinstance(error, TrialError) else error
+        if isinstance(cause, TrialTimeout):
+            return (
+                f"the check did not finish within {seconds:.1f} s, its share of the "
+                f"{self.seconds:.1f} s the checks before the search may take"
+            )
+        if isinstance(error, TrialError):
+            return f"the check failed: {error.summary}"
+        if isinstance(error, _ProbeFailed):
+            return f"the check failed: {error}"
+        return f"the check failed: {describe_error(error)[0]}"
+
+    def batched_fetch_problem(self) -> str | None:
+        """Why the dataset cannot be fetched a batch at a time, or ``None`` if it can (see
+        :func:`~autoloader._batching.batched_fetch_problem`)."""
+
+        def check(seconds: float) -> str | None:
+            with time_limit(seconds, "checking batched fetch"):
+                return batched_fetch_problem(self.dataset, self.batch_size, self.fixed)
+
+        problem = self._run("batched_fetch", check)
+        if problem is None and "batched_fetch" in self.missing:
+            return f"its check was cut short ({self.missing['batched_fetch']})"
+        return problem
+
+    def repeated_samples(self) -> None:
+        """Refuse an IterableDataset whose workers yield the same samples (see
+        ``NOTE [ Repeated samples ]``).
+
+        Raises:
+            InvalidInputError: the first batches of two workers hold the same samples.
+        """
+        if not isinstance(self.dataset, IterableDataset):
+            return
+        options = merge_loader_kwargs(
+            {"num_workers": 2, "prefetch_factor": 1}, batch_size=self.batch_size, fixed=self.fixed
+        )
+
+        def build() -> DataLoader[Any]:
+            return build_loader(self.dataset, options)
+
+        def check(seconds: float) -> list[Any]:
+            return self._runner.first_batches(build, 2, seconds=seconds)
+
+        batches = self._run("repeated_samples", check)
+        if batches is not None and len(batches) == 2 and same_samples(*batches):
+            raise InvalidInputError(
+                f"The workers of this {type(self.dataset).__name__} repeat each other's "
+                "samples: the first batch of DataLoader worker 0 and of worker 1 hold the "
+                "same samples. An IterableDataset must split its items between workers "
+                "with torch.utils.data.get_worker_info() (WebDataset: keep "
+                "workersplitter=wds.split_by_worker); otherwise each of n workers yields "
+                "the whole dataset, an epoch holds every sample n times, and more workers "
+                "only seem faster. Shard it, then tune again."
+            )
+
+    def facts(self, dataset_length: int | None, *, start_method: str) -> dict[str, Any]:
+        """Measure the facts of the module docstring; none of them raises."""
+        random_items = self._random_items(dataset_length)
+        facts = {
+            "shm_bytes": shm_bytes(),
+            "random_items": random_items,
+            "workers_repeat_randomness": (
+                self._workers_repeat_randomness() if random_items else None
+            ),
+            **self.copy_on_read(dataset_length, start_method=start_method),
+        }
+        facts["missing"] = dict(self.missing)
+        return facts
+
+    def copy_on_read(self, dataset_length: int | None, *, start_method: str) -> dict[str, Any]:
+        """``dataset_length``, ``copy_on_read``, ``copy_on_read_items`` and
+        ``process_bytes`` of the module docstring."""
+        measured = None
+        if start_method == "fork" and dataset_length:
+            measured = self._run(
+                "copy_on_read", lambda seconds: _copy_on_read(self.dataset, dataset_length, seconds)
+            )
+        per_item, items = measured or (None, None)
+        return {
+            "dataset_length": dataset_length,
+            "copy_on_read": per_item,
+            "copy_on_read_items": items,
+            "process_bytes": psutil.Process().memory_info().rss,
+        }
+
+    def _random_items(self, dataset_length: int | None) -> bool | None:
+        if isinstance(self.dataset, IterableDataset) or not dataset_length:
+            return None
+
+        def check(seconds: float) -> bool:
+            with time_limit(seconds, "reading item 0 twice"):
+                # Collated, so that numpy arrays and numbers compare as tensors.
+                first = default_collate([self.dataset[0]])
+                second = default_collate([self.dataset[0]])
+            return not same_batch(first, second)
+
+        return self._run("random_items", check)
+
+    def _workers_repeat_randomness(self) -> bool | None:
+        """Read item 0 first in each of two workers and compare what they returned."""
+        options = {k: self.fixed[k] for k in _WORKER_OPTIONS if k in self.fixed}
+
+        def build() -> DataLoader[Any]:
+            return new_loader(
+                self.dataset, {"batch_size": 1, "sampler": [0, 0], "num_workers": 2, **options}
+            )
+
+        def check(seconds: float) -> bool | None:
+            batches = self._runner.first_batches(build, 2, seconds=seconds)
+            return bool(same_batch(*batches)) if len(batches) == 2 else None
+
+        return self._run("workers_repeat_randomness", check)
+
+
+class _ProbeFailed(Exception):
+    """The copy-on-read probe could not measure; its message says why."""
 
 
 def copied_per_worker(facts: Mapping[str, Any]) -> float | None:
@@ -118,65 +311,105 @@ def copied_per_worker(facts: Mapping[str, Any]) -> float | None:
     return float(min(per_item * length, facts.get("process_bytes") or math.inf))
 
 
-def _copy_on_read(dataset: Dataset[Any], length: int) -> tuple[float | None, int | None]:
+def _copy_on_read(dataset: Dataset[Any], length: int, seconds: float) -> tuple[float, int] | None:
     """Bytes copied per item read in a forked process, and over how many items."""
     if isinstance(dataset, IterableDataset) or length < _PROBE_MIN_ITEMS:
-        return None, None
+        return None
+    if not _SMAPS.exists():
+        raise _ProbeFailed(f"the probe reads {_SMAPS}, which this system does not have")
     try:
         context = multiprocessing.get_context("fork")
     except ValueError:  # no fork on this platform
-        return None, None
+        return None
     # O(items) whatever the length (no permutation of a billion indices).
     count = min(length, _PROBE_WARMUP_ITEMS + _PROBE_MAX_ITEMS)
-    order = np.random.default_rng(0).choice(length, size=count, replace=False)
+    order = np.random.default_rng(0).choice(length, size=count, replace=False).tolist()
+    warmup, fresh = order[:_PROBE_WARMUP_ITEMS], order[_PROBE_WARMUP_ITEMS:]
+    # The two runs read items of different halves of the dataset, so that the second
+    # does not find pages the first copied (items stored side by side share pages).
+    runs = ([i for i in fresh if i < length // 2], [i for i in fresh if i >= length // 2])
     receiver, sender = context.Pipe(duplex=False)
+    reading = min(_PROBE_MAX_READING, _PROBE_READING_SHARE * seconds)
     process = context.Process(
-        target=_probe, args=(dataset, order.tolist(), sender), name="autoloader-probe"
+        target=_probe, args=(dataset, warmup, runs, reading, sender), name="autoloader-probe"
     )
+    ends = time.monotonic() + seconds
     process.start()
     sender.close()
     try:
-        if not receiver.poll(_PROBE_TIMEOUT):
-            return None, None
-        first, second, items = receiver.recv()
-    except (EOFError, OSError):  # the probe died: the baseline reports a broken dataset
-        return None, None
+        if not receiver.poll(max(0.0, ends - time.monotonic())):
+            raise TrialTimeout("reading items in the copy-on-read probe", seconds)
+        outcome: tuple[list[int], int, int] | str = receiver.recv()
+    except EOFError:
+        raise _ProbeFailed(f"the probe process {_ending(process)}") from None
     finally:
         receiver.close()
-        process.join(1.0)
         if process.is_alive():
             process.kill()
-            process.join()
+        process.join()
         process.close()  # its sentinel is a file descriptor too
-    if items == 0:
-        return None, None
-    return max(0.0, (first - second) / items), items
+    if isinstance(outcome, str):
+        raise _ProbeFailed(outcome)
+    (first, again, second), items, second_items = outcome
+    if not (items and second_items):
+        return None
+    per_item = min(first / items, second / second_items) - again / items
+    return max(0.0, per_item), items + second_items
 
 
-def _probe(dataset: Dataset[Any], order: list[int], out: Connection) -> None:
-    """In a forked process: the private memory passes A and B gained (see the NOTE)."""
-    me = psutil.Process()
+def _ending(process: multiprocessing.process.BaseProcess) -> str:
+    """How a probe that stopped answering ended."""
+    process.join(1.0)
+    code = process.exitcode
+    if code is None:
+        return "closed its pipe"
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _probe(
+    dataset: Dataset[Any],
+    warmup: list[int],
+    runs: tuple[list[int], list[int]],
+    seconds: float,
+    out: Connection,
+) -> None:
+    """In a forked process: shared memory turned private by a run of fresh items, by the
+    same items again, and by as many fresh items of the dataset's other half."""
+    # NOTE [ Forked processes ]: as a DataLoader worker does, before reading anything.
+    torch.set_num_threads(1)
+    gc.freeze()
     try:
-        until = time.monotonic() + _PROBE_SECONDS / 2
-        for index in order[:_PROBE_WARMUP_ITEMS]:
-            dataset[index]
-            if time.monotonic() > until:  # slow items: warm enough
-                break
-        fresh = order[_PROBE_WARMUP_ITEMS:]
-        before = me.memory_full_info().uss
-        read, until = 0, time.monotonic() + _PROBE_SECONDS
-        while read < len(fresh) and time.monotonic() < until:
-            dataset[fresh[read]]
-            read += 1
-        after_first = me.memory_full_info().uss
-        for index in fresh[:read]:
-            dataset[index]
-        after_second = me.memory_full_info().uss
-        out.send((after_first - before, after_second - after_first, read))
-    except Exception:
-        out.send((0, 0, 0))
+        _read(dataset, warmup, until=time.monotonic() + seconds / 4)  # slow items: enough
+        shared = [_shared_dirty()]
+        items = _read(dataset, runs[0], until=time.monotonic() + seconds / 4)
+        shared.append(_shared_dirty())
+        _read(dataset, runs[0][:items], until=math.inf)
+        shared.append(_shared_dirty())
+        second = _read(dataset, runs[1][:items], until=time.monotonic() + seconds / 4)
+        shared.append(_shared_dirty())
+        lost = [before - after for before, after in itertools.pairwise(shared)]
+        out.send((lost, items, second))
+    except Exception as error:
+        out.send(describe_error(error)[0])
     finally:
         out.close()
+
+
+def _read(dataset: Dataset[Any], indices: list[int], *, until: float) -> int:
+    """Read items in order until ``until``; how many were read."""
+    for read, index in enumerate(indices):
+        if time.monotonic() >= until:
+            return read
+        dataset[index]
+    return len(indices)
+
+
+def _shared_dirty() -> int:
+    """Bytes of this process's memory shared dirty with another process (its parent)."""
+    for line in _SMAPS.read_text().splitlines():
+        if line.startswith("Shared_Dirty:"):
+            return int(line.split()[1]) * 1024
+    raise _ProbeFailed(f"{_SMAPS} has no Shared_Dirty line")
 
 
 def shm_bytes() -> int | None:
@@ -186,29 +419,48 @@ def shm_bytes() -> int | None:
         return None
 
 
-def _random_items(dataset: Dataset[Any], dataset_length: int | None) -> bool | None:
-    if isinstance(dataset, IterableDataset) or not dataset_length:
-        return None
-    try:  # collated, so that numpy arrays and numbers compare as tensors
-        first, second = default_collate([dataset[0]]), default_collate([dataset[0]])
-    except Exception:  # the baseline reports a broken dataset properly
-        return None
-    return not same_batch(first, second)
+# NOTE [ Repeated samples ]
+# DataLoader gives each worker a copy of an IterableDataset and takes batches from the
+# workers in turn; a dataset that does not split its items by get_worker_info() makes
+# every worker yield everything. The first batch of worker 0 and of worker 1 are then
+# the same samples. Random augmentations make their tensors differ, so batches are the
+# same samples when they are equal throughout, or when every field that is not floating
+# point (labels, keys, ids) is equal and one of them identifies samples: its values in
+# the batch all differ, as keys and ids do (labels repeat within a batch).
+def same_samples(first: Any, second: Any) -> bool:
+    """Whether two collated batches hold the same samples (see ``NOTE [ Repeated
+    samples ]``)."""
+    if same_batch(first, second):
+        return True
+    left, right = dict(_fields(first)), dict(_fields(second))
+    if left.keys() != right.keys():
+        return False
+    identifying = False
+    for path, value in left.items():
+        other = right[path]
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            continue
+        if not same_batch(value, other):
+            return False
+        entries = value.tolist() if isinstance(value, torch.Tensor) else value
+        if isinstance(entries, list) and len(entries) > 1:
+            identifying |= len({repr(entry) for entry in entries}) == len(entries)
+    return identifying
 
 
-def _workers_repeat_randomness(dataset: Dataset[Any], fixed: Mapping[str, Any]) -> bool | None:
-    """Read item 0 first in each of two workers and compare what they returned."""
-    options = {k: fixed[k] for k in _WORKER_OPTIONS if k in fixed}
-    loader = DataLoader(dataset, batch_size=1, sampler=[0, 0], num_workers=2, **options)
-    iterator = None
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
-            iterator = iter(loader)
-            first, second = next(iterator), next(iterator)
-    except Exception:
-        return None
-    finally:
-        with contextlib.suppress(Exception):
-            iterator._shutdown_workers()  # type: ignore[union-attr,attr-defined]
-    return bool(same_batch(first, second))
+def _fields(batch: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The leaves of a collated batch: tensors, and lists of strings or numbers."""
+    if isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _fields(value, (*path, key))
+    elif isinstance(batch, list | tuple) and not all(
+        isinstance(entry, str | bytes | int | float) for entry in batch
+    ):
+        for index, value in enumerate(batch):
+            yield from _fields(value, (*path, index))
+    else:
+        yield path, batch
+
+
+def _no_step(batch: object) -> None:
+    """The step of the checks' reads: they only load."""

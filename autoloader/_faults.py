@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._measure import TrialError, TrialProcessDied, TrialTimeout, exception_chain
+from autoloader._deadlines import TrialTimeout
+from autoloader._measure import TrialError, TrialProcessDied, exception_chain
 from autoloader._memory import format_bytes, is_oom_error
 
 _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}

@@ -28,15 +28,14 @@ from typing import Any
 
 import psutil
 
+from autoloader._deadlines import Deadlines, TrialTimeout
 from autoloader._environment import default_start_method
 from autoloader._exceptions import IsolationError, UnpicklableError
 from autoloader._measure import (
-    Deadlines,
     Measurement,
     TrialError,
     TrialProcessDied,
     TrialRunner,
-    TrialTimeout,
     WindowCallback,
     portable_chain,
     restore_chain,

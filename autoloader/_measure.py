@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from time import perf_counter, process_time
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psutil
 import torch
@@ -29,6 +29,7 @@ from torch._C import _error_if_any_worker_fails
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
 
+from autoloader._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader._device import move_to_device, synchronize
 from autoloader._loader import build_loader, merge_loader_kwargs
 from autoloader._memory import MemoryBudgetExceeded, MemoryWatch, kill
@@ -41,6 +42,9 @@ _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18,
 _REAP_TIMEOUT = 5.0
 # Seconds the shutdown of a trial's loader may take before its workers are killed.
 _STOP_TIMEOUT = 60.0
+
+
+_T = TypeVar("_T")
 
 
 def _t95(df: int) -> float:
@@ -68,6 +72,9 @@ class Measurement:
         load_cpu_seconds: mean CPU seconds this process spent per batch while blocked in
             ``next()``. With ``num_workers=0`` it tells CPU-bound loading (close to
             ``load_seconds``) from waiting on I/O (close to 0).
+        step_cpu_seconds: mean CPU seconds this process spent per batch in the step,
+            all its threads counted: a step that trains on the CPU keeps as many cores
+            busy as ``step_cpu_seconds / step_seconds``, cores workers then compete for.
     """
 
     samples_per_second: float
@@ -82,6 +89,14 @@ class Measurement:
     peak_memory: int
     batch_bytes: int = 0
     load_cpu_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
+
+    @property
+    def too_short(self) -> bool:
+        """Whether fewer than two timing windows were measured: the rate has no error
+        estimate (the trial's time ran out during start-up and warm-up), and is not a
+        finding."""
+        return not math.isfinite(self.relative_error)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,18 +177,6 @@ def _restore_trial_error(
     return error
 
 
-class TrialTimeout(Exception):
-    """One step of the loop (loading a batch, or step_fn) overran its deadline."""
-
-    def __init__(self, stage: str, seconds: float) -> None:
-        super().__init__(f"no progress for {seconds:.0f} s while {stage}")
-        self.stage = stage
-        self.seconds = seconds
-
-    def __reduce__(self) -> tuple[type[TrialTimeout], tuple[str, float]]:
-        return type(self), (self.stage, self.seconds)
-
-
 class TrialProcessDied(Exception):
     """The process running the trial died (``isolation="subprocess"``).
 
@@ -194,86 +197,33 @@ class TrialProcessDied(Exception):
         return type(self), (self.exit_code,)
 
 
-@dataclass(frozen=True, slots=True)
-class Deadlines:
-    """Seconds the loop may spend on one batch before the trial is failed as hung.
-
-    Attributes:
-        first: for the first batch of an epoch, worker start-up included.
-        each: for any later batch: loading it plus running ``step_fn`` on it.
-    """
-
-    first: float
-    each: float
-
-
-class _Alarm:
-    """Raises :class:`TrialTimeout` in the main thread when a stage overruns.
-
-    A one-shot ``ITIMER_REAL`` is armed before each stage and disarmed after it: the
-    SIGALRM interrupts a main thread blocked waiting for a hung worker or sleeping in a
-    hung step. Signals reach only the main thread, so elsewhere there is no deadline.
-    A process has one such timer: one already set (by the user's code, or a test
-    runner's timeout) is put back afterwards with the time it had left.
-    """
-
-    def __init__(self) -> None:
-        self.enabled = threading.current_thread() is threading.main_thread()
-        self._stage = ""
-        self._seconds = 0.0
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_Alarm]:
-        if not self.enabled:
-            yield self
-            return
-        delay, interval = signal.getitimer(signal.ITIMER_REAL)
-        started = time.monotonic()
-        previous = signal.signal(signal.SIGALRM, self._fire)
-        try:
-            yield self
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-            if delay > 0:
-                left = max(delay - (time.monotonic() - started), 1e-3)
-                signal.setitimer(signal.ITIMER_REAL, left, interval)
-
-    def arm(self, stage: str, seconds: float | None) -> None:
-        if self.enabled and seconds is not None:
-            self._stage, self._seconds = stage, seconds
-            signal.setitimer(signal.ITIMER_REAL, seconds)
-
-    def disarm(self) -> None:
-        if self.enabled:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
-    def _fire(self, signum: int, frame: FrameType | None) -> None:
-        raise TrialTimeout(self._stage, self._seconds)
-
-
 _WORKER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
 
 
 def describe_error(error: BaseException) -> tuple[str, str]:
-    """One line naming the exception, and where it was raised.
+    """One line naming the exception, and where it was raised: the exception's type and
+    the first line of its message (``"ValueError: No samples found ..."``).
 
     DataLoader re-raises a worker's exception with a message that embeds the worker's
     traceback ("Caught ValueError in DataLoader worker process 0. Original Traceback
-    ..."): its last line is the original message and its last frame the origin.
+    ..."). Its last frame is the origin; the exception's own line is the first line
+    after that frame that is not indented (source lines and ``^^^`` markers are). The
+    message's later lines are often advice on silencing a check, not what went wrong.
     """
     message = str(error)
     lines = [line for line in message.splitlines() if line.strip()]
     if message.startswith("Caught ") and "Original Traceback" in message and lines:
         worker = lines[0].removeprefix("Caught ").split(" in ", 1)[-1].rstrip(".")
-        frames = [m for m in map(_WORKER_FRAME.match, lines) if m]
-        where = (
-            f"{frames[-1]['file']}:{frames[-1]['line']} in {frames[-1]['name']}" if frames else ""
-        )
-        return f"{lines[-1].strip()} (in {worker})", where
+        frames = [(n, m) for n, m in enumerate(map(_WORKER_FRAME.match, lines)) if m]
+        if not frames:
+            return f"{lines[-1].strip()} (in {worker})", ""
+        last, frame = frames[-1]
+        after = [line for line in lines[last + 1 :] if not line[0].isspace()]
+        raised = after[0].strip() if after else lines[-1].strip()
+        return f"{raised} (in {worker})", f"{frame['file']}:{frame['line']} in {frame['name']}"
     stack = traceback.extract_tb(error.__traceback__)
     where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
-    first = lines[0] if lines else ""
+    first = lines[0].strip() if lines else ""
     return f"{type(error).__name__}: {first}".rstrip(": "), where
 
 
@@ -305,6 +255,7 @@ class _Totals:
     wait: float = 0.0
     wait_cpu: float = 0.0
     step: float = 0.0
+    step_cpu: float = 0.0
 
 
 def _batch_bytes(batch: Any) -> int:
@@ -502,6 +453,37 @@ class TrialRunner:
         }
         return self._measure(lambda: loader, params, max_seconds, None, deadlines)
 
+    def first_batches(
+        self, build: Callable[[], DataLoader[Any]], count: int, *, seconds: float
+    ) -> list[Any]:
+        """The first ``count`` batches of the loader ``build`` makes (fewer if it ends
+        first), all within ``seconds``, under the same watchdog as a trial: the checks
+        made before the search read through it. Its workers are stopped at the end.
+
+        Raises:
+            MemoryBudgetExceeded: the process tree passed the memory budget.
+            TrialError: user code raised, a worker died, or ``seconds`` ran out
+                (its ``error`` a :class:`TrialTimeout`).
+        """
+
+        def read(loader: DataLoader[Any], guard: _Guard) -> list[Any]:
+            ends = perf_counter() + seconds
+            iterator = guard.iterator = guard.deaths.start(loader)
+            batches: list[Any] = []
+            while len(batches) < count:
+                guard.alarm.arm("loading a batch", max(1e-3, ends - perf_counter()))
+                try:
+                    batches.append(next(iterator))
+                except StopIteration:
+                    break
+                except Exception as error:
+                    raise TrialError("loading a batch", error, guard.watch.peak) from error
+                finally:
+                    guard.alarm.disarm()
+            return batches
+
+        return self._guarded(build, seconds, read)
+
     def _measure(
         self,
         build: Callable[[], DataLoader[Any]],
@@ -510,33 +492,38 @@ class TrialRunner:
         on_window: WindowCallback | None,
         deadlines: Deadlines | None,
     ) -> Measurement:
+        return self._guarded(
+            build,
+            max_seconds,
+            lambda loader, guard: self._time_loop(
+                loader, guard, params, deadlines, max_seconds, on_window
+            ),
+        )
+
+    def _guarded(
+        self,
+        build: Callable[[], DataLoader[Any]],
+        max_seconds: float,
+        run: Callable[[DataLoader[Any], _Guard], _T],
+    ) -> _T:
+        """``run`` over the loader ``build`` makes, under the memory watch, the workers'
+        death handler and the alarm; its workers stopped afterwards, killed if it failed."""
         started = perf_counter()
         watch = MemoryWatch(self.memory_budget, ends_at=time.monotonic() + max_seconds).start()
-        live = _Live()
         with (
             _WorkerDeaths(watch).handled() as deaths,
-            _Alarm().installed() as alarm,
+            Alarm().installed() as alarm,
             warnings.catch_warnings(),
         ):
             # Trials run more workers than cores on purpose; torch warns against it.
             warnings.filterwarnings("ignore", message="This DataLoader will create")
+            guard = _Guard(watch=watch, deaths=deaths, alarm=alarm, started=started)
             failed = True
             try:
-                live.loader = build()
-                measurement = self._time_loop(
-                    live.loader,
-                    live,
-                    deaths,
-                    params,
-                    watch,
-                    alarm,
-                    deadlines,
-                    started,
-                    max_seconds,
-                    on_window,
-                )
+                guard.loader = loader = build()
+                outcome = run(loader, guard)
                 failed = False
-                return measurement
+                return outcome
             except MemoryBudgetExceeded:
                 raise
             except Exception as error:
@@ -553,7 +540,7 @@ class TrialRunner:
                     else TrialError("loading a batch", error, watch.peak)
                 )
                 failure.worker_signals, failure.worker_exit_codes = _worker_exits(
-                    live.iterator, failure.error
+                    guard.iterator, failure.error
                 )
                 if failure is error:
                     raise
@@ -565,22 +552,19 @@ class TrialRunner:
                 if failed:
                     # Discarded anyway, and possibly hung: do not wait for them.
                     kill(watch.new_children())
-                _stop_workers(live, watch, alarm, abandon=failed)
+                _stop_workers(guard, abandon=failed)
 
     def _time_loop(
         self,
         loader: DataLoader[Any],
-        live: _Live,
-        deaths: _WorkerDeaths,
+        guard: _Guard,
         params: Mapping[str, Any],
-        watch: MemoryWatch,
-        alarm: _Alarm,
         deadlines: Deadlines | None,
-        started: float,
         max_seconds: float,
         on_window: WindowCallback | None,
     ) -> Measurement:
-        iterator = live.iterator = deaths.start(loader)
+        deaths, watch, alarm, started = guard.deaths, guard.watch, guard.alarm, guard.started
+        iterator = guard.iterator = deaths.start(loader)
         deadline = started + max_seconds
         workers = int(params["num_workers"])
         non_blocking = bool(params.get("pin_memory"))
@@ -635,7 +619,7 @@ class TrialRunner:
                 batch = fetch(iterator, each_limit)
             except StopIteration:
                 # A new epoch: workers restart unless persistent; time it, warm up again.
-                iterator = live.iterator = deaths.start(loader)
+                iterator = guard.iterator = deaths.start(loader)
                 batch = fetch(iterator, first_limit)
                 restarts.append(perf_counter() - t0)
                 step(batch)
@@ -644,7 +628,7 @@ class TrialRunner:
             t1, cpu1 = perf_counter(), process_time()
             step(batch)
             watch.check()
-            t2 = perf_counter()
+            t2, cpu2 = perf_counter(), process_time()
             if to_skip > 0 and t2 < warmup_deadline:
                 to_skip -= 1
                 continue
@@ -656,6 +640,7 @@ class TrialRunner:
             window.batches += 1
             window.wait += t1 - t0
             window.wait_cpu += cpu1 - cpu0
+            window.step_cpu += cpu2 - cpu1
             window.step += t2 - t1
             elapsed = t2 - window_start
             if window.batches >= window_batches and elapsed >= self.min_window_seconds:
@@ -723,13 +708,19 @@ class TrialRunner:
             peak_memory=watch.peak,
             batch_bytes=batch_bytes,
             load_cpu_seconds=total.wait_cpu / total.batches,
+            step_cpu_seconds=total.step_cpu / total.batches,
         )
 
 
 @dataclass(slots=True)
-class _Live:
-    """The trial's loader and its current iterator (a new one each epoch), for clean-up."""
+class _Guard:
+    """What watches over one run of a loader, and what to clean up after it: the
+    loader and its current iterator (a new one each epoch)."""
 
+    watch: MemoryWatch
+    deaths: _WorkerDeaths
+    alarm: Alarm
+    started: float
     loader: DataLoader[Any] | None = None
     iterator: Iterator[Any] | None = None
 
@@ -820,21 +811,21 @@ def _shutdown(iterator: object, loader: DataLoader[Any] | None, *, abandon: bool
         loader._iterator = None
 
 
-def _stop_workers(live: _Live, watch: MemoryWatch, alarm: _Alarm, *, abandon: bool) -> None:
+def _stop_workers(guard: _Guard, *, abandon: bool) -> None:
     """Shut the trial's loader down, under a deadline like every other wait.
 
     A shutdown that overruns it (a lock a dead worker left held, in a way not foreseen
     in :func:`_shutdown`) fails the trial as hung; its workers are killed either way.
     """
-    alarm.arm("stopping the trial's workers", _STOP_TIMEOUT)
+    guard.alarm.arm("stopping the trial's workers", _STOP_TIMEOUT)
     try:
-        _shutdown(live.iterator, live.loader, abandon=abandon)
+        _shutdown(guard.iterator, guard.loader, abandon=abandon)
     except TrialTimeout as timeout:
-        kill(watch.new_children())
-        raise TrialError("stopping the trial's workers", timeout, watch.peak) from None
+        kill(guard.watch.new_children())
+        raise TrialError("stopping the trial's workers", timeout, guard.watch.peak) from None
     finally:
-        alarm.disarm()
-        _reap(watch.new_children())
+        guard.alarm.disarm()
+        _reap(guard.watch.new_children())
 
 
 def _reap(children: list[psutil.Process]) -> None:

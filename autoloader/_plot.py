@@ -4,8 +4,8 @@ Left: steady samples/s against ``num_workers``, one line per ``prefetch_factor``
 (and per fetch mode where batched fetch was searched), the best of each setting's other
 options at each point; the step's ceiling and the baseline as horizontal lines; the
 tuned setting starred; pruned trials as crosses at the rate they had when stopped,
-failed ones as triangles on the axis. Right: the search's history, trial by trial, with
-the best so far.
+failed ones, and those too short to measure, as triangles on the axis. Right: the
+search's history, trial by trial, with the best so far.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figu
 
 def _rate(record: TrialRecord) -> float | None:
     """Steady samples/s, as ``TuneResult.throughput`` and ``baseline``; a pruned trial
-    has only the estimate it was stopped on."""
+    has only the estimate it was stopped on, and one too short to measure none."""
+    if record.too_short:
+        return None
     return record.samples_per_second or record.epoch_samples_per_second
 
 
@@ -91,7 +93,7 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
             color="tab:red",
             fontsize=8,
         )
-    pruned = [t for t in result.trials if t.state == "pruned"]
+    pruned = [t for t in result.trials if t.state == "pruned" and not t.too_short]
     if pruned:
         axes.scatter(
             [t.params.get("num_workers", 0) for t in pruned],
@@ -101,14 +103,19 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
             label=f"pruned ({len(pruned)})",
             zorder=3,
         )
-    failed = [t for t in result.trials if t.state == "failed"]
-    if failed:
+    for unmeasured, marker, colour in (
+        ([t for t in result.trials if t.state == "failed"], "v", "tab:red"),
+        ([t for t in result.trials if t.too_short], "^", "tab:gray"),
+    ):
+        if not unmeasured:
+            continue
+        label = "failed" if unmeasured[0].state == "failed" else "too short to measure"
         axes.scatter(
-            [t.params.get("num_workers", 0) for t in failed],
-            [0.0] * len(failed),
-            marker="v",
-            color="tab:red",
-            label=f"failed ({len(failed)})",
+            [t.params.get("num_workers", 0) for t in unmeasured],
+            [0.0] * len(unmeasured),
+            marker=marker,
+            color=colour,
+            label=f"{label} ({len(unmeasured)})",
             zorder=3,
             clip_on=False,
         )

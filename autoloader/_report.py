@@ -11,19 +11,27 @@ that figure says it applies:
 - ``/dev/shm``: the bytes of batches the tuned setting keeps in flight (batch bytes x
   prefetch x workers) against the size of ``/dev/shm``;
 - a loader slower than the step even at the best setting: the two times per batch,
-  and the dataset's size as tensors, which may fit on the accelerator;
+  and the dataset's size as tensors, which may fit on the accelerator where there is
+  one, or in memory;
 - workers repeating each other's randomness: two workers' first reads of item 0 gave
   the same random result (``TuneResult.facts``).
+
+Each distinct reason a setting failed (or was pruned for memory) is listed once, with
+the worker counts that met it: a pipeline that fails from some worker count on (fewer
+shards than workers, a file-descriptor limit) shows it at a glance. Settings pruned as
+slower, or too short to measure, did not fail and are not listed.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Iterator
 
+from autoloader._cost_model import step_competes_with_workers
 from autoloader._facts import copied_per_worker
 from autoloader._memory import format_bytes
-from autoloader._result import TrialRecord, TuneResult
+from autoloader._result import PRUNED_AS_SLOWER, TrialRecord, TuneResult
 from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS
 
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
@@ -111,26 +119,71 @@ def report(result: TuneResult) -> str:
             )
         )
     states = [t.state for t in result.trials]
+    too_short = sum(t.too_short for t in result.trials)
     rows.append(
         (
             "trials",
-            f"{len(states)} run, {states.count('pruned')} pruned, "
-            f"{states.count('failed')} failed, in {result.tuning_seconds:.0f} s",
+            f"{len(states)} run, {states.count('pruned')} pruned"
+            + (f" ({too_short} too short to measure)" if too_short else "")
+            + f", {states.count('failed')} failed, in {result.tuning_seconds:.0f} s",
         )
     )
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         lines.extend(_wrapped(value, first=f"{name:<{width}}  ", rest=" " * (width + 2)))
+    failed = list(failures(result))
+    if failed:
+        lines += ["", "failures"]
+        for line in failed:
+            lines.extend(_wrapped(line, first="- ", rest="  "))
     advice = list(advise(result))
     if advice:
         lines += ["", "advice"]
         for line in advice:
             lines.extend(_wrapped(line, first="- ", rest="  "))
-    if result.notes:
+    missing = result.facts.get("missing") or {}
+    notes = [
+        *result.notes,
+        *(f"not checked, {_CHECKS.get(name, name)}: {why}" for name, why in missing.items()),
+    ]
+    if notes:
         lines += ["", "notes"]
-        for note in result.notes:
+        for note in notes:
             lines.extend(_wrapped(note, first="- ", rest="  "))
     return "\n".join(lines)
+
+
+# What each check before the search establishes (``TuneResult.facts["missing"]``).
+_CHECKS = {
+    "batched_fetch": "whether whole batches can be fetched at once",
+    "random_items": "whether items are random",
+    "workers_repeat_randomness": "whether workers repeat each other's randomness",
+    "copy_on_read": "copy-on-read in forked workers",
+    "repeated_samples": "whether workers repeat each other's samples",
+}
+
+
+# Parts of a failure's reason that differ between trials that met the same fault.
+_WORKER_NUMBER = re.compile(r"(worker process )\d+")
+_NOT_RUN_AGAIN = re.compile(r" \(not run: [^)]*\)$")
+_SIZE = re.compile(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b")
+
+
+def failures(result: TuneResult) -> Iterator[str]:
+    """Each distinct reason settings failed or were pruned for, with the settings that met
+    it (see ``NOTE [ Advice ]``)."""
+    groups: dict[str, tuple[str, list[TrialRecord]]] = {}
+    for trial in result.trials:
+        if trial.state == "complete" or not trial.reason or trial.reason == PRUNED_AS_SLOWER:
+            continue
+        if trial.too_short:  # counted with the trials: out of time, not broken
+            continue
+        shown = _NOT_RUN_AGAIN.sub("", _WORKER_NUMBER.sub(r"\1N", trial.reason))
+        groups.setdefault(_SIZE.sub("#", shown), (shown, []))[1].append(trial)
+    for shown, trials in groups.values():
+        workers = sorted({int(t.params.get("num_workers", 0)) for t in trials})
+        count = f"{len(trials)} trial{'s' if len(trials) > 1 else ''}"
+        yield f"{shown}: {count}, num_workers {', '.join(map(str, workers))}"
 
 
 def advise(result: TuneResult) -> Iterator[str]:
@@ -209,10 +262,20 @@ def advise(result: TuneResult) -> Iterator[str]:
             line += (
                 f" As tensors the whole dataset is about {format_bytes(size)} "
                 f"({format_bytes(chosen.batch_bytes)} per batch of {result.batch_size}, "
-                f"{length:,} items): if that fits in the accelerator's memory, preload it "
-                "there once and index batches on the device; else store it decoded, so "
-                "loading is a read."
+                f"{length:,} items): "
             )
+            if result.environment.accelerator:
+                line += (
+                    "if that fits in the accelerator's memory, preload it there once and "
+                    "index batches on the device; else store it decoded, so loading is a "
+                    "read."
+                )
+            else:
+                line += (
+                    "if that fits in memory, decode it once into tensors (a TensorDataset, "
+                    "which batched fetch then indexes a batch at a time); else store it "
+                    "decoded, so loading is a read."
+                )
         yield line
 
     if facts.get("workers_repeat_randomness"):
@@ -239,6 +302,22 @@ def _bottleneck(
         )
     cpu = (baseline.load_cpu_seconds or 0.0) / load if load else 0.0
     kind = "CPU work" if cpu > 0.5 else "mostly waiting on I/O"
+    step_cpu, load_cpu = baseline.step_cpu_seconds or 0.0, baseline.load_cpu_seconds or 0.0
+    cpus = result.environment.usable_cpus
+    if step_competes_with_workers(
+        step=step, step_cpu=step_cpu, load_cpu=load_cpu, loading_cpu_share=cpu, usable_cpus=cpus
+    ):
+        workers = result.params["num_workers"]
+        return (
+            f"the CPU, shared by the step and loading: with the defaults the step kept "
+            f"{step_cpu / step:.1f} of the {cpus} CPUs busy for {_ms(step)} per batch, and "
+            f"loading took {_ms(load_cpu)} of CPU work. Workers take cores from the step"
+            + (
+                "; tuned, loading stays in the main process"
+                if not workers
+                else f"; tuned, {workers} worker{'s' if workers > 1 else ''} measured faster"
+            )
+        )
     text = (
         f"loading: with the defaults a batch took {_ms(load)} to load ({kind}, "
         f"{min(cpu, 1.0):.0%} of it on the CPU), the step {_ms(step)}"

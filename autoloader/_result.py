@@ -24,6 +24,11 @@ SCHEMA_VERSION = 2
 # it measured.
 _READABLE_VERSIONS = (1, 2)
 
+# The reason of a trial pruned because it fell behind: the setting is slow, not broken.
+PRUNED_AS_SLOWER = "clearly slower than the best setting so far"
+# How the reason of a trial pruned because its measurement was too short begins.
+TOO_SHORT = "too short"
+
 # Fixed DataLoader options of these types are written to the JSON file; others
 # (a collate_fn, a sampler, a generator) live only in the result returned by tune().
 _JSON_SCALARS = (bool, int, float, str, type(None))
@@ -53,6 +58,9 @@ class TrialRecord:
         load_cpu_seconds: mean CPU seconds of the main process per batch while it
             waited (with ``num_workers=0``: the CPU part of loading).
         batch_bytes: bytes of the tensors in one batch.
+        step_cpu_seconds: mean CPU seconds of the main process per batch in the step,
+            all its threads counted (a step training on the CPU keeps that many cores
+            busy per second of step).
     """
 
     number: int
@@ -71,6 +79,13 @@ class TrialRecord:
     step_seconds: float | None = None
     load_cpu_seconds: float | None = None
     batch_bytes: int | None = None
+    step_cpu_seconds: float | None = None
+
+    @property
+    def too_short(self) -> bool:
+        """Whether the trial ran out of time before its rate could be told with an error
+        estimate: it was pruned, and its rate is not a finding."""
+        return self.state == "pruned" and (self.reason or "").startswith(TOO_SHORT)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,6 +11,7 @@ A run has three phases, each a set of trials in one study:
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -28,12 +29,13 @@ import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._cost_model import guess_workers, loads_on_several_threads
+from autoloader._deadlines import Deadlines
 from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader._faults import classify
-from autoloader._measure import Deadlines, Measurement, Runner, TrialError
+from autoloader._measure import Measurement, Runner, TrialError
 from autoloader._memory import MemoryBudgetExceeded
 from autoloader._report import describe
-from autoloader._result import TrialRecord
+from autoloader._result import PRUNED_AS_SLOWER, TOO_SHORT, TrialRecord
 from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace, trial_params
 
 _logger = logging.getLogger(__name__)
@@ -53,12 +55,11 @@ _MAX_TRIAL_SECONDS = 15.0
 # A batch (loading it, or the step on it) is hung once it takes _TIMEOUT_FACTOR times
 # the baseline's time per batch, and never less than _MIN_BATCH_TIMEOUT seconds. With
 # more workers than CPUs a CPU-bound batch legitimately slows by workers / CPUs; the
-# first batch of an epoch also waits for workers to start, _STARTUP_PER_WORKER each.
+# first batch of an epoch also waits for workers to start (Deadlines.per_batch).
 # Before the baseline there is nothing to derive from: the baseline gets the whole
 # budget, at least _BASELINE_TIMEOUT.
 _TIMEOUT_FACTOR = 20.0
 _MIN_BATCH_TIMEOUT = 10.0
-_STARTUP_PER_WORKER = 3.0
 _BASELINE_TIMEOUT = 60.0
 # NOTE [ Enough searching ]
 # Once the starting points (the cost model's guesses and the ladder) are measured, the
@@ -165,6 +166,7 @@ class Search:
         self.stopped_early: str | None = None
         self._numbers: list[int] = []
         self._trial_seconds = trial_seconds(self.time_budget)
+        self._left_for_search = 0.0
 
     # The phases -------------------------------------------------------------------
 
@@ -208,6 +210,7 @@ class Search:
         self._limit_threads = loads_on_several_threads(measurement)
 
     def _run_search(self) -> None:
+        self._left_for_search = self._seconds_left(self.deadline)
         search_end = self.deadline - _RUNOFF_SHARE * self.time_budget
         self.stopped_early = self._step_bound(self._trials())
         if self.stopped_early is not None:  # the baseline: nothing queued, nothing to search
@@ -297,7 +300,7 @@ class Search:
             return Deadlines(first=limit, each=limit)
         slowdown = max(1.0, workers / self.usable_cpus)
         each = max(_MIN_BATCH_TIMEOUT, _TIMEOUT_FACTOR * self._baseline_batch_seconds * slowdown)
-        return Deadlines(first=each + _STARTUP_PER_WORKER * workers, each=each)
+        return Deadlines.per_batch(each, workers=workers)
 
     def _run_runoff(self) -> None:
         groups = self._groups(phases=("search", "runoff"))
@@ -331,6 +334,43 @@ class Search:
             return statistics.median(durations) if durations else self._trial_seconds
 
         return duration
+
+    def shortcomings(self) -> list[str]:
+        """What the result rests on less than a search for, in words: a baseline measured
+        too briefly to tell its error, or no setting with workers measured to the end.
+        The defaults are never returned without saying why."""
+        trials = self._trials()
+        found = []
+        baselines = [t for t in trials if t.user_attrs.get("phase") == "baseline"]
+        baseline = baselines[0] if baselines else None
+        measurement = (baseline.user_attrs.get("measurement") or {}) if baseline else {}
+        if (
+            baseline
+            and baseline.state == TrialState.COMPLETE
+            and not math.isfinite(measurement.get("relative_error", math.inf))
+        ):
+            found.append(
+                f"the baseline (num_workers=0) timed {measurement.get('batches', 0)} batches "
+                "before its time ran out, too few to tell its rate's error: the speedup "
+                "against it is uncertain; a larger time_budget measures it properly"
+            )
+        searched = [t for t in trials if t.user_attrs.get("phase") != "baseline"]
+        if any(t.state == TrialState.COMPLETE for t in searched):
+            return found
+        if not searched and self.stopped_early is None:
+            found.append(
+                f"the search did not run: the checks and the baseline left "
+                f"{self._left_for_search:.1f} s of the {self.time_budget:.0f} s budget, too "
+                "little for a trial; these are the defaults. Tune with a larger time_budget"
+            )
+        elif searched:
+            states = collections.Counter(_STATES.get(t.state, "running") for t in searched)
+            counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+            found.append(
+                f"no setting with workers was measured to the end ({counts}): these are "
+                "the defaults, not a tuned setting; the failures say why"
+            )
+        return found
 
     # The choice ---------------------------------------------------------------------
 
@@ -432,7 +472,7 @@ class Search:
             trial.set_user_attr("measurement", measurement.as_dict())
             trial.report(value_of(measurement), step)
             if phase == "search" and trial.should_prune():
-                raise optuna.TrialPruned("clearly slower than the best setting so far")
+                raise optuna.TrialPruned(PRUNED_AS_SLOWER)
 
         try:
             measurement = self.runner.measure(
@@ -470,6 +510,15 @@ class Search:
                 raise optuna.TrialPruned(fault.reason) from error
             raise _TrialFailed(fault.reason) from error
         trial.set_user_attr("measurement", measurement.as_dict())
+        if measurement.too_short and phase != "baseline":
+            reason = (
+                f"{TOO_SHORT}: the trial's {seconds:.1f} s ran out before two timing "
+                f"windows (first batch after {measurement.time_to_first_batch:.1f} s, "
+                f"{measurement.batches} batches timed), so its rate has no error estimate "
+                "and is not counted"
+            )
+            trial.set_user_attr("reason", reason)
+            raise optuna.TrialPruned(reason)
         return value_of(measurement)
 
     # Records --------------------------------------------------------------------
@@ -501,6 +550,7 @@ class Search:
             load_seconds=measurement.get("load_seconds"),
             step_seconds=measurement.get("step_seconds"),
             load_cpu_seconds=measurement.get("load_cpu_seconds"),
+            step_cpu_seconds=measurement.get("step_cpu_seconds"),
             batch_bytes=measurement.get("batch_bytes"),
         )
 

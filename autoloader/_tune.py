@@ -18,11 +18,10 @@ import optuna
 import torch
 from torch.utils.data import Dataset
 
-from autoloader._batching import batched_fetch_problem
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError
-from autoloader._facts import dataset_facts
+from autoloader._facts import Checks, checks_seconds
 from autoloader._isolation import SubprocessRunner
 from autoloader._loader import SUPPORTS_IN_ORDER
 from autoloader._measure import Runner, TrialRunner
@@ -82,8 +81,10 @@ def tune(
         step_fn (callable): one training step; receives a batch. Its return value is
             ignored.
         batch_size (int): samples per batch, as in training.
-        time_budget (float, optional): seconds for the whole run. ``None`` means 60.
-            (default: ``None``)
+        time_budget (float, optional): seconds for the whole run, the checks made
+            before the search included (a tenth of it, 1 to 20 s: copy-on-read, batched
+            fetch, repeated randomness or samples; a check that overruns its share is
+            reported missing and the run goes on). ``None`` means 60. (default: ``None``)
         n_trials (int, optional): cap on search trials; ``None`` means no cap.
             (default: ``None``)
         memory_budget (int or str, optional): bytes the process tree may use during a
@@ -118,7 +119,9 @@ def tune(
         TuneResult: the tuned settings, throughput against the baseline, and every trial.
 
     Raises:
-        InvalidInputError: an argument is wrong; raised before any trial runs.
+        InvalidInputError: an argument is wrong; raised before any trial runs. Or the
+            workers of an ``IterableDataset`` repeat each other's samples (it does not
+            split its items with ``get_worker_info()``), found before the baseline.
         UnpicklableError: the start method pickles the dataset or collate_fn into
             workers, or ``isolation="subprocess"`` sends them and the step_fn to each
             trial's process, and they do not pickle.
@@ -174,19 +177,28 @@ def tune(
         device=resolved_device,
     )
     runner: Runner = SubprocessRunner(in_process) if isolation == "subprocess" else in_process
-    # Reads a batch or two: only once every argument was checked.
+    # The checks read items and start processes: only once every argument was checked,
+    # and out of the time budget (see NOTE [ Checks before the search ]).
+    checks = Checks(
+        dataset,
+        fixed,
+        batch_size=batch_size,
+        seconds=checks_seconds(budget),
+        memory_budget=memory_bytes,
+    )
+    checks.repeated_samples()
     space, notes = space.resolve(
         usable_cpus=environment.usable_cpus,
         has_accelerator=environment.accelerator is not None,
         batches_per_epoch=batches_per_epoch,
         batched_fetch_problem=(
-            batched_fetch_problem(dataset, batch_size, fixed)
-            if space.batched_fetch != (False,)
-            else None
+            checks.batched_fetch_problem() if space.batched_fetch != (False,) else None
         ),
         supports_in_order=SUPPORTS_IN_ORDER,
     )
-    facts = dataset_facts(dataset, dataset_length, fixed, start_method=method)
+    facts = checks.facts(dataset_length, start_method=method)
+    for name, why in facts["missing"].items():
+        _logger.warning("not checked before the search, %s: %s", name, why)
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
         type(dataset).__name__,
@@ -232,6 +244,9 @@ def tune(
             _logger.warning("tuning interrupted; returning the best of the finished trials")
         if search.stopped_early is not None:
             notes.append(search.stopped_early)
+        for shortcoming in [] if partial else search.shortcomings():
+            _logger.warning("%s", shortcoming)
+            notes.append(shortcoming)
         records = search.records()
         params, throughput, baseline = search.best()
     saved, unsaved = split_loader_kwargs(fixed)

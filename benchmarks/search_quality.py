@@ -40,7 +40,8 @@ import psutil
 
 import autoloader
 from autoloader._batching import batched_fetch_problem
-from autoloader._measure import Deadlines, Measurement, TrialRunner
+from autoloader._deadlines import Deadlines
+from autoloader._measure import Measurement, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, tree_memory
 from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
 from autoloader._study import epoch_samples_per_second, params_key

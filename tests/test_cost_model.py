@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from autoloader._cost_model import guess_workers, loads_on_several_threads
+from autoloader._cost_model import (
+    guess_workers,
+    loads_on_several_threads,
+    step_competes_with_workers,
+)
 from autoloader._search_space import SearchSpace
 
 
@@ -48,3 +52,36 @@ def test_loading_on_several_threads_is_told_by_cpu_over_wall_time(
 ) -> None:
     baseline = {"load_seconds": load, "load_cpu_seconds": cpu}
     assert loads_on_several_threads(baseline) is expected
+
+
+@pytest.mark.parametrize(
+    ("case", "figures", "competes"),
+    [
+        # A CNN trained on the CPU: 36 ms on 1.8 of 2 CPUs; loading 13 ms of CPU.
+        ("cpu step, 2 CPUs", (0.036, 0.065, 0.013, 1.0, 2), True),
+        # The same with 16 CPUs: cores to spare, the step's own time bounds the loop.
+        ("cpu step, 16 CPUs", (0.036, 0.065, 0.013, 1.0, 16), False),
+        # A step that does nothing: nothing to take cores from.
+        ("no-op step", (0.000002, 0.000002, 0.013, 1.0, 2), False),
+        # A step on an accelerator: it waits, the CPUs are the workers'.
+        ("accelerator step", (0.020, 0.0002, 0.025, 1.0, 2), False),
+        # A single-threaded step leaves a core to a worker.
+        ("one-thread step", (0.036, 0.036, 0.013, 1.0, 2), False),
+        # The tutorial's: loading mostly waits on storage (24% on the CPU).
+        ("latency-bound loading", (0.0082, 0.0082, 0.026, 0.24, 2), False),
+    ],
+)
+def test_a_step_competes_with_workers_only_where_the_cpus_bound_the_loop(
+    case: str, figures: tuple[float, float, float, float, int], competes: bool
+) -> None:
+    step, step_cpu, load_cpu, share, cpus = figures
+    assert (
+        step_competes_with_workers(
+            step=step,
+            step_cpu=step_cpu,
+            load_cpu=load_cpu,
+            loading_cpu_share=share,
+            usable_cpus=cpus,
+        )
+        is competes
+    ), case

@@ -6,10 +6,11 @@ from torch.utils.data import DataLoader
 import autoloader
 from autoloader import Diagnosis, InvalidInputError, LoopError
 
-from .test_report import PythonRecords
+from .test_facts import PythonRecords
 from .workloads import (
     BusyDataset,
     FailingDataset,
+    HangsIn,
     MemoryHogDataset,
     SleepDataset,
     failing_step,
@@ -119,3 +120,10 @@ def test_a_broken_loop_says_what_raised() -> None:
     assert caught.value.__cause__ is not None
     with pytest.raises(LoopError, match="shape mismatch in step"):
         autoloader.diagnose(DataLoader(SleepDataset(8), batch_size=2), failing_step, seconds=1)
+
+
+def test_a_worker_that_hangs_costs_diagnose_its_deadline_not_forever() -> None:
+    """Twice the measuring time per batch; the first also has 3 s for its worker to start."""
+    loader = DataLoader(HangsIn("workers", length=64), batch_size=4, num_workers=1)
+    with pytest.raises(LoopError, match=r"made no progress for 5 s while loading a batch"):
+        autoloader.diagnose(loader, noop_step, seconds=1)

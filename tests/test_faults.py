@@ -12,8 +12,9 @@ import pytest
 
 import autoloader
 from autoloader import AllSettingsFailedError, SearchSpace
+from autoloader._deadlines import Deadlines, TrialTimeout
 from autoloader._faults import classify
-from autoloader._measure import Deadlines, TrialError, TrialRunner, TrialTimeout
+from autoloader._measure import TrialError, TrialRunner
 from autoloader._memory import tree_memory
 from autoloader._search_space import normalize_params
 

@@ -3,19 +3,13 @@ advice rests on, measured for real."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
-
-import numpy as np
-import torch
-from torch.utils.data import Dataset, TensorDataset
 
 from autoloader import TrialRecord, TuneResult
 from autoloader._environment import Environment
-from autoloader._facts import dataset_facts
 from autoloader._report import advise, report
 from autoloader._search_space import normalize_params
-
-from .workloads import AugmentedDataset, SleepDataset
 
 MiB = 1 << 20
 
@@ -124,10 +118,11 @@ def test_shm_advice_counts_the_batches_in_flight() -> None:
 def test_a_loader_still_slower_than_the_step_gets_the_dataset_size() -> None:
     tuned = {"num_workers": 2}
     slow = _trial(1, "search", tuned, 300.0, data_wait_fraction=0.7, load_seconds=0.03)
-    (line,) = advise(_result([BASELINE, slow], tuned))
+    cpu_only = dataclasses.replace(Environment.current(), accelerator=None)
+    (line,) = advise(_result([BASELINE, slow], tuned, environment=cpu_only))
     assert "waits for data 70% of the time: 30.0 ms per batch on top of the step's 10.0 ms" in line
     # 1 MiB per batch of 16, 10,000 items
-    assert "about 625.0 MiB" in line and "preload it" in line
+    assert "about 625.0 MiB" in line and "decode it once into tensors" in line
 
 
 def test_repeated_randomness_advice_comes_from_the_facts() -> None:
@@ -138,47 +133,75 @@ def test_repeated_randomness_advice_comes_from_the_facts() -> None:
     assert "Workers repeat each other's randomness" in line and "worker_init_fn" in line
 
 
-class OwnGeneratorDataset(Dataset[torch.Tensor]):
-    """Augments with a generator it holds: forked workers each get the same copy."""
-
-    def __init__(self) -> None:
-        self.rng = np.random.default_rng(0)
-
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.tensor(self.rng.random(3) + index)
+def _failed(number: int, workers: int, reason: str, state: str = "failed") -> TrialRecord:
+    params = normalize_params({"num_workers": workers, "prefetch_factor": 2})
+    return TrialRecord(number, "search", params, state, reason=reason)
 
 
-def test_facts_tell_workers_that_repeat_randomness_from_those_that_do_not() -> None:
-    repeating = dataset_facts(OwnGeneratorDataset(), 8, {}, start_method="fork")
-    assert repeating["random_items"] is True and repeating["workers_repeat_randomness"] is True
-    # numpy's global generator, which DataLoader seeds per worker
-    seeded = dataset_facts(AugmentedDataset(8), 8, {}, start_method="fork")
-    assert seeded["random_items"] is True and seeded["workers_repeat_randomness"] is False
-    plain = dataset_facts(TensorDataset(torch.arange(8)), 8, {}, start_method="fork")
-    assert plain["random_items"] is False and plain["workers_repeat_randomness"] is None
-    assert plain["dataset_length"] == 8 and plain["shm_bytes"] and plain["shm_bytes"] > 0
-    assert dataset_facts(SleepDataset(4), 4, {}, start_method="fork")["random_items"] is False
+def test_the_report_lists_each_distinct_failure_with_the_settings_that_met_it() -> None:
+    shards = (
+        "ValueError: No samples found in dataset; perhaps you have fewer shards than "
+        "workers. (in DataLoader worker process {}) (while loading a batch)"
+    )
+    memory = "memory: process tree reached {} GiB, over the memory budget of 4.0 GiB"
+    tuned = {"num_workers": 2}
+    trials = [
+        BASELINE,
+        _trial(1, "search", tuned, 900.0),
+        _failed(2, 3, shards.format(2)),
+        _failed(3, 8, shards.format(2)),
+        _failed(4, 4, shards.format(3)),
+        _failed(5, 16, memory.format("4.2"), state="pruned"),
+        _failed(6, 12, memory.format("4.5"), state="pruned"),
+        _failed(7, 6, "clearly slower than the best setting so far", state="pruned"),
+    ]
+    text = " ".join(report(_result(trials, tuned)).split())
+    assert (
+        "- ValueError: No samples found in dataset; perhaps you have fewer shards than "
+        "workers. (in DataLoader worker process N) (while loading a batch): 3 trials, "
+        "num_workers 3, 4, 8"
+    ) in text
+    assert "- memory: process tree reached 4.2 GiB, over the memory budget of 4.0 GiB" in text
+    assert "4.0 GiB: 2 trials, num_workers 12, 16" in text
+    assert "clearly slower" not in text
 
 
-class PythonRecords(Dataset[torch.Tensor]):
-    """Items kept as Python objects: reading one writes its reference counts."""
+def test_loader_bound_advice_names_the_accelerator_only_where_there_is_one() -> None:
+    tuned = {"num_workers": 2}
+    waiting = _trial(1, "search", tuned, 400.0, data_wait_fraction=0.5, load_seconds=0.02)
+    trials = [BASELINE, waiting]
+    environment = Environment.current()
+    cpu_only = dataclasses.replace(environment, accelerator=None)
+    (line,) = advise(_result(trials, tuned, environment=cpu_only))
+    assert "waits for data 50% of the time" in line
+    assert "accelerator" not in line and "device" not in line
+    assert "fits in memory" in line and "TensorDataset" in line
+    with_gpu = dataclasses.replace(environment, accelerator="cuda: NVIDIA H100 x1")
+    (line,) = advise(_result(trials, tuned, environment=with_gpu))
+    assert "fits in the accelerator's memory, preload it there" in line
 
-    def __init__(self, length: int = 20_000) -> None:
-        self.records = [{"id": i, "values": [float(i)] * 16} for i in range(length)]
 
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.tensor(self.records[index]["values"])
-
-
-def test_the_probe_finds_copy_on_read_in_python_objects_and_not_in_tensors() -> None:
-    records = dataset_facts(PythonRecords(), 20_000, {}, start_method="fork")
-    tensors = dataset_facts(TensorDataset(torch.randn(20_000, 16)), 20_000, {}, start_method="fork")
-    assert records["copy_on_read_items"] and tensors["copy_on_read_items"]
-    assert records["copy_on_read"] > 10 * max(tensors["copy_on_read"], 100.0)
-    assert dataset_facts(PythonRecords(), 20_000, {}, start_method="spawn")["copy_on_read"] is None
+def test_a_step_that_trains_on_the_cpu_is_named_in_the_bottleneck() -> None:
+    """The step keeps 1.8 of 2 CPUs busy for 36 ms, loading takes 13 ms of CPU: the CPUs,
+    not the step, bound what workers could reach."""
+    baseline = _trial(
+        0,
+        "baseline",
+        {},
+        1300.0,
+        data_wait_fraction=0.26,
+        load_seconds=0.013,
+        load_cpu_seconds=0.013,
+        step_seconds=0.036,
+        step_cpu_seconds=0.065,
+    )
+    two_cpus = dataclasses.replace(Environment.current(), usable_cpus=2)
+    result = _result([baseline], {}, environment=two_cpus)
+    text = " ".join(report(result).split())
+    assert "bottleneck the CPU, shared by the step and loading" in text
+    assert "the step kept 1.8 of the 2 CPUs busy for 36.0 ms per batch" in text
+    assert "tuned, loading stays in the main process" in text
+    # With 16 CPUs there are cores to spare: loading is the bottleneck, as it was.
+    sixteen = dataclasses.replace(Environment.current(), usable_cpus=16)
+    text = " ".join(report(_result([baseline], {}, environment=sixteen)).split())
+    assert "bottleneck loading: with the defaults a batch took 13.0 ms" in text

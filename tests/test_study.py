@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optuna
@@ -9,8 +13,14 @@ from optuna.trial import TrialState, create_trial
 
 from autoloader._measure import Measurement
 from autoloader._pruner import ClearlyWorsePruner
-from autoloader._search_space import BASELINE_PARAMS, normalize_params
-from autoloader._study import _asks_at_least, choose, epoch_samples_per_second, trial_seconds
+from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
+from autoloader._study import (
+    Search,
+    _asks_at_least,
+    choose,
+    epoch_samples_per_second,
+    trial_seconds,
+)
 
 
 def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
@@ -189,3 +199,94 @@ def test_a_setting_asks_at_least_the_memory_of_one_it_dominates(
     params: dict[str, Any], other: dict[str, Any], expected: bool
 ) -> None:
     assert _asks_at_least(normalize_params(params), normalize_params(other)) is expected
+
+
+# The search against a fake runner: policy in milliseconds, no processes ------------------
+
+
+class FakeRunner:
+    """Answers each setting with a measurement it makes up: ``rate(num_workers)``, too
+    short to trust (no error estimate) where ``too_short(num_workers)`` says so."""
+
+    batch_size = 8
+
+    def __init__(
+        self,
+        rate: Callable[[int], float],
+        too_short: Callable[[int], bool] = lambda workers: False,
+    ) -> None:
+        self.rate = rate
+        self.too_short = too_short
+
+    def measure(
+        self,
+        params: Mapping[str, Any],
+        *,
+        max_seconds: float,
+        on_window: Any = None,
+        deadlines: Any = None,
+    ) -> Measurement:
+        workers = int(params["num_workers"])
+        return dataclasses.replace(
+            _measurement(self.rate(workers)),
+            relative_error=math.inf if self.too_short(workers) else 0.01,
+            data_wait_fraction=0.5,
+            load_seconds=0.02,
+            step_seconds=0.01,
+            batches=1 if self.too_short(workers) else 100,
+        )
+
+
+def _search(runner: FakeRunner, *, seconds: float = 30.0, n_trials: int | None = 12) -> Search:
+    space, _ = SearchSpace(num_workers=(0, 16)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    return Search(
+        runner=runner,
+        space=space,
+        study=optuna.create_study(direction="maximize"),
+        batches_per_epoch=None,
+        deadline=time.perf_counter() + seconds,
+        time_budget=seconds,
+        n_trials=n_trials,
+        usable_cpus=2,
+    )
+
+
+def test_a_measurement_too_short_to_trust_is_pruned_and_never_chosen() -> None:
+    """16 workers look fastest, but their trial ran out before two timing windows."""
+    rate = FakeRunner(lambda n: 10_000.0 if n >= 16 else 100.0 + n, lambda n: n >= 16)
+    search = _search(rate, n_trials=6)  # the guesses 2 and 3, then 1, 4, 8, 16
+    search.run()
+    params, _, _ = search.best()
+    assert params["num_workers"] < 16
+    short = [r for r in search.records() if r.params["num_workers"] >= 16]
+    assert short and all(r.state == "pruned" and r.too_short for r in short)
+    assert short[0].reason and short[0].reason.startswith("too short: the trial's ")
+    assert search.shortcomings() == []
+
+
+def test_when_no_setting_with_workers_is_measured_the_result_says_so() -> None:
+    search = _search(FakeRunner(lambda n: 100.0, lambda n: n > 0), n_trials=4)
+    search.run()
+    assert search.best()[0] == BASELINE_PARAMS
+    (shortcoming,) = search.shortcomings()
+    assert shortcoming.startswith("no setting with workers was measured to the end (")
+    assert "pruned" in shortcoming and "these are the defaults" in shortcoming
+
+
+def test_a_search_with_no_time_left_says_it_did_not_run() -> None:
+    search = _search(FakeRunner(lambda n: 100.0), seconds=0.4)
+    search.run()
+    assert [r.phase for r in search.records()] == ["baseline"]
+    (shortcoming,) = search.shortcomings()
+    assert shortcoming.startswith("the search did not run: the checks and the baseline left ")
+    assert "Tune with a larger time_budget" in shortcoming
+
+
+def test_a_baseline_too_short_to_trust_is_said_to_be_so() -> None:
+    search = _search(FakeRunner(lambda n: 100.0 + n, lambda n: n == 0), n_trials=3)
+    search.run()
+    assert any(
+        s.startswith("the baseline (num_workers=0) timed 1 batches") for s in search.shortcomings()
+    )

@@ -22,11 +22,13 @@ from .workloads import (
     CountingDataset,
     FailingDataset,
     FailsInWorkersDataset,
+    HangsIn,
     MemoryHogDataset,
     NoLenDataset,
     OutOfMemoryInWorkersDataset,
     ShardedStream,
     SleepDataset,
+    Stream,
     failing_step,
     noop_step,
     sleep_step,
@@ -383,6 +385,23 @@ def test_iterable_datasets_are_tuned() -> None:
     )
     assert result.throughput > 0
     assert {t.params["num_workers"] for t in result.trials} <= {0, 1, 2}
+
+
+def test_an_iterable_dataset_whose_workers_repeat_samples_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="repeat each other's samples"):
+        _tune(Stream(shard=False))
+
+
+def test_a_probe_that_hangs_costs_its_share_and_the_run_still_searches() -> None:
+    """The checks before the search get a tenth of the budget; the probe half of that."""
+    result = _tune(HangsIn("probe", length=4096), noop_step, time_budget=6.0)
+    assert sum(t.phase == "search" for t in result.trials) >= 2
+    assert list(result.facts["missing"]) == ["copy_on_read"]
+    text = " ".join(result.report().split())
+    assert (
+        "not checked, copy-on-read in forked workers: the check did not finish within 0.5 s, "
+        "its share of the 1.0 s the checks before the search may take"
+    ) in text
 
 
 def test_study_in_storage_is_resumed(tmp_path: Path) -> None:

@@ -321,3 +321,87 @@ class WorkerMarks(Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         return int(os.environ.get("AUTOLOADER_TEST_WORKER", "-1"))
+
+
+class HangsIn(Dataset[torch.Tensor]):
+    """Reads like ``SleepDataset`` with no latency, but hangs in one place only.
+
+    ``where`` is "probe" (a forked process that is not a DataLoader worker: the
+    copy-on-read probe), "workers" (DataLoader workers), "list" (indexed with a list,
+    as the batched-fetch check does) or "item 0 here" (item 0, in the process that made
+    the dataset). With ``random``, items carry noise from numpy's global generator.
+    """
+
+    def __init__(self, where: str, length: int = 2048, random: bool = False) -> None:
+        self.where = where
+        self.length = length
+        self.random = random
+        self.owner = os.getpid()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        in_worker = get_worker_info() is not None
+        hangs = {
+            "probe": not in_worker and os.getpid() != self.owner,
+            "workers": in_worker,
+            "list": isinstance(index, list),
+            "item 0 here": index == 0 and os.getpid() == self.owner,
+        }[self.where]
+        if hangs:
+            time.sleep(3600)
+        noise = float(np.random.rand()) if self.random else 0.0
+        return torch.full((4,), float(np.mean(index)) + noise)
+
+
+class Stream(IterableDataset[Any]):
+    """Items ``{"x": ..., "id": i, "label": i % 3}``, split between workers by
+    ``get_worker_info()`` unless ``shard`` is false; ``augment`` adds random noise to
+    ``x``; without ``ids`` the items carry no ``id``. ``hang_in_workers`` hangs there."""
+
+    def __init__(
+        self,
+        length: int = 256,
+        *,
+        shard: bool = True,
+        augment: bool = False,
+        ids: bool = True,
+        hang_in_workers: bool = False,
+    ) -> None:
+        self.length = length
+        self.shard = shard
+        self.augment = augment
+        self.ids = ids
+        self.hang_in_workers = hang_in_workers
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        if info is not None and self.hang_in_workers:
+            time.sleep(3600)
+        start, step = (0, 1) if info is None or not self.shard else (info.id, info.num_workers)
+        for index in range(start, self.length, step):
+            x = torch.full((4,), float(index))
+            if self.augment:
+                x = x + torch.rand(4)
+            item: dict[str, Any] = {"x": x, "label": index % 3}
+            if self.ids:
+                item["id"] = index
+            yield item
+
+
+class TorchOpsDataset(Dataset[torch.Tensor]):
+    """Normalises a 3x112x112 image per item, as torchvision's ``Normalize`` does: an
+    op large enough to run torch's intra-op thread pool."""
+
+    def __init__(self, length: int = 2048) -> None:
+        self.length = length
+        self.mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
+        self.std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        image = torch.full((3, 112, 112), index / self.length)
+        return ((image - self.mean) / self.std).mean(dim=(1, 2))

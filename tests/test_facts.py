@@ -1,0 +1,206 @@
+"""The checks made before the search, with real forked processes and real workers: the
+facts they find, the deadlines that bound them, and the datasets they refuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from autoloader import InvalidInputError
+from autoloader._facts import Checks, copied_per_worker, same_samples
+
+from .workloads import AugmentedDataset, HangsIn, SleepDataset, Stream, TorchOpsDataset
+
+
+def _checks(dataset: Any, *, seconds: float = 10.0, batch_size: int = 1) -> Checks:
+    return Checks(dataset, {}, batch_size=batch_size, seconds=seconds)
+
+
+def dataset_facts(dataset: Any, length: int, *, start_method: str = "fork") -> dict[str, Any]:
+    """The facts tune() measures before its search, given time enough for every check."""
+    return _checks(dataset).facts(length, start_method=start_method)
+
+
+class OwnGeneratorDataset(Dataset[torch.Tensor]):
+    """Augments with a generator it holds: forked workers each get the same copy."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(self.rng.random(3) + index)
+
+
+def test_facts_tell_workers_that_repeat_randomness_from_those_that_do_not() -> None:
+    repeating = dataset_facts(OwnGeneratorDataset(), 8)
+    assert repeating["random_items"] is True and repeating["workers_repeat_randomness"] is True
+    # numpy's global generator, which DataLoader seeds per worker
+    seeded = dataset_facts(AugmentedDataset(8), 8)
+    assert seeded["random_items"] is True and seeded["workers_repeat_randomness"] is False
+    plain = dataset_facts(TensorDataset(torch.arange(8)), 8)
+    assert plain["random_items"] is False and plain["workers_repeat_randomness"] is None
+    assert plain["dataset_length"] == 8 and plain["shm_bytes"] and plain["shm_bytes"] > 0
+    assert dataset_facts(SleepDataset(4), 4)["random_items"] is False
+    assert plain["missing"] == {}
+
+
+# Copy-on-read ---------------------------------------------------------------------
+
+
+class PythonRecords(Dataset[torch.Tensor]):
+    """Items kept as Python objects: reading one writes its reference counts."""
+
+    def __init__(self, length: int) -> None:
+        self.records = [{"id": i, "values": [float(i)] * 16} for i in range(length)]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(self.records[index]["values"])
+
+
+class MemoCache(Dataset[np.ndarray]):
+    """Keeps every item it makes: memory grows with the items read, but nothing of the
+    parent's is copied."""
+
+    def __init__(self, length: int = 20_000) -> None:
+        self.length = length
+        self.cache: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index not in self.cache:
+            self.cache[index] = np.full(2048, float(index))  # 16 KiB, new
+        return self.cache[index]
+
+
+class SharedCache(Dataset[np.ndarray]):
+    """A 32 MiB buffer made in ``__init__`` and rewritten, slot by slot, by the reads, as
+    HDF5's chunk cache is: a forked reader copies it once, whatever it reads after."""
+
+    def __init__(self, length: int = 20_000) -> None:
+        self.length = length
+        self.buffer = np.ones((512, 8192))  # 512 slots of 64 KiB
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        slot = index % len(self.buffer)
+        self.buffer[slot] = index
+        return self.buffer[slot, :4].copy()
+
+
+def test_the_probe_finds_copy_on_read_in_python_objects_and_not_in_tensors() -> None:
+    records = dataset_facts(PythonRecords(100_000), 100_000)
+    tensors = dataset_facts(TensorDataset(torch.randn(100_000, 16)), 100_000)
+    assert records["copy_on_read_items"] and tensors["copy_on_read_items"]
+    assert records["copy_on_read"] > 10 * max(tensors["copy_on_read"], 100.0)
+    assert copied_per_worker(records) is not None and copied_per_worker(tensors) is None
+    assert dataset_facts(PythonRecords(2_000), 2_000, start_method="spawn")["copy_on_read"] is None
+
+
+@pytest.mark.parametrize("dataset", [MemoCache(), SharedCache()], ids=["memo", "shared-cache"])
+def test_the_probe_takes_neither_a_cache_nor_a_one_off_copy_for_copy_on_read(
+    dataset: Dataset[Any],
+) -> None:
+    dataset[0]  # the parent has read, as tune() has before the probe
+    facts = dataset_facts(dataset, len(dataset))  # type: ignore[arg-type]
+    assert facts["copy_on_read_items"], facts["missing"]
+    assert copied_per_worker(facts) is None, facts["copy_on_read"]
+
+
+def test_the_probe_reads_safely_after_this_process_ran_torchs_thread_pool() -> None:
+    """A process forked after torch's intra-op pool ran deadlocks at its first large op,
+    unless it limits itself to one thread first, as DataLoader's workers do."""
+    dataset = TorchOpsDataset()
+    dataset[0]  # runs the pool here, as loading in the main process does
+    facts = dataset_facts(dataset, len(dataset))
+    assert "copy_on_read" not in facts["missing"], facts["missing"]
+    assert facts["copy_on_read_items"]
+
+
+# Every check is held to its time ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "hung"),
+    [
+        ("probe", ["copy_on_read"]),
+        ("workers", ["workers_repeat_randomness"]),
+        ("list", ["batched_fetch"]),
+        ("item 0 here", ["batched_fetch", "random_items"]),
+    ],
+)
+def test_a_check_that_hangs_costs_its_share_of_the_time_and_no_more(
+    where: str, hung: list[str]
+) -> None:
+    checks = _checks(HangsIn(where, random=True), seconds=2.0, batch_size=4)
+    problem = checks.batched_fetch_problem()
+    facts = checks.facts(2048, start_method="fork")
+    assert list(facts["missing"]) == hung
+    for check in hung:
+        assert facts["missing"][check].startswith("the check did not finish within ")
+        assert "s the checks before the search may take" in facts["missing"][check]
+    if "batched_fetch" in hung:
+        assert problem is not None and problem.startswith("its check was cut short")
+
+
+def test_the_repeated_samples_check_is_held_to_its_time() -> None:
+    checks = _checks(Stream(hang_in_workers=True), seconds=2.0, batch_size=4)
+    checks.repeated_samples()
+    assert checks.missing["repeated_samples"].startswith("the check did not finish within 1.0 s")
+
+
+def test_a_check_that_raises_says_so() -> None:
+    class Broken(SleepDataset):
+        def __getitem__(self, index: int) -> torch.Tensor:
+            raise KeyError("no such record")
+
+    facts = dataset_facts(Broken(8), 8)
+    assert facts["missing"]["random_items"] == "the check failed: KeyError: 'no such record'"
+
+
+# Workers that repeat each other's samples -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stream", "refused"),
+    [
+        (Stream(shard=True), False),
+        (Stream(shard=False), True),
+        (Stream(shard=False, augment=True), True),  # random tensors, but the same ids
+        (Stream(shard=True, augment=True), False),
+        (Stream(shard=False, augment=True, ids=False), False),  # nothing tells them apart
+    ],
+    ids=["sharded", "unsharded", "unsharded-augmented", "sharded-augmented", "no-ids"],
+)
+def test_workers_that_repeat_each_others_samples_are_refused(stream: Stream, refused: bool) -> None:
+    checks = _checks(stream, batch_size=8)
+    if not refused:
+        checks.repeated_samples()
+        assert checks.missing == {}
+        return
+    with pytest.raises(InvalidInputError, match="repeat each other's samples") as info:
+        checks.repeated_samples()
+    assert "get_worker_info()" in str(info.value) and "workersplitter" in str(info.value)
+
+
+def test_same_samples_compares_what_identifies_samples() -> None:
+    ids = torch.arange(4)
+    first = {"x": torch.rand(4, 2), "id": ids, "key": ["a", "b", "c", "d"]}
+    assert same_samples(first, {**first, "x": torch.rand(4, 2)})
+    assert not same_samples(first, {**first, "id": ids + 4, "key": ["e", "f", "g", "h"]})
+    labels = {"x": torch.rand(4, 2), "label": torch.tensor([0, 1, 0, 1])}
+    assert not same_samples(labels, {**labels, "x": torch.rand(4, 2)})  # labels repeat
+    assert same_samples((torch.ones(2), ids), (torch.ones(2), ids))
