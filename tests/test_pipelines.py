@@ -1,0 +1,176 @@
+"""autoloader on real pipelines: PIL and torch ops, HF datasets, h5py, WebDataset, a CPU
+training step (``benchmarks/pipelines.py``), each over a small corpus generated once.
+
+Each is tuned for real and one epoch of the tuned loader is checked against the dataset:
+every sample once, none lost. ``python benchmarks/real_pipelines.py`` measures the same
+pipelines at full size against a hand grid.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch.utils.data import ConcatDataset, DataLoader
+
+import autoloader
+from autoloader._measure import TrialError, TrialRunner
+from autoloader._memory import tree_memory
+from autoloader._report import advise
+from autoloader._search_space import normalize_params
+from benchmarks.pipelines import NAMES, SMALL, Pipeline, build, epoch_ids
+
+GiB = 1024**3
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pipeline]:
+    root = tmp_path_factory.mktemp("corpus")
+    return lambda name: build(name, root, SMALL)
+
+
+def _tune(pipeline: Pipeline, **kwargs: object) -> autoloader.TuneResult:
+    options = {"time_budget": 5.0, "show_progress": False, **kwargs}
+    return autoloader.tune(
+        pipeline.dataset,
+        pipeline.step,
+        batch_size=pipeline.batch_size,
+        loader_kwargs=pipeline.loader_kwargs,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _check_one_epoch(result: autoloader.TuneResult, pipeline: Pipeline, copies: int = 1) -> None:
+    """The tuned loader yields each of the dataset's samples ``copies`` times, no more,
+    and the run searched; its advice holds on this machine."""
+    assert [t for t in result.trials if t.phase == "search"], result.notes
+    ids = collections.Counter(epoch_ids(result.make_loader(pipeline.dataset), pipeline.ids))
+    expected = collections.Counter(pipeline.expected * copies)
+    assert ids == expected, (result.params, ids - expected, expected - ids)
+    advice = list(advise(result))
+    assert not any("accelerator" in line for line in advice)  # there is none here
+    assert not any(line.startswith("Workers copy") for line in advice)  # no Python objects
+
+
+# The pipelines with tests of their own check their epoch there.
+OWN_TESTS = ("images", "webdataset-unsharded", "webdataset-few-shards")
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in OWN_TESTS])
+def test_a_tuned_loader_yields_every_sample_once(
+    corpus: Callable[[str], Pipeline], name: str
+) -> None:
+    pipeline = corpus(name)
+    _check_one_epoch(_tune(pipeline), pipeline)
+
+
+def test_a_dataset_that_ran_torchs_thread_pool_is_tuned_not_left_at_the_defaults(
+    corpus: Callable[[str], Pipeline],
+) -> None:
+    """The image pipeline normalises 3x224x224 tensors: the probe forked after that
+    deadlocked, its 30 s took the budget, and only the baseline ran. (Its files six
+    times over: the probe reads datasets of 1,000 items or more.)"""
+    pipeline = corpus("images")
+    pipeline.dataset = ConcatDataset([pipeline.dataset] * 6)
+    pipeline.dataset[0]  # as the checks and the baseline do before the probe
+    result = _tune(pipeline, time_budget=6.0)
+    assert "copy_on_read" not in result.facts["missing"], result.facts["missing"]
+    assert result.facts["copy_on_read_items"]
+    assert sum(t.phase == "search" for t in result.trials) >= 2
+    _check_one_epoch(result, pipeline, copies=6)
+
+
+def test_webdataset_whose_workers_all_read_every_shard_is_refused(
+    corpus: Callable[[str], Pipeline],
+) -> None:
+    with pytest.raises(autoloader.InvalidInputError, match="repeat each other's samples"):
+        _tune(corpus("webdataset-unsharded"))
+
+
+def test_diagnose_refuses_a_loader_whose_workers_repeat_samples(
+    corpus: Callable[[str], Pipeline],
+) -> None:
+    pipeline = corpus("webdataset-unsharded")
+    loader = DataLoader(pipeline.dataset, batch_size=pipeline.batch_size, num_workers=2)
+    with pytest.raises(autoloader.InvalidInputError, match="get_worker_info"):
+        autoloader.diagnose(loader, pipeline.step, seconds=2)
+
+
+def _runner(pipeline: Pipeline) -> TrialRunner:
+    return TrialRunner(
+        pipeline.dataset,
+        pipeline.step,
+        batch_size=pipeline.batch_size,
+        memory_budget=tree_memory() + 4 * GiB,
+        fixed_kwargs=pipeline.loader_kwargs,
+    )
+
+
+def test_a_worker_error_keeps_its_type_and_the_line_that_matters(
+    corpus: Callable[[str], Pipeline],
+) -> None:
+    """WebDataset's message ends with how to silence the check; what matters comes first."""
+    pipeline = corpus("webdataset-few-shards")
+    with pytest.raises(TrialError) as info:
+        params = normalize_params({"num_workers": 3, "prefetch_factor": 2})
+        _runner(pipeline).measure(params, max_seconds=5)
+    assert info.value.summary.startswith(
+        "ValueError: No samples found in dataset; perhaps you have fewer shards than workers."
+    ), info.value.summary
+    assert "(in DataLoader worker process 2)" in info.value.summary
+
+
+def test_the_report_names_each_failure_with_the_settings_that_met_it(
+    corpus: Callable[[str], Pipeline],
+) -> None:
+    pipeline = corpus("webdataset-few-shards")
+    result = _tune(pipeline)
+    assert result.params["num_workers"] <= 2
+    _check_one_epoch(result, pipeline)
+    failures = result.report().split("\nfailures\n")[1].split("\n\n")[0]
+    assert "- ValueError: No samples found in dataset; perhaps you have fewer shards" in failures
+    assert "(in DataLoader worker process N)" in " ".join(failures.split())
+    assert "num_workers " in failures and "Turn off" not in failures
+
+
+def test_hdf5_caches_are_not_taken_for_copy_on_read(corpus: Callable[[str], Pipeline]) -> None:
+    from autoloader._facts import Checks, copied_per_worker
+
+    for name in ("hdf5", "hdf5-open-in-init"):
+        pipeline = corpus(name)
+        pipeline.dataset[0]
+        checks = Checks(pipeline.dataset, {}, batch_size=pipeline.batch_size, seconds=6.0)
+        facts = checks.copy_on_read(len(pipeline.dataset), start_method="fork")
+        assert facts["copy_on_read_items"], checks.missing
+        assert copied_per_worker(facts) is None, (name, facts["copy_on_read"])
+
+
+@contextlib.contextmanager
+def _two_cpus() -> Iterator[None]:
+    """This process (and the workers it forks) on two CPUs, torch's pool as wide."""
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, sorted(affinity)[:2])
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def test_diagnose_says_a_cpu_training_step_competes_with_workers(
+    corpus: Callable[[str], Pipeline],
+) -> None:
+    pipeline = corpus("cpu-train")
+    loader = DataLoader(pipeline.dataset, batch_size=pipeline.batch_size, shuffle=True)
+    with _two_cpus():
+        diagnosis = autoloader.diagnose(loader, pipeline.step, seconds=3)
+    assert diagnosis.verdict == "CPU-bound (step and loader)", str(diagnosis)
+    assert diagnosis.step_cpus and diagnosis.step_cpus > 1.0
+    assert "workers overlap loading with the step only by taking cores from it" in " ".join(
+        diagnosis.reason.split()
+    )
