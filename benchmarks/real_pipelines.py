@@ -1,0 +1,243 @@
+"""The tuner on real pipelines (``pipelines.py``) against a patient person's hand grid.
+
+For each pipeline, in one run on one machine:
+
+1. ``autoloader.diagnose()`` of the loader a new user starts with (``num_workers=0``);
+2. ``autoloader.tune()`` with a 40 s budget, timed; what it searched, what it noted;
+3. one epoch of the tuned loader against the dataset: every sample once, none lost;
+4. the tuned loader and a hand grid of ``num_workers`` 0-4 and 8 (DataLoader's other
+   defaults, persistent workers), measured again side by side: interleaved rounds, the
+   order rotated each round, each measurement in steady state (the
+   ``num_workers x prefetch_factor`` batches queued at start-up drained first, epoch
+   restarts left out of the clock), counting unique samples only, so that a loader
+   whose workers repeat each other's samples gets no credit for the repeats.
+
+    python benchmarks/real_pipelines.py [--pipelines images,hdf5] [--time-budget 40]
+        [--rounds 4] [--seconds 4] [--data DIR] [--no-diagnose] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+import autoloader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pipelines import NAMES, Pipeline, build, epoch_ids
+
+HAND_WORKERS = (0, 1, 2, 3, 4, 8)
+
+
+def steady_rate(
+    loader: DataLoader[Any],
+    step: Callable[[Any], object],
+    ids: Callable[[Any], list[Any]],
+    seconds: float,
+) -> float:
+    """Unique samples per second of ``next(loader)`` then ``step``, in steady state."""
+    drain = loader.num_workers * (loader.prefetch_factor or 0) + 1
+    timed, unique = 0.0, 0
+    iterator = iter(loader)
+    try:
+        while timed < seconds:
+            seen: set[Any] = set()
+            to_skip, started = drain, None
+            for batch in iterator:
+                step(batch)
+                new = [i for i in ids(batch) if i not in seen]
+                seen.update(new)
+                if to_skip:
+                    to_skip -= 1
+                    if not to_skip:
+                        started = time.perf_counter()
+                    continue
+                unique += len(new)
+                if timed + time.perf_counter() - started >= seconds:  # type: ignore[operator]
+                    break
+            if started is not None:
+                timed += time.perf_counter() - started
+            if timed < seconds:  # an epoch ended: start the next one, off the clock
+                iterator = iter(loader)
+    finally:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del iterator
+    return unique / timed if timed else 0.0
+
+
+def hand_loader(pipeline: Pipeline, workers: int) -> DataLoader[Any]:
+    options = dict(pipeline.loader_kwargs)
+    if workers:
+        options["persistent_workers"] = True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        return DataLoader(
+            pipeline.dataset, batch_size=pipeline.batch_size, num_workers=workers, **options
+        )
+
+
+def epoch_check(loader: DataLoader[Any], pipeline: Pipeline) -> str:
+    """ "ok", or how one epoch of ``loader`` differs from the dataset's samples."""
+    counts = collections.Counter(epoch_ids(loader, pipeline.ids))
+    repeats = sum(n - 1 for n in counts.values() if n > 1)
+    lost = len(set(pipeline.expected) - set(counts))
+    return "ok" if not repeats and not lost else f"{repeats} repeated, {lost} lost"
+
+
+def short_error(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:160]
+
+
+def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"pipeline": pipeline.name, "what": pipeline.what}
+    print(f"\n== {pipeline.name}: {pipeline.what}", flush=True)
+    if args.diagnose:
+        started = time.perf_counter()
+        try:
+            diagnosis = autoloader.diagnose(hand_loader(pipeline, 0), pipeline.step)
+            row["verdict"] = diagnosis.verdict
+            print(str(diagnosis))
+        except autoloader.AutoloaderError as error:
+            row["verdict"] = f"error: {short_error(error)}"
+        row["diagnose_seconds"] = time.perf_counter() - started
+        print(f"diagnose: {row['verdict']} in {row['diagnose_seconds']:.1f} s", flush=True)
+
+    settings: dict[str, Callable[[], DataLoader[Any]]] = {}
+    started = time.perf_counter()
+    try:
+        result = autoloader.tune(
+            pipeline.dataset,
+            pipeline.step,
+            batch_size=pipeline.batch_size,
+            time_budget=args.time_budget,
+            loader_kwargs=pipeline.loader_kwargs,
+            show_progress=False,
+        )
+    except autoloader.AutoloaderError as error:
+        row["tuned"] = f"refused: {short_error(error)}"
+        print(f"tune: {error}", flush=True)
+    else:
+        row["tuned"] = {k: v for k, v in result.params.items()}
+        row["claimed_speedup"] = result.speedup
+        row["trials"] = collections.Counter((t.phase, t.state) for t in result.trials)
+        row["notes"] = list(result.notes)
+        row["missing"] = dict(result.facts.get("missing") or {})
+        print(result.report(), flush=True)
+        row["epoch"] = epoch_check(result.make_loader(pipeline.dataset), pipeline)
+        print(f"one epoch of the tuned loader: {row['epoch']}", flush=True)
+        settings["tuned"] = lambda: result.make_loader(pipeline.dataset)
+    row["tuning_seconds"] = time.perf_counter() - started
+
+    for workers in HAND_WORKERS:
+        settings[f"num_workers={workers}"] = lambda w=workers: hand_loader(pipeline, w)
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    failures: dict[str, str] = {}
+    names = list(settings)
+    for round_number in range(args.rounds):
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name in failures:
+                continue
+            try:
+                rate = steady_rate(settings[name](), pipeline.step, pipeline.ids, args.seconds)
+            except Exception as error:  # a setting the pipeline cannot run with
+                failures[name] = short_error(error)
+                continue
+            rates[name].append(rate)
+    measured = {name: statistics.median(v) for name, v in rates.items() if v}
+    row["rates"] = {name: (statistics.median(v), min(v), max(v)) for name, v in rates.items() if v}
+    row["failures"] = failures
+    hand = {n: r for n, r in measured.items() if n != "tuned"}
+    best_hand = max(hand, key=hand.__getitem__) if hand else None
+    row["best_hand"] = best_hand
+    if "tuned" in measured and best_hand:
+        row["ratio"] = measured["tuned"] / hand[best_hand]
+    print("side by side (unique samples/s, median and min-max of rounds):")
+    for name, (median, low, high) in row["rates"].items():
+        print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
+    for name, reason in failures.items():
+        print(f"  {name:<16} fails: {reason}")
+    if "ratio" in row:
+        print(f"tuned / best hand ({best_hand}): {row['ratio']:.3f}", flush=True)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| pipeline | diagnose (num_workers=0) | tuned setting | tuned | best hand | "
+        "tuned/best hand | num_workers=0 | speedup measured | speedup claimed | "
+        "search trials | tuning s | epoch check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        rates = {name: value[0] for name, value in row.get("rates", {}).items()}
+        tuned = row.get("tuned")
+        if isinstance(tuned, dict):
+            setting = f"{tuned['num_workers']} workers" if tuned["num_workers"] else "0 workers"
+            if tuned["num_workers"]:
+                setting += f", prefetch {tuned['prefetch_factor']}"
+            extras = [k for k in ("batched_fetch",) if tuned.get(k)]
+            if tuned.get("worker_threads"):
+                extras.append(f"threads {tuned['worker_threads']}")
+            setting += "".join(f", {e}" for e in extras)
+            searched = sum(n for (phase, _), n in row["trials"].items() if phase == "search")
+        else:
+            setting, searched = str(tuned), 0
+        best = row.get("best_hand")
+        measured = "-"
+        if rates.get("tuned") and rates.get("num_workers=0"):
+            measured = f"{rates['tuned'] / rates['num_workers=0']:.2f}x"
+        claimed = f"{row['claimed_speedup']:.2f}x" if "claimed_speedup" in row else "-"
+        ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
+        lines.append(
+            f"| {row['pipeline']} | {row.get('verdict', '-')} | {setting} | "
+            f"{rates.get('tuned', 0):,.0f} | {best} {rates.get(best, 0):,.0f} | {ratio} | "
+            f"{rates.get('num_workers=0', 0):,.0f} | {measured} | {claimed} | "
+            f"{searched} | {row['tuning_seconds']:.0f} | {row.get('epoch', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipelines", default=",".join(NAMES))
+    parser.add_argument("--time-budget", type=float, default=40.0)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    default_data = Path(tempfile.gettempdir()) / "autoloader-corpus"
+    parser.add_argument("--data", type=Path, default=default_data)
+    parser.add_argument("--no-diagnose", dest="diagnose", action="store_false")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    rows = []
+    for name in args.pipelines.split(","):
+        try:
+            rows.append(run_one(build(name, args.data), args))
+        except Exception:  # one pipeline's crash must not lose the others' rows
+            traceback.print_exc()
+    print("\n" + table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
