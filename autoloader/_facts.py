@@ -116,8 +116,8 @@ _PROBE_MAX_READING = 2.0
 _SMAPS = Path("/proc/self/smaps_rollup")
 # Bytes copied per item read from which copy-on-read is worth a word...
 _COPY_PER_ITEM = 1024
-# ... and copied in all by the probe, below which the allocator's noise could explain it
-# (a TensorDataset measures some 200 B per item).
+# ... and copied in all by the probe, below which noise could explain it (datasets that
+# only allocate or cache measure 0-110 B per item: benchmarks/copy_on_read.py).
 _COPY_MEASURED = 1 << 20
 
 
@@ -171,7 +171,7 @@ class Checks:
             return None
         try:
             return check(seconds)
-        except Exception as error:  # a broken dataset: the baseline reports it properly
+        except Exception as error:  # out of time, or a broken dataset (the baseline says)
             self.missing[name] = self._why(error, seconds)
             return None
 
@@ -442,8 +442,9 @@ def same_samples(first: Any, second: Any) -> bool:
             continue
         if not same_batch(value, other):
             return False
+        # Strings collate to a list, or to a tuple inside a batch of tuples.
         entries = value.tolist() if isinstance(value, torch.Tensor) else value
-        if isinstance(entries, list) and len(entries) > 1:
+        if isinstance(entries, list | tuple) and len(entries) > 1:
             identifying |= len({repr(entry) for entry in entries}) == len(entries)
     return identifying
 

@@ -186,7 +186,8 @@ def tune(
         seconds=checks_seconds(budget),
         memory_budget=memory_bytes,
     )
-    checks.repeated_samples()
+    if space.num_workers != (0, 0):  # with no workers, nothing can repeat
+        checks.repeated_samples()
     space, notes = space.resolve(
         usable_cpus=environment.usable_cpus,
         has_accelerator=environment.accelerator is not None,

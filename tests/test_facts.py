@@ -204,3 +204,7 @@ def test_same_samples_compares_what_identifies_samples() -> None:
     labels = {"x": torch.rand(4, 2), "label": torch.tensor([0, 1, 0, 1])}
     assert not same_samples(labels, {**labels, "x": torch.rand(4, 2)})  # labels repeat
     assert same_samples((torch.ones(2), ids), (torch.ones(2), ids))
+    # WebDataset's keys collate to a tuple of strings; labels repeat within the batch.
+    keyed = (torch.rand(4, 2), torch.tensor([0, 1, 0, 1]), ("a", "b", "c", "d"))
+    assert same_samples(keyed, (torch.rand(4, 2), *keyed[1:]))
+    assert not same_samples(keyed, (torch.rand(4, 2), keyed[1], ("e", "f", "g", "h")))

@@ -87,8 +87,11 @@ def test_a_dataset_that_ran_torchs_thread_pool_is_tuned_not_left_at_the_defaults
 def test_webdataset_whose_workers_all_read_every_shard_is_refused(
     corpus: Callable[[str], Pipeline],
 ) -> None:
+    pipeline = corpus("webdataset-unsharded")
+    # Labels (index % 10) repeat within a batch of 32: only the keys tell samples apart.
+    pipeline.batch_size = 32
     with pytest.raises(autoloader.InvalidInputError, match="repeat each other's samples"):
-        _tune(corpus("webdataset-unsharded"))
+        _tune(pipeline)
 
 
 def test_diagnose_refuses_a_loader_whose_workers_repeat_samples(
