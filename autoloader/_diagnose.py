@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from autoloader._cost_model import cpu_bound_seconds, step_competes_with_workers
-from autoloader._deadlines import Deadlines, TrialTimeout
+from autoloader._deadlines import Deadlines, TrialTimeout, time_limit
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError, LoopError
@@ -68,6 +68,16 @@ _CHECKS_SHARE = 0.2
 _MIN_CHECKS_SECONDS = 1.0
 # A batch that takes this many times the whole measuring time is hung.
 _HANG_FACTOR = 2.0
+# NOTE [ Spinning threads ]
+# After each parallel op, torch's OpenMP threads spin for a while before they sleep
+# (here a 10 ms sleep right after one is charged 0.9 CPUs). With num_workers=0 the
+# loading's ops run in this process, just before each step, so a step that only waits
+# looks busy. Where the loop's step seemed to use a tenth of a CPU or more, the step is
+# timed alone, on one batch handed back again and again (no loading op before it), for
+# _STEP_ALONE_SHARE of the measuring time. With workers, loading runs elsewhere and the
+# loop's own figure is clean.
+_STEP_ALONE_SHARE = 0.15
+_SPINNING_CPUS = 0.1
 
 VERDICTS = (
     "step-bound",
@@ -216,8 +226,10 @@ def diagnose(
         seconds (float, optional): the longest the measurements may take, worker
             start-up excluded; the checks (the copy-on-read probe with forked workers,
             repeated samples with an ``IterableDataset``) add a fifth of it, at least a
-            second. A batch that takes twice this long is taken as hung.
-            (default: ``10``)
+            second. With ``num_workers=0`` and a step that seems to use the CPU, the
+            step is also timed alone, on one batch again and again (see
+            ``NOTE [ Spinning threads ]``), for a further 15%. A batch that takes twice
+            this long is taken as hung. (default: ``10``)
         memory_budget (int or str, optional): bytes the process tree may use, e.g.
             ``"6GiB"``; ``None`` means what it uses now plus 80% of the memory
             available. (default: ``None``)
@@ -282,15 +294,20 @@ def diagnose(
         alone = runner(_no_step, None).measure_loader(
             loader, max_seconds=(1 - _LOOP_SHARE) * seconds, deadlines=deadlines
         )
+        step_alone = loop
+        if not workers and _step_cpus(loop) >= _SPINNING_CPUS:
+            step_alone = runner(step_fn, resolved_device).measure_loader(
+                _one_batch_again(loader, deadlines.first),
+                max_seconds=_STEP_ALONE_SHARE * seconds,
+                deadlines=deadlines,
+            )
     except MemoryBudgetExceeded as error:
         return _memory_bound(error, workers, batch_size, budget, usable_cpus)
+    except TrialTimeout as timeout:
+        raise _hung(timeout) from timeout
     except TrialError as error:
         if isinstance(error.error, TrialTimeout):
-            raise LoopError(
-                f"The loop over the loader made {error.error}: a worker, the dataset or "
-                "step_fn hangs. If a batch really takes that long, give diagnose() more "
-                f"seconds: a batch may take {_HANG_FACTOR:.0f} times as many."
-            ) from error.error
+            raise _hung(error.error) from error.error
         raise LoopError(
             f"The loop over the loader failed: {error}"
             + (f" at {error.where}" if error.where else "")
@@ -306,7 +323,7 @@ def diagnose(
         load_cpu = loop.load_cpu_seconds
     cpu_share = min(1.0, cpu_share)
     verdict, reason = _verdict(
-        loop, alone, cpu_share, load_cpu, workers, budget, usable_cpus, copied
+        loop, alone, step_alone, cpu_share, load_cpu, workers, budget, usable_cpus, copied
     )
     return Diagnosis(
         verdict=verdict,
@@ -325,13 +342,14 @@ def diagnose(
         usable_cpus=usable_cpus,
         copied_per_worker=copied,
         missing=dict(checks.missing),
-        step_cpus=_step_cpus(loop),
+        step_cpus=_step_cpus(step_alone),
     )
 
 
 def _verdict(
     loop: Measurement,
     alone: Measurement,
+    step_alone: Measurement,
     cpu_share: float,
     load_cpu: float,
     workers: int,
@@ -376,18 +394,19 @@ def _verdict(
         f"per batch with num_workers={workers}, the step {_ms(step)}."
     )
     who = {0: "the main process", 1: "the worker"}.get(workers, f"the {workers} workers")
+    step_cpu = step_alone.step_cpu_seconds
     if step_competes_with_workers(
         step=step,
-        step_cpu=loop.step_cpu_seconds,
+        step_cpu=step_cpu,
         load_cpu=load_cpu,
         loading_cpu_share=cpu_share,
         usable_cpus=usable_cpus,
     ):
         best = cpu_bound_seconds(
-            step=step, step_cpu=loop.step_cpu_seconds, load_cpu=load_cpu, usable_cpus=usable_cpus
+            step=step, step_cpu=step_cpu, load_cpu=load_cpu, usable_cpus=usable_cpus
         )
         return "CPU-bound (step and loader)", (
-            f"{figures} The step runs on the CPU too, keeping {_step_cpus(loop):.1f} of the "
+            f"{figures} The step runs on the CPU too, keeping {_step_cpus(step_alone):.1f} of the "
             f"{usable_cpus} CPUs busy, and loading is CPU work ({who} on the CPU "
             f"{cpu_share:.0%} of the time): workers overlap loading with the step only by "
             f"taking cores from it. Even perfectly overlapped, the two take {_ms(best)} per "
@@ -449,6 +468,35 @@ def _length(dataset: object) -> int | None:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def _hung(timeout: TrialTimeout) -> LoopError:
+    return LoopError(
+        f"The loop over the loader made {timeout}: a worker, the dataset or step_fn "
+        "hangs. If a batch really takes that long, give diagnose() more seconds: a batch "
+        f"may take {_HANG_FACTOR:.0f} times as many."
+    )
+
+
+class _Again(Dataset[Any]):
+    """One batch, as many times as asked for."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, index: int) -> Any:
+        return self.batch
+
+
+def _one_batch_again(loader: DataLoader[Any], seconds: float) -> DataLoader[Any]:
+    """A loader handing back one batch of ``loader`` (read in this process, within
+    ``seconds``) again and again: the step alone (see ``NOTE [ Spinning threads ]``)."""
+    with time_limit(seconds, "loading a batch"):
+        batch = next(iter(loader))
+    return DataLoader(_Again(batch), batch_size=None)
 
 
 def _step_cpus(loop: Measurement) -> float:

@@ -25,6 +25,7 @@ slower, or too short to measure, did not fail and are not listed.
 from __future__ import annotations
 
 import re
+import statistics
 import textwrap
 from collections.abc import Iterator
 
@@ -302,7 +303,7 @@ def _bottleneck(
         )
     cpu = (baseline.load_cpu_seconds or 0.0) / load if load else 0.0
     kind = "CPU work" if cpu > 0.5 else "mostly waiting on I/O"
-    step_cpu, load_cpu = baseline.step_cpu_seconds or 0.0, baseline.load_cpu_seconds or 0.0
+    step_cpu, load_cpu = _step_cpu(result, baseline), baseline.load_cpu_seconds or 0.0
     cpus = result.environment.usable_cpus
     if step_competes_with_workers(
         step=step, step_cpu=step_cpu, load_cpu=load_cpu, loading_cpu_share=cpu, usable_cpus=cpus
@@ -329,6 +330,18 @@ def _bottleneck(
             f"ceiling of {ceiling:,.0f} samples/s"
         )
     return text
+
+
+def _step_cpu(result: TuneResult, baseline: TrialRecord) -> float:
+    """The step's CPU seconds per batch: from the trials with workers, where no loading
+    ran in this process to spin its threads into the step (see ``NOTE [ Spinning
+    threads ]``), else the baseline's."""
+    clean = [
+        t.step_cpu_seconds
+        for t in result.trials
+        if t.state == "complete" and t.params.get("num_workers") and t.step_cpu_seconds is not None
+    ]
+    return statistics.median(clean) if clean else baseline.step_cpu_seconds or 0.0
 
 
 def _chosen(result: TuneResult) -> TrialRecord | None:

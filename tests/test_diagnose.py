@@ -13,8 +13,10 @@ from .workloads import (
     HangsIn,
     MemoryHogDataset,
     SleepDataset,
+    TorchOpsDataset,
     failing_step,
     noop_step,
+    sleep_10ms_step,
     slow_step,
 )
 
@@ -127,3 +129,12 @@ def test_a_worker_that_hangs_costs_diagnose_its_deadline_not_forever() -> None:
     loader = DataLoader(HangsIn("workers", length=64), batch_size=4, num_workers=1)
     with pytest.raises(LoopError, match=r"made no progress for 5 s while loading a batch"):
         autoloader.diagnose(loader, noop_step, seconds=1)
+
+
+def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> None:
+    """torch's OpenMP threads spin for a while after each op of the loading in this
+    process: a step that only waits must not be charged for their spinning."""
+    loader = DataLoader(TorchOpsDataset(512), batch_size=32)
+    diagnosis = autoloader.diagnose(loader, sleep_10ms_step, seconds=2)
+    assert diagnosis.verdict != "CPU-bound (step and loader)", str(diagnosis)
+    assert diagnosis.step_cpus is not None and diagnosis.step_cpus < 0.3, str(diagnosis)

@@ -205,3 +205,24 @@ def test_a_step_that_trains_on_the_cpu_is_named_in_the_bottleneck() -> None:
     sixteen = dataclasses.replace(Environment.current(), usable_cpus=16)
     text = " ".join(report(_result([baseline], {}, environment=sixteen)).split())
     assert "bottleneck loading: with the defaults a batch took 13.0 ms" in text
+
+
+def test_the_steps_cpu_comes_from_trials_with_workers_where_loading_runs_elsewhere() -> None:
+    """With num_workers=0 the loading's torch threads spin into the step: a step that
+    only waits looks busy. Trials with workers measure it clean."""
+    spun = _trial(
+        0,
+        "baseline",
+        {},
+        1000.0,
+        data_wait_fraction=0.6,
+        load_seconds=0.015,
+        load_cpu_seconds=0.015,
+        step_seconds=0.010,
+        step_cpu_seconds=0.0095,
+    )
+    tuned = {"num_workers": 2}
+    clean = _trial(1, "search", tuned, 2000.0, step_seconds=0.010, step_cpu_seconds=0.0002)
+    two_cpus = dataclasses.replace(Environment.current(), usable_cpus=2)
+    text = " ".join(report(_result([spun, clean], tuned, environment=two_cpus)).split())
+    assert "bottleneck loading: with the defaults a batch took 15.0 ms" in text

@@ -123,6 +123,11 @@ def sleep_step(batch: object) -> None:
     time.sleep(0.002)
 
 
+def sleep_10ms_step(batch: object) -> None:
+    """A step on an accelerator, standing in: it waits, using no CPU."""
+    time.sleep(0.01)
+
+
 def slow_step(batch: object) -> None:
     """A step that dwarfs loading, as a large model's would: even receiving a batch from a
     worker (about 1.3 ms) is under 1% of it."""
