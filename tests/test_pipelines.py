@@ -127,11 +127,19 @@ def test_a_worker_error_keeps_its_type_and_the_line_that_matters(
     assert "(in DataLoader worker process 2)" in info.value.summary
 
 
+def _no_step(batch: object) -> None:
+    pass
+
+
 def test_the_report_names_each_failure_with_the_settings_that_met_it(
     corpus: Callable[[str], Pipeline],
 ) -> None:
+    """Two shards: every setting above two workers fails. Where two workers keep up
+    with the step, the search stops there and meets no failure: here the step does
+    nothing, and the search starts at two workers."""
     pipeline = corpus("webdataset-few-shards")
-    result = _tune(pipeline)
+    pipeline.step = _no_step
+    result = _tune(pipeline, search_space={"num_workers": (2, 16)})
     assert result.params["num_workers"] <= 2
     _check_one_epoch(result, pipeline)
     failures = result.report().split("\nfailures\n")[1].split("\n\n")[0]

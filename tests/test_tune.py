@@ -276,7 +276,7 @@ def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its
 
 
 def test_n_trials_caps_the_search() -> None:
-    result = _tune(time_budget=30.0, n_trials=2)
+    result = _tune(time_budget=12.0, n_trials=2)
     assert sum(t.phase == "search" for t in result.trials) == 2
 
 
@@ -408,8 +408,8 @@ def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'study.db'}"
     space = SearchSpace(num_workers=(0, 4), prefetch_factor=2, persistent_workers=True)
     # Budgets with room to spare: n_trials, not the clock, decides how many run.
-    _tune(storage=url, n_trials=2, search_space=space, time_budget=20.0)
-    _tune(storage=url, n_trials=1, search_space=space, time_budget=20.0)
+    _tune(storage=url, n_trials=2, search_space=space, time_budget=12.0)
+    _tune(storage=url, n_trials=1, search_space=space, time_budget=12.0)
     (summary,) = optuna.get_all_study_summaries(url)
     study = optuna.load_study(study_name=summary.study_name, storage=url)
     phases = [t.user_attrs["phase"] for t in study.trials]
@@ -427,10 +427,10 @@ def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
 def test_a_journal_file_keeps_the_study_and_a_stale_lock_does_not_hang(tmp_path: Path) -> None:
     path = tmp_path / "tuning.log"
     space = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
-    _tune(storage=str(path), n_trials=1, search_space=space, time_budget=20.0)
+    _tune(storage=str(path), n_trials=1, search_space=space, time_budget=12.0)
     # A run killed while writing leaves the journal's lock file behind.
     (tmp_path / "tuning.log.lock").touch()
-    _tune(storage=path, n_trials=1, search_space=space, time_budget=20.0)
+    _tune(storage=path, n_trials=1, search_space=space, time_budget=12.0)
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
     (summary,) = optuna.get_all_study_summaries(storage)
     phases = [
