@@ -104,6 +104,8 @@ def trial_seconds(time_budget: float) -> float:
 #   empty pipeline, i.e. the baseline's load time per batch. The very first spawn is
 #   paid once per training run and is ignored.
 # An iterable dataset without __len__ has no known epoch: the steady rate is used.
+# Where the trial timed a whole epoch (NOTE [ Whole epochs ]), the model is not needed:
+# that rate is the objective, an epoch's edges included as training pays them.
 def epoch_samples_per_second(
     params: Mapping[str, Any],
     measurement: Measurement,
@@ -115,6 +117,8 @@ def epoch_samples_per_second(
     rate = measurement.samples_per_second
     if batches_per_epoch is None or rate <= 0:
         return rate
+    if measurement.epochs_samples_per_second:
+        return measurement.epochs_samples_per_second
     if params["persistent_workers"]:
         startup = measurement.epoch_restart_seconds or refill_seconds
     else:

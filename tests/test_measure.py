@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from autoloader._measure import TrialError, TrialRunner
+from autoloader._measure import TrialError, TrialRunner, _Epochs
 from autoloader._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
 from autoloader._search_space import normalize_params
 
@@ -63,6 +63,38 @@ def test_crossing_epochs_records_the_restart() -> None:
     m = _runner(SleepDataset(32, latency=0.001)).measure(_params(1), max_seconds=2)
     assert m.epoch_restart_seconds is not None
     assert m.epoch_restart_seconds > 0
+    assert m.epochs_samples_per_second is not None
+
+
+def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
+    """The precision rule alone would stop two windows (0.1 s each) into an epoch of
+    256 batches of 2 ms; the trial goes on to time one whole epoch."""
+    m = _runner(SleepDataset(1024, latency=0.0005), noop_step, min_windows=2).measure(
+        _params(0), max_seconds=60
+    )
+    assert m.epochs_samples_per_second is not None
+
+
+def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later() -> None:
+    """An epoch of 4 batches; warm-up ends at the second; each batch takes 1 s and each
+    restart (drain, new workers, refill) 3 s more."""
+    epochs, now = _Epochs(length=4), 0.0  # the first batch was stepped at 0 s
+    for epoch in range(3):
+        if epoch:
+            epochs.restarted()
+            now += 3.0
+        for _ in range(4 if epoch else 3):
+            now += 1.0
+            epochs.add(10, now)
+            if epochs.mark is None:
+                epochs.start(now)  # after warm-up: the clock starts at the second batch
+                assert epochs.due(now, 1.0, deadline=now + 100)
+                assert not epochs.due(now, 1.0, deadline=now + 4)
+    # From 1 s (epoch 0, batch 2) to 8 s (epoch 1, batch 2) to 15 s: 40 samples in 7 s.
+    assert epochs.measured == [(40, 7.0), (40, 7.0)]
+    assert epochs.rate() == pytest.approx(40 / 7)
+    assert not epochs.due(now, 1.0, deadline=now + 100)  # an epoch is timed: no need
+    assert _Epochs(length=None).rate() is None
 
 
 def test_on_window_can_stop_the_trial_and_workers_are_released() -> None:

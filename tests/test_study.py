@@ -78,6 +78,22 @@ def test_epoch_model_prefers_a_measured_restart() -> None:
     assert value == pytest.approx(100 / (0.2 + 0.9))
 
 
+def test_whole_epochs_timed_by_the_trial_are_the_objective() -> None:
+    """The steady rate and the restart leave out the drain and the refill around an
+    epoch's edges; where the trial timed whole epochs, that rate is used as it is."""
+    measured = dataclasses.replace(
+        _measurement(100.0, ttfb=3.0, restart=0.2), epochs_samples_per_second=61.0
+    )
+    value = epoch_samples_per_second(
+        _params(16, persistent=True),
+        measured,
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == 61.0
+
+
 def test_epoch_model_without_epoch_length_is_the_steady_rate() -> None:
     value = epoch_samples_per_second(
         _params(4), _measurement(123.0), batch_size=10, batches_per_epoch=None, refill_seconds=0.5
