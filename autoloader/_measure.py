@@ -271,13 +271,19 @@ class _Totals:
 # measured 10,900 samples/s steady and ran 8,200 over whole epochs, against 9,200 for 3
 # workers (steady 9,750). So where the trial can, it times whole epochs as training gets
 # them: from the first batch after warm-up to the same batch of the next epoch, the
-# restart, the refill and the drain included. The trial keeps going for one such epoch
-# if it fits in the trial's time; the objective then uses that rate (NOTE [ Epoch model ]).
+# restart, the refill and the drain included; the objective then uses that rate (NOTE
+# [ Epoch model ]). Where the batches in flight (num_workers x prefetch_factor) are more
+# than a twentieth of an epoch, the edges matter, and the trial keeps going for one
+# such epoch if it fits in the trial's time; below that they cost a few percent at most.
+_EDGES_MATTER = 20
+
+
 @dataclass(slots=True)
 class _Epochs:
     """Times whole epochs of a trial, from a batch to the same batch one epoch later."""
 
     length: int | None
+    in_flight: int = 0  # batches queued at once: num_workers x prefetch_factor
     epoch: int = 0
     index: int = 1  # batches of the current epoch stepped; the first comes before this
     mark: tuple[int, int] | None = None  # (epoch, index) where the clock started
@@ -313,6 +319,8 @@ class _Epochs:
         """Whether to keep measuring for a first whole epoch: one is under way and
         expected (with room to spare) before ``deadline``."""
         if self.length is None or self.mark is None or self.measured:
+            return False
+        if self.length > _EDGES_MATTER * self.in_flight:
             return False
         mark_epoch, mark_index = self.mark
         to_go = mark_index - self.index
@@ -677,7 +685,7 @@ class TrialRunner:
         batch_bytes = _batch_bytes(batch)
         step(batch)
         watch.check()
-        epochs = _Epochs(_loader_length(loader))
+        epochs = _Epochs(_loader_length(loader), in_flight=warmup)
         restarts: list[float] = []
         windows: list[_Totals] = []
         total = _Totals()

@@ -68,9 +68,10 @@ def test_crossing_epochs_records_the_restart() -> None:
 
 def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
     """The precision rule alone would stop two windows (0.1 s each) into an epoch of
-    256 batches of 2 ms; the trial goes on to time one whole epoch."""
-    m = _runner(SleepDataset(1024, latency=0.0005), noop_step, min_windows=2).measure(
-        _params(0), max_seconds=60
+    256 batches of 5 ms; with 16 batches in flight, a sixteenth of the epoch, the trial
+    goes on to time one whole epoch."""
+    m = _runner(SleepDataset(1024, latency=0.005), noop_step, min_windows=2).measure(
+        _params(4, prefetch_factor=4), max_seconds=60
     )
     assert m.epochs_samples_per_second is not None
 
@@ -78,7 +79,7 @@ def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
 def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later() -> None:
     """An epoch of 4 batches; warm-up ends at the second; each batch takes 1 s and each
     restart (drain, new workers, refill) 3 s more."""
-    epochs, now = _Epochs(length=4), 0.0  # the first batch was stepped at 0 s
+    epochs, now = _Epochs(length=4, in_flight=1), 0.0  # the first stepped at 0 s
     for epoch in range(3):
         if epoch:
             epochs.restarted()
@@ -95,6 +96,9 @@ def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later()
     assert epochs.rate() == pytest.approx(40 / 7)
     assert not epochs.due(now, 1.0, deadline=now + 100)  # an epoch is timed: no need
     assert _Epochs(length=None).rate() is None
+    few_in_flight = _Epochs(length=21, in_flight=1)
+    few_in_flight.start(0.0)
+    assert not few_in_flight.due(0.0, 1.0, deadline=100.0)  # the edges cost little
 
 
 def test_on_window_can_stop_the_trial_and_workers_are_released() -> None:
