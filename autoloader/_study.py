@@ -515,12 +515,20 @@ class Search:
             raise _TrialFailed(fault.reason) from error
         trial.set_user_attr("measurement", measurement.as_dict())
         if measurement.too_short and phase != "baseline":
-            reason = (
-                f"{TOO_SHORT}: the trial's {seconds:.1f} s ran out before two timing "
-                f"windows (first batch after {measurement.time_to_first_batch:.1f} s, "
-                f"{measurement.batches} batches timed), so its rate has no error estimate "
-                "and is not counted"
-            )
+            if measurement.burst_undrained:
+                reason = (
+                    f"{TOO_SHORT}: timing had to begin with {measurement.burst_left} of the "
+                    "batches queued at start-up not yet drained, and they would count as "
+                    f"loaded in the {measurement.batches} batches timed, so its rate is "
+                    "not counted (a larger time_budget gives each trial time to drain them)"
+                )
+            else:
+                reason = (
+                    f"{TOO_SHORT}: the trial's {seconds:.1f} s ran out before two timing "
+                    f"windows (first batch after {measurement.time_to_first_batch:.1f} s, "
+                    f"{measurement.batches} batches timed), so its rate has no error "
+                    "estimate and is not counted"
+                )
             trial.set_user_attr("reason", reason)
             raise optuna.TrialPruned(reason)
         return value_of(measurement)

@@ -182,7 +182,14 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         print(f"the tuned setting and the two best by hand, {args.final_rounds} more rounds:")
         for name, (median, low, high) in row["final"].items():
             print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
-        print(f"tuned / best hand ({row['best_hand']}): {row['ratio']:.3f}", flush=True)
+        same = isinstance(row.get("tuned"), dict) and is_hand_setting(
+            row["tuned"], row["best_hand"]
+        )
+        print(
+            f"tuned / best hand ({row['best_hand']}): {row['ratio']:.3f}"
+            + (": the same setting, measured twice" if same else ""),
+            flush=True,
+        )
     return row
 
 
@@ -208,6 +215,22 @@ def interleave(
                 continue
             rates[name].append(rate)
     return rates
+
+
+def is_hand_setting(tuned: dict[str, Any], name: str) -> bool:
+    """Whether the tuned setting is the hand setting ``name`` (``num_workers=N`` with
+    DataLoader's defaults otherwise, persistent workers): then their ratio is noise."""
+    workers = int(name.split("=")[1])
+    if tuned.get("num_workers") != workers:
+        return False
+    if workers and (tuned.get("prefetch_factor") != 2 or not tuned.get("persistent_workers")):
+        return False
+    return not (
+        tuned.get("batched_fetch")
+        or tuned.get("worker_threads")
+        or tuned.get("pin_memory")
+        or tuned.get("in_order") is False
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -238,6 +261,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             measured = f"{grid['tuned'] / grid['num_workers=0']:.2f}x"
         claimed = f"{row['claimed_speedup']:.2f}x" if "claimed_speedup" in row else "-"
         ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
+        if isinstance(tuned, dict) and best and is_hand_setting(tuned, best):
+            ratio += " (the same setting)"
         lines.append(
             f"| {row['pipeline']} | {row.get('verdict', '-')} | {setting} | "
             f"{rates.get('tuned', 0):,.0f} | {best} {rates.get(best, 0):,.0f} | {ratio} | "

@@ -76,6 +76,18 @@ def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
     assert m.epochs_samples_per_second is not None
 
 
+def test_a_trial_that_starts_timing_before_the_start_up_burst_drains_is_too_short() -> None:
+    """4 workers x prefetch 8: 32 batches queued at start-up, each worker's taking 80 ms.
+    A 1 s trial's warm-up (capped at 0.3 s) drains a dozen of them; the clock then counts
+    batches loaded before it started. A 6 s trial drains them all."""
+    runner = _runner(SleepDataset(1024, latency=0.02), noop_step)
+    params = _params(4, prefetch_factor=8)
+    short = runner.measure(params, max_seconds=1)
+    assert short.burst_left > 0 and short.burst_undrained and short.too_short, short
+    long = runner.measure(params, max_seconds=6)
+    assert long.burst_left == 0 and not long.too_short, long
+
+
 def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later() -> None:
     """An epoch of 4 batches; warm-up ends at the second; each batch takes 1 s and each
     restart (drain, new workers, refill) 3 s more."""

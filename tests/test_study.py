@@ -94,6 +94,13 @@ def test_whole_epochs_timed_by_the_trial_are_the_objective() -> None:
     assert value == 61.0
 
 
+def test_an_undrained_burst_makes_a_measurement_too_short_unless_whole_epochs_were_timed() -> None:
+    measured = dataclasses.replace(_measurement(100.0), burst_left=20, batches=100)
+    assert measured.burst_undrained and measured.too_short
+    assert not dataclasses.replace(measured, burst_left=9).too_short  # under a tenth
+    assert not dataclasses.replace(measured, epochs_samples_per_second=90.0).too_short
+
+
 def test_epoch_model_without_epoch_length_is_the_steady_rate() -> None:
     value = epoch_samples_per_second(
         _params(4), _measurement(123.0), batch_size=10, batches_per_epoch=None, refill_seconds=0.5

@@ -354,7 +354,7 @@ def test_a_setting_that_failed_is_not_run_again() -> None:
     # Two settings only, six trials: the sampler has to propose the failing one again.
     space = SearchSpace(num_workers=(1, 2), prefetch_factor=2, persistent_workers=True)
     result = _tune(
-        FailsInWorkersDataset(256), noop_step, time_budget=30.0, n_trials=6, search_space=space
+        FailsInWorkersDataset(256), noop_step, time_budget=15.0, n_trials=6, search_space=space
     )
     failed = [t for t in result.trials if t.state == "failed"]
     assert len(failed) >= 2, [(t.params, t.state) for t in result.trials]
