@@ -24,9 +24,6 @@ from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 from autoloader._facts import Checks, copied_per_worker
 from autoloader._memory import format_bytes
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipelines import SMALL, build
-
 
 class Records(Dataset[torch.Tensor]):
     """A list of dicts of Python objects, as a dataset parsed from JSON is."""
@@ -77,6 +74,10 @@ class RewrittenCache(Dataset[np.ndarray]):
 
 
 def main() -> None:
+    # Here, not at the top: the tests import this module's datasets as benchmarks.*.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from pipelines import SMALL, build
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_data = Path(tempfile.gettempdir()) / "autoloader-corpus-small"
     parser.add_argument("--data", type=Path, default=default_data)

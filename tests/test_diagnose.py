@@ -5,8 +5,8 @@ from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import Diagnosis, InvalidInputError, LoopError
+from benchmarks.copy_on_read import Records
 
-from .test_facts import PythonRecords
 from .workloads import (
     BusyDataset,
     FailingDataset,
@@ -67,7 +67,7 @@ def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -
 
     # 60,000 dicts: each forked worker copies ~120 MiB of them over an epoch, while a
     # short run barely grows the tree.
-    loader = DataLoader(PythonRecords(60_000), batch_size=16, num_workers=2)
+    loader = DataLoader(Records(60_000), batch_size=16, num_workers=2)
     budget = tree_memory() + (150 << 20)
     diagnosis = autoloader.diagnose(loader, noop_step, seconds=2, memory_budget=budget)
     assert diagnosis.copied_per_worker is not None and diagnosis.copied_per_worker > 50 << 20

@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from autoloader import InvalidInputError
 from autoloader._facts import Checks, copied_per_worker, same_samples
+from benchmarks.copy_on_read import Memo, Records, RewrittenCache
 
 from .workloads import AugmentedDataset, HangsIn, SleepDataset, Stream, TorchOpsDataset
 
@@ -54,63 +55,18 @@ def test_facts_tell_workers_that_repeat_randomness_from_those_that_do_not() -> N
 # Copy-on-read ---------------------------------------------------------------------
 
 
-class PythonRecords(Dataset[torch.Tensor]):
-    """Items kept as Python objects: reading one writes its reference counts."""
-
-    def __init__(self, length: int) -> None:
-        self.records = [{"id": i, "values": [float(i)] * 16} for i in range(length)]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.tensor(self.records[index]["values"])
-
-
-class MemoCache(Dataset[np.ndarray]):
-    """Keeps every item it makes: memory grows with the items read, but nothing of the
-    parent's is copied."""
-
-    def __init__(self, length: int = 20_000) -> None:
-        self.length = length
-        self.cache: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        if index not in self.cache:
-            self.cache[index] = np.full(2048, float(index))  # 16 KiB, new
-        return self.cache[index]
-
-
-class SharedCache(Dataset[np.ndarray]):
-    """A 32 MiB buffer made in ``__init__`` and rewritten, slot by slot, by the reads, as
-    HDF5's chunk cache is: a forked reader copies it once, whatever it reads after."""
-
-    def __init__(self, length: int = 20_000) -> None:
-        self.length = length
-        self.buffer = np.ones((512, 8192))  # 512 slots of 64 KiB
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        slot = index % len(self.buffer)
-        self.buffer[slot] = index
-        return self.buffer[slot, :4].copy()
-
-
 def test_the_probe_finds_copy_on_read_in_python_objects_and_not_in_tensors() -> None:
-    records = dataset_facts(PythonRecords(100_000), 100_000)
+    records = dataset_facts(Records(100_000), 100_000)
     tensors = dataset_facts(TensorDataset(torch.randn(100_000, 16)), 100_000)
     assert records["copy_on_read_items"] and tensors["copy_on_read_items"]
     assert records["copy_on_read"] > 10 * max(tensors["copy_on_read"], 100.0)
     assert copied_per_worker(records) is not None and copied_per_worker(tensors) is None
-    assert dataset_facts(PythonRecords(2_000), 2_000, start_method="spawn")["copy_on_read"] is None
+    assert dataset_facts(Records(2_000), 2_000, start_method="spawn")["copy_on_read"] is None
 
 
-@pytest.mark.parametrize("dataset", [MemoCache(), SharedCache()], ids=["memo", "shared-cache"])
+@pytest.mark.parametrize(
+    "dataset", [Memo(20_000), RewrittenCache(20_000)], ids=["memo", "shared-cache"]
+)
 def test_the_probe_takes_neither_a_cache_nor_a_one_off_copy_for_copy_on_read(
     dataset: Dataset[Any],
 ) -> None:
