@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from time import perf_counter, process_time
 from types import FrameType
 from typing import Any, Protocol, TypeVar
@@ -752,10 +752,15 @@ class TrialRunner:
                 for name in (f.name for f in fields(_Totals)):
                     setattr(total, name, getattr(total, name) + getattr(window, name))
                 estimate = self._estimate(
-                    windows, total, time_to_first_batch, restarts, started, watch, batch_bytes
-                )
-                estimate = replace(
-                    estimate, epochs_samples_per_second=epochs.rate(), burst_left=burst_left
+                    windows,
+                    total,
+                    time_to_first_batch,
+                    restarts,
+                    started,
+                    watch,
+                    batch_bytes,
+                    epochs,
+                    burst_left,
                 )
                 if on_window is not None:
                     on_window(len(windows), estimate)
@@ -780,10 +785,17 @@ class TrialRunner:
                 seconds=time_to_first_batch,
                 wait=time_to_first_batch,
             )
-        estimate = self._estimate(
-            windows, total, time_to_first_batch, restarts, started, watch, batch_bytes
+        return self._estimate(
+            windows,
+            total,
+            time_to_first_batch,
+            restarts,
+            started,
+            watch,
+            batch_bytes,
+            epochs,
+            burst_left,
         )
-        return replace(estimate, epochs_samples_per_second=epochs.rate(), burst_left=burst_left)
 
     def _estimate(
         self,
@@ -794,6 +806,8 @@ class TrialRunner:
         started: float,
         watch: MemoryWatch,
         batch_bytes: int,
+        epochs: _Epochs,
+        burst_left: int,
     ) -> Measurement:
         rate = total.samples / total.seconds if total.seconds > 0 else 0.0
         relative_error = math.inf
@@ -815,6 +829,8 @@ class TrialRunner:
             batch_bytes=batch_bytes,
             load_cpu_seconds=total.wait_cpu / total.batches,
             step_cpu_seconds=total.step_cpu / total.batches,
+            epochs_samples_per_second=epochs.rate(),
+            burst_left=burst_left,
         )
 
 
