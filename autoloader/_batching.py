@@ -34,6 +34,7 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from autoloader._deadlines import TrialTimeout
+from autoloader._exceptions import InvalidInputError
 
 # Options that take part in forming batches item by item; batched fetch replaces them.
 _PER_ITEM_OPTIONS = ("collate_fn", "batch_sampler")
@@ -112,13 +113,13 @@ def batched_loader_kwargs(dataset: Dataset[Any], kwargs: Mapping[str, Any]) -> d
     ``BatchSampler``; ``generator`` stays, as it also seeds the workers.
 
     Raises:
-        ValueError: ``kwargs`` has a ``collate_fn`` or ``batch_sampler``, which work on
+        InvalidInputError: ``kwargs`` has a ``collate_fn`` or ``batch_sampler``, which work on
             items one by one.
     """
     options = dict(kwargs)
     for option in _PER_ITEM_OPTIONS:
         if options.get(option) is not None:
-            raise ValueError(
+            raise InvalidInputError(
                 f"batched_fetch=True fetches whole batches, without a {option}; pass "
                 "batched_fetch=False to use one."
             )

@@ -46,8 +46,9 @@ def _tune(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         isolation=args.isolation,
     )
-    print(result.report())
+    # Saved first: a report that fails to print (a closed pipe) loses nothing measured.
     path = result.save(args.out)
+    print(result.report())
     print(f"\nsaved to {path}: autoloader.load({str(path)!r}).make_loader(dataset)")
     return 0
 
@@ -91,8 +92,8 @@ def _demo(args: argparse.Namespace) -> int:
         loader_kwargs={"shuffle": True},
         show_progress=not args.quiet,
     )
-    print(result.report())
     path = result.save(args.out)
+    print(result.report())
     print(f"\nsaved to {path}; load it with autoloader.load({str(path)!r}).make_loader(dataset)")
     return 0
 

@@ -61,10 +61,7 @@ class _Request:
     deadlines: Deadlines | None
     memory_budget: int
     start_method: str
-
-
-class _Stop(Exception):
-    """The tuning process asked the trial to stop (it was pruned)."""
+    max_batches: int | None = None
 
 
 class SubprocessRunner:
@@ -116,6 +113,7 @@ class SubprocessRunner:
         max_seconds: float,
         on_window: WindowCallback | None = None,
         deadlines: Deadlines | None = None,
+        max_batches: int | None = None,
     ) -> Measurement:
         """Measure ``params`` in a new process; see :meth:`TrialRunner.measure`.
 
@@ -133,6 +131,7 @@ class SubprocessRunner:
             params=dict(params),
             max_seconds=max_seconds,
             deadlines=deadlines,
+            max_batches=max_batches,
             memory_budget=max(1, self.memory_budget - own),
             start_method=default_start_method(),
         )
@@ -147,9 +146,9 @@ class SubprocessRunner:
         outcome: tuple[Any, ...] = ("interrupted",)
         try:
             outcome = self._converse(ours, process, request, on_window, own)
-        except Exception:
-            # on_window stopped the trial (it was pruned): the trial's process was told
-            # to stop, and shuts its workers down in order.
+        except BaseException:
+            # on_window raised (Ctrl-C): the trial's process was told to stop, and
+            # shuts its workers down in order.
             outcome = ("stopped",)
             raise
         finally:
@@ -192,13 +191,12 @@ class SubprocessRunner:
             elif kind == "window":
                 _, step, measurement = message
                 try:
-                    if on_window is not None:
-                        on_window(step, _with_memory(measurement, own))
+                    stop = on_window is not None and on_window(step, _with_memory(measurement, own))
                 except BaseException:
                     with contextlib.suppress(OSError):
                         connection.send(True)  # stop
                     raise
-                connection.send(False)
+                connection.send(bool(stop))
                 give_up = time.monotonic() + silence
             else:
                 return tuple(message)
@@ -310,10 +308,9 @@ def _trial_process(
         )
         connection.send(("ready",))
 
-        def on_window(step: int, measurement: Measurement) -> None:
+        def on_window(step: int, measurement: Measurement) -> bool:
             connection.send(("window", step, measurement))
-            if connection.recv():
-                raise _Stop
+            return bool(connection.recv())
 
         try:
             measurement = runner.measure(
@@ -321,9 +318,8 @@ def _trial_process(
                 max_seconds=request.max_seconds,
                 on_window=on_window,
                 deadlines=request.deadlines,
+                max_batches=request.max_batches,
             )
-        except _Stop:
-            connection.send(("stopped",))
         except MemoryBudgetExceeded as error:
             connection.send(("memory", error))
         except TrialError as error:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -10,13 +9,12 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from autoloader._batching import batched_loader_kwargs
+from autoloader._exceptions import InvalidInputError
 from autoloader._search_space import normalize_params
 from autoloader._threads import LimitThreads
 
 # Tuned settings that are not DataLoader options but change how the loader is built.
 _BUILD_OPTIONS = ("batched_fetch", "worker_threads")
-# DataLoader(in_order=...) arrived in torch 2.6.
-SUPPORTS_IN_ORDER = "in_order" in inspect.signature(DataLoader).parameters
 
 
 def merge_loader_kwargs(
@@ -66,22 +64,19 @@ def dataloader_kwargs(dataset: Dataset[Any] | None, options: Mapping[str, Any]) 
 
     ``batched_fetch`` turns the batch size and sampling options into a ``BatchSampler``
     (see ``NOTE [ Batched fetch ]``); ``worker_threads`` wraps the ``worker_init_fn``
-    (see ``NOTE [ Worker threads ]``); ``in_order=True`` is left out on a torch that
-    does not know the option, where it is the only behaviour.
+    (see ``NOTE [ Worker threads ]``).
 
     Raises:
-        ValueError: the options do not go together (``batched_fetch`` with a
+        InvalidInputError: the options do not go together (``batched_fetch`` with a
             ``collate_fn``, or without the dataset its sampler needs).
     """
     kwargs = dict(options)
     batched, threads = (kwargs.pop(name, None) for name in _BUILD_OPTIONS)
     if threads is not None:
         kwargs["worker_init_fn"] = LimitThreads(threads, kwargs.get("worker_init_fn"))
-    if not SUPPORTS_IN_ORDER and not kwargs.pop("in_order", True):
-        raise ValueError("in_order=False needs torch 2.6 or later.")
     if batched:
         if dataset is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "these settings fetch whole batches (batched_fetch=True), which needs a "
                 "sampler over the dataset: pass the dataset, or use make_loader(dataset)."
             )

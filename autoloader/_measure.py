@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import pickle
 import re
@@ -33,6 +34,8 @@ from autoloader._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader._device import move_to_device, synchronize
 from autoloader._loader import build_loader, merge_loader_kwargs
 from autoloader._memory import MemoryBudgetExceeded, MemoryWatch, kill
+
+_logger = logging.getLogger(__name__)
 
 # Two-sided 95% Student t quantiles by degrees of freedom; 1.96 beyond the table.
 _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14,
@@ -244,7 +247,10 @@ def describe_error(error: BaseException) -> tuple[str, str]:
     return f"{type(error).__name__}: {first}".rstrip(": "), where
 
 
-WindowCallback = Callable[[int, Measurement], None]
+# Called after each timing window with the window's number and the estimate so far;
+# returns True to stop the trial there (a vote, not an exception: the runner returns
+# the estimate as measured, and every process of a trial can stop at the same window).
+WindowCallback = Callable[[int, Measurement], bool]
 
 
 class Runner(Protocol):
@@ -259,6 +265,7 @@ class Runner(Protocol):
         max_seconds: float,
         on_window: WindowCallback | None = None,
         deadlines: Deadlines | None = None,
+        max_batches: int | None = None,
     ) -> Measurement: ...
 
 
@@ -340,6 +347,23 @@ class _Epochs:
         if self.epoch == mark_epoch:
             to_go += self.length
         return now + 1.5 * to_go * seconds_per_batch < deadline
+
+
+# NOTE [ Pace deadline ]
+# A hang in one worker while the others deliver (a fault at worker index k and above)
+# stalls the loop at that worker's batch. The trial's deadlines come from the
+# baseline, with a floor of seconds; once a timing window has shown this trial's own
+# pace, a batch may take no more than _PACE_FACTOR times what each worker takes per
+# batch at that pace (workers x seconds per batch: batches come in turn), and at least
+# _MIN_PACE_SECONDS. A log-normal latency with sigma 1 stays an order of magnitude
+# under it; a hung worker is found in seconds instead of the floor's ten.
+_PACE_FACTOR = 20.0
+_MIN_PACE_SECONDS = 2.0
+
+
+def _pace_limit(total: _Totals, workers: int) -> float:
+    per_batch = total.seconds / total.batches if total.batches else math.inf
+    return max(_MIN_PACE_SECONDS, _PACE_FACTOR * max(1, workers) * per_batch)
 
 
 def _loader_length(loader: DataLoader[Any]) -> int | None:
@@ -498,16 +522,20 @@ class TrialRunner:
         max_seconds: float,
         on_window: WindowCallback | None = None,
         deadlines: Deadlines | None = None,
+        max_batches: int | None = None,
     ) -> Measurement:
         """Measure the loop with ``params`` for at most about ``max_seconds``.
 
         Args:
             params: tuned DataLoader settings (see ``SearchSpace``).
             max_seconds: time cap; the trial stops earlier once the rate is stable.
-            on_window: called after each timing window with the estimate so far; an
-                exception it raises (e.g. ``optuna.TrialPruned``) stops the trial.
+            on_window: called after each timing window with the estimate so far; the
+                trial stops there, with that estimate, when it returns True.
             deadlines: how long one batch may take before the trial is failed as hung;
-                ``None`` waits as long as it takes.
+                ``None`` waits as long as it takes. Once a window has set the trial's
+                pace, a batch may also take no more than ``NOTE [ Pace deadline ]``
+                allows.
+            max_batches: stop once this many batches are timed, if set.
 
         Raises:
             MemoryBudgetExceeded: the process tree passed the memory budget.
@@ -521,7 +549,7 @@ class TrialRunner:
             )
             return build_loader(self.dataset, kwargs)
 
-        return self._measure(build, params, max_seconds, on_window, deadlines)
+        return self._measure(build, params, max_seconds, on_window, deadlines, max_batches)
 
     def measure_loader(
         self,
@@ -543,7 +571,7 @@ class TrialRunner:
             "prefetch_factor": loader.prefetch_factor if workers else None,
             "pin_memory": loader.pin_memory,
         }
-        return self._measure(lambda: loader, params, max_seconds, None, deadlines)
+        return self._measure(lambda: loader, params, max_seconds, None, deadlines, None)
 
     def first_batches(
         self, build: Callable[[], DataLoader[Any]], count: int, *, seconds: float
@@ -583,12 +611,13 @@ class TrialRunner:
         max_seconds: float,
         on_window: WindowCallback | None,
         deadlines: Deadlines | None,
+        max_batches: int | None,
     ) -> Measurement:
         return self._guarded(
             build,
             max_seconds,
             lambda loader, guard: self._time_loop(
-                loader, guard, params, deadlines, max_seconds, on_window
+                loader, guard, params, deadlines, max_seconds, on_window, max_batches
             ),
         )
 
@@ -654,6 +683,7 @@ class TrialRunner:
         deadlines: Deadlines | None,
         max_seconds: float,
         on_window: WindowCallback | None,
+        max_batches: int | None,
     ) -> Measurement:
         deaths, watch, alarm, started = guard.deaths, guard.watch, guard.alarm, guard.started
         iterator = guard.iterator = deaths.start(loader)
@@ -744,7 +774,8 @@ class TrialRunner:
             window.step_cpu += cpu2 - cpu1
             window.step += t2 - t1
             elapsed = t2 - window_start
-            if window.batches >= window_batches and elapsed >= self.min_window_seconds:
+            last = max_batches is not None and total.batches + window.batches >= max_batches
+            if last or (window.batches >= window_batches and elapsed >= self.min_window_seconds):
                 synchronize(self.device)
                 end = perf_counter()
                 window.seconds = end - window_start
@@ -762,8 +793,12 @@ class TrialRunner:
                     epochs,
                     burst_left,
                 )
-                if on_window is not None:
-                    on_window(len(windows), estimate)
+                if on_window is not None and on_window(len(windows), estimate):
+                    return estimate
+                if last:
+                    return estimate
+                if each_limit is not None:
+                    each_limit = min(each_limit, _pace_limit(total, workers))
                 if (
                     len(windows) >= self.min_windows
                     and estimate.relative_error <= self.target_relative_error
@@ -937,14 +972,18 @@ def _stop_workers(guard: _Guard, *, abandon: bool) -> None:
     """Shut the trial's loader down, under a deadline like every other wait.
 
     A shutdown that overruns it (a lock a dead worker left held, in a way not foreseen
-    in :func:`_shutdown`) fails the trial as hung; its workers are killed either way.
+    in :func:`_shutdown`, or workers slow to exit) has its workers killed. It changes
+    nothing about the trial: a measurement taken to the end is kept, and a trial that
+    failed keeps its own error (a memory overrun is not turned into a timeout).
     """
     guard.alarm.arm("stopping the trial's workers", _STOP_TIMEOUT)
     try:
         _shutdown(guard.iterator, guard.loader, abandon=abandon)
-    except TrialTimeout as timeout:
+    except TrialTimeout:
+        _logger.warning(
+            "the trial's workers did not stop within %.0f s; they were killed", _STOP_TIMEOUT
+        )
         kill(guard.watch.new_children())
-        raise TrialError("stopping the trial's workers", timeout, guard.watch.peak) from None
     finally:
         guard.alarm.disarm()
         _reap(guard.watch.new_children())

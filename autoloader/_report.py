@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from autoloader._cost_model import step_competes_with_workers
 from autoloader._facts import copied_per_worker
 from autoloader._memory import format_bytes
-from autoloader._result import PRUNED_AS_SLOWER, TrialRecord, TuneResult
+from autoloader._result import TrialRecord, TuneResult
 from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS
 
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
@@ -175,7 +175,7 @@ def failures(result: TuneResult) -> Iterator[str]:
     it (see ``NOTE [ Advice ]``)."""
     groups: dict[str, tuple[str, list[TrialRecord]]] = {}
     for trial in result.trials:
-        if trial.state == "complete" or not trial.reason or trial.reason == PRUNED_AS_SLOWER:
+        if trial.state == "complete" or not trial.reason or trial.kind == "slower":
             continue
         if trial.too_short:  # counted with the trials: out of time, not broken
             continue

@@ -19,15 +19,13 @@ from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
 from autoloader._loader import dataloader_kwargs, merge_loader_kwargs, new_loader
 from autoloader._search_space import TUNED_KEYS, normalize_params
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
-# it measured.
-_READABLE_VERSIONS = (1, 2)
-
-# The reason of a trial pruned because it fell behind: the setting is slow, not broken.
-PRUNED_AS_SLOWER = "clearly slower than the best setting so far"
-# How the reason of a trial pruned because its measurement was too short begins.
-TOO_SHORT = "too short"
+# it measured. Version 2 had no trial kinds: they are read from the reasons' words.
+_READABLE_VERSIONS = (1, 2, 3)
+# How versions 1 and 2 worded the reasons of trials pruned as slower or too short.
+_V2_SLOWER = "clearly slower than the best setting so far"
+_V2_TOO_SHORT = "too short"
 
 # Fixed DataLoader options of these types are written to the JSON file; others
 # (a collate_fn, a sampler, a generator) live only in the result returned by tune().
@@ -52,7 +50,11 @@ class TrialRecord:
         peak_memory: bytes, highest PSS of the process tree.
         relative_error: 95% confidence half-width of ``samples_per_second``, relative.
         duration: seconds the trial took.
-        reason: why the trial was pruned or failed.
+        reason: why the trial was pruned or failed, for people.
+        kind: what the reason is, for programs: for a pruned trial ``"slower"``,
+            ``"too short"``, ``"memory"`` or ``"killed"``; for a failed one ``"worker
+            crashed"``, ``"timeout"``, ``"shared memory"``, ``"too many open files"``,
+            ``"trial process died"``, ``"error"`` or ``"interrupted"``.
         load_seconds: mean seconds per batch the loop was blocked waiting for data.
         step_seconds: mean seconds per batch in the step.
         load_cpu_seconds: mean CPU seconds of the main process per batch while it
@@ -80,12 +82,13 @@ class TrialRecord:
     load_cpu_seconds: float | None = None
     batch_bytes: int | None = None
     step_cpu_seconds: float | None = None
+    kind: str | None = None
 
     @property
     def too_short(self) -> bool:
-        """Whether the trial ran out of time before its rate could be told with an error
-        estimate: it was pruned, and its rate is not a finding."""
-        return self.state == "pruned" and (self.reason or "").startswith(TOO_SHORT)
+        """Whether the trial ran out of time before its rate could be trusted: it was
+        pruned, and its rate is not a finding."""
+        return self.state == "pruned" and self.kind == "too short"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,7 +157,7 @@ class TuneResult:
         (``worker_threads``) come as a ``worker_init_fn`` that then calls the user's.
 
         Raises:
-            ValueError: the settings fetch whole batches and ``dataset`` is missing, or
+            InvalidInputError: the settings fetch whole batches and ``dataset`` is missing, or
                 an override does not go with them (a ``collate_fn``: pass
                 ``batched_fetch=False`` with it).
         """
@@ -268,7 +271,10 @@ class TuneResult:
                     raw
                 ):
                     raise ResultFileError(f"malformed trial record {raw!r}")
-                trials.append(TrialRecord(**{k: v for k, v in raw.items() if k in record_names}))
+                record = {k: v for k, v in raw.items() if k in record_names}
+                if version < 3:
+                    record["kind"] = _v2_kind(record)
+                trials.append(TrialRecord(**record))
             fixed = _typed(data, "fixed_loader_kwargs", dict)
             if not all(isinstance(v, _JSON_SCALARS) for v in fixed.values()):
                 raise ResultFileError("fixed_loader_kwargs holds a value that is not a scalar")
@@ -291,6 +297,17 @@ class TuneResult:
             )
         except (TypeError, ValueError) as error:
             raise ResultFileError(f"malformed result: {error}") from None
+
+
+def _v2_kind(record: Mapping[str, Any]) -> str | None:
+    reason = str(record.get("reason") or "")
+    if record.get("state") != "pruned":
+        return None
+    if reason == _V2_SLOWER:
+        return "slower"
+    if reason.startswith(_V2_TOO_SHORT):
+        return "too short"
+    return reason.split(":", 1)[0] if reason.startswith(("memory", "killed")) else None
 
 
 def _typed(data: Mapping[str, Any], key: str, kind: Any) -> Any:

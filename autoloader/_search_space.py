@@ -8,8 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from autoloader._exceptions import InvalidInputError
 
 if TYPE_CHECKING:
@@ -176,7 +174,6 @@ class SearchSpace:
         has_accelerator: bool,
         batches_per_epoch: int | None,
         batched_fetch_problem: str | None = "the dataset was not checked for it",
-        supports_in_order: bool = True,
     ) -> tuple[SearchSpace, list[str]]:
         """Fill in the defaults for this machine and dataset.
 
@@ -187,22 +184,14 @@ class SearchSpace:
             batched_fetch_problem: why the dataset cannot be fetched a batch at a time
                 (see :func:`autoloader._batching.batched_fetch_problem`), or ``None``
                 once it was checked that it can.
-            supports_in_order: whether the installed torch's DataLoader takes
-                ``in_order`` (2.6 and later).
 
         Returns:
             The concrete space, and notes for the user about settings fixed here.
 
         Raises:
             InvalidInputError: ``batched_fetch=True`` was asked for a dataset that
-                cannot be fetched a batch at a time, or ``in_order=False`` on a torch
-                without it.
+                cannot be fetched a batch at a time.
         """
-        if not supports_in_order and False in self.in_order:  # type: ignore[operator]
-            raise InvalidInputError(
-                f"SearchSpace.in_order=False needs torch 2.6 or later, but this is torch "
-                f"{torch.__version__}. Upgrade torch, or leave in_order at True."
-            )
         notes = []
         num_workers = self.num_workers
         if num_workers is None:
@@ -256,7 +245,9 @@ class SearchSpace:
             or self.batched_fetch is None
             or self.worker_threads == "auto"
         ):
-            raise RuntimeError("SearchSpace.resolve() must be called before drawing settings")
+            raise InvalidInputError(
+                "SearchSpace.resolve() must be called before drawing settings from it."
+            )
         # __post_init__ and resolve() turned every option into a range or a tuple.
         return _Choices(
             num_workers=self.num_workers,

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -23,14 +24,12 @@ from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError
 from autoloader._facts import Checks, checks_seconds
 from autoloader._isolation import SubprocessRunner
-from autoloader._loader import SUPPORTS_IN_ORDER
 from autoloader._measure import Runner, TrialRunner
 from autoloader._memory import format_bytes, resolve_memory_budget
 from autoloader._progress import Progress
-from autoloader._pruner import ClearlyWorsePruner
+from autoloader._report import describe
 from autoloader._result import TuneResult, split_loader_kwargs
 from autoloader._search_space import SearchSpace
-from autoloader._study import Search
 from autoloader._validation import (
     check_batch_size,
     check_dataset,
@@ -45,6 +44,7 @@ from autoloader._validation import (
     open_storage,
     start_method,
 )
+from autoloader.search import Driver, Policy, Trial
 
 _logger = logging.getLogger(__name__)
 
@@ -195,7 +195,6 @@ def tune(
         batched_fetch_problem=(
             checks.batched_fetch_problem() if space.batched_fetch != (False,) else None
         ),
-        supports_in_order=SUPPORTS_IN_ORDER,
     )
     facts = checks.facts(dataset_length, start_method=method)
     for name, why in facts["missing"].items():
@@ -210,30 +209,49 @@ def tune(
     with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
         study = optuna.create_study(
             storage=study_storage,
-            study_name=_study_name(dataset, dataset_length, batch_size, space),
+            study_name=study_name(
+                dataset,
+                step_fn,
+                length=dataset_length,
+                batch_size=batch_size,
+                space=space,
+                memory_budget=memory_bytes,
+                fixed_loader_kwargs=fixed,
+                environment=environment,
+                device=resolved_device,
+            ),
             direction="maximize",
             sampler=optuna.samplers.TPESampler(seed=seed),
-            pruner=ClearlyWorsePruner(),
             load_if_exists=True,
         )
-        search = Search(
-            runner=runner,
+        policy = Policy(
             space=space,
-            study=study,
-            batches_per_epoch=batches_per_epoch,
-            deadline=started + budget,
             time_budget=budget,
+            batch_size=batch_size,
+            batches_per_epoch=batches_per_epoch,
             n_trials=n_trials,
             usable_cpus=environment.usable_cpus,
-            on_trial=progress.trial_done,
+        )
+
+        def on_trial(trial: Trial) -> None:
+            record = trial.record()
+            _logger.info(describe(record))
+            progress.trial_done(record)
+
+        driver = Driver(
+            policy,
+            runner,
+            study,
+            deadline=started + budget,
+            on_trial=on_trial,
             interrupted=threading.Event(),
         )
         partial = False
         try:
-            with _remember_ctrl_c(search.interrupted):
-                search.run()
+            with _remember_ctrl_c(driver.interrupted):
+                driver.run()
         except KeyboardInterrupt:
-            if not search.has_baseline():
+            if not any(t.phase.value == "baseline" and t.value for t in driver.history):
                 raise
             # The trial under way has stopped and its workers are gone; what finished
             # before is still a measured answer.
@@ -243,18 +261,26 @@ def tune(
                 "finished; tune again for a complete search"
             )
             _logger.warning("tuning interrupted; returning the best of the finished trials")
-        if search.stopped_early is not None:
-            notes.append(search.stopped_early)
-        for shortcoming in [] if partial else search.shortcomings():
+        step_bound = policy.step_bound(driver.history)
+        if step_bound is not None:
+            notes.append(step_bound)
+        shortcomings = policy.shortcomings(driver.history, search_seconds=driver.search_seconds)
+        for shortcoming in [] if partial else shortcomings:
             _logger.warning("%s", shortcoming)
             notes.append(shortcoming)
-        records = search.records()
-        params, throughput, baseline = search.best()
+        resumed = sum(t.earlier for t in driver.history)
+        if resumed:
+            notes.append(
+                f"resumed from storage: {resumed} trials of earlier runs on the same problem "
+                "were counted in the choice"
+            )
+        records = [trial.record() for trial in driver.history]
+        choice = policy.choose(driver.history)
     saved, unsaved = split_loader_kwargs(fixed)
     return TuneResult(
-        params=params,
-        throughput=throughput,
-        baseline=baseline,
+        params=choice.params,
+        throughput=choice.throughput,
+        baseline=choice.baseline,
         batch_size=batch_size,
         trials=tuple(records),
         environment=environment,
@@ -269,13 +295,59 @@ def tune(
     )
 
 
-def _study_name(
-    dataset: Dataset[Any], length: int | None, batch_size: int, space: SearchSpace
+def study_name(
+    dataset: Dataset[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    length: int | None,
+    batch_size: int,
+    space: SearchSpace,
+    memory_budget: int,
+    fixed_loader_kwargs: Mapping[str, Any],
+    environment: Environment,
+    device: torch.device | None,
 ) -> str:
-    """A name that is the same for the same tuning problem, so a stored study resumes."""
-    problem = f"{type(dataset).__qualname__}|{length}|{batch_size}|{space.as_dict()}"
+    """A name that is the same for the same tuning problem, so a stored study resumes,
+    and differs wherever a trial's outcome could: the dataset, the step, the batch size,
+    the space, the memory budget (a setting pruned under 4 GiB may fit in 64), the
+    fixed loader options, the device and the machine. A study shared by different
+    problems would choose among trials that do not compare."""
+    machine = (
+        environment.cpu_count,
+        environment.usable_cpus,
+        environment.memory_total,
+        environment.torch_version,
+        environment.accelerator,
+        socket.gethostname(),
+    )
+    fixed = sorted((name, _identity(value)) for name, value in fixed_loader_kwargs.items())
+    problem = "|".join(
+        map(
+            str,
+            (
+                _identity(dataset),
+                length,
+                _identity(step_fn),
+                batch_size,
+                space.as_dict(),
+                memory_budget,
+                fixed,
+                device,
+                machine,
+            ),
+        )
+    )
     digest = hashlib.sha256(problem.encode()).hexdigest()[:12]
     return f"autoloader-{type(dataset).__name__}-{digest}"
+
+
+def _identity(value: object) -> str:
+    """What names a value across runs: a scalar itself, else its type or function name
+    (a repr holds addresses that change with every process)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    target = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ For each workload, in one run on one machine:
    same time each (3 s: the length of the tuner's own trials at a 30 s budget).
 
 Values are samples per second over a training epoch, start-up included (the tuner's
-objective, ``NOTE [ Epoch model ]`` in ``autoloader/_study.py``).
+objective, ``NOTE [ Epoch model ]`` in ``autoloader/search/_policy.py``).
 
     python benchmarks/search_quality.py [--workloads latency,tensor] [--time-budget 30]
         [--rounds 3] [--seconds 2] [--remeasure-seconds 3] [--sizes]
@@ -44,7 +44,7 @@ from autoloader._deadlines import Deadlines
 from autoloader._measure import Measurement, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, tree_memory
 from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
-from autoloader._study import epoch_samples_per_second, params_key
+from autoloader.search._policy import epoch_samples_per_second, params_key
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import WORKLOADS, Workload

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import autoloader
+from autoloader._cli import main
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -56,7 +59,7 @@ def test_demo_tunes_prints_the_report_and_saves(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     for text in ("num_workers", "with the defaults", "bottleneck", "trials", str(out)):
         assert text in done.stdout
-    assert json.loads(out.read_text())["schema_version"] == 2
+    assert json.loads(out.read_text())["schema_version"] == 3
     assert autoloader.load(out).params["num_workers"] >= 0
 
 
@@ -139,3 +142,25 @@ def test_help_lists_every_command_and_each_has_its_own(tmp_path: Path) -> None:
         assert command in done.stdout
         helped = _run(command, "--help", cwd=tmp_path)
         assert helped.returncode == 0 and helped.stdout.startswith(f"usage: autoloader {command}")
+
+
+def test_tune_saves_the_result_before_it_prints_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report that cannot be printed (a closed pipe, a bug in a presenter) loses
+    nothing measured: the file is written first."""
+    from tests.test_result import _result
+
+    monkeypatch.setattr("autoloader._tune.tune", lambda *args, **kwargs: _result())
+
+    def broken_report(self: object) -> str:
+        raise BrokenPipeError
+
+    monkeypatch.setattr("autoloader._result.TuneResult.report", broken_report)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "pipeline_for_save.py").write_text(PIPELINE)
+    out = tmp_path / "best.json"
+    with pytest.raises(BrokenPipeError):
+        main(["tune", "pipeline_for_save:make_dataset", "pipeline_for_save:step",
+              "--batch-size", "4", "--out", str(out)])  # fmt: skip
+    assert autoloader.load(out).params == _result().params

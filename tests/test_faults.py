@@ -13,10 +13,11 @@ import pytest
 import autoloader
 from autoloader import AllSettingsFailedError, SearchSpace
 from autoloader._deadlines import Deadlines, TrialTimeout
-from autoloader._faults import classify
 from autoloader._measure import TrialError, TrialRunner
 from autoloader._memory import tree_memory
 from autoloader._search_space import normalize_params
+from autoloader.search._faults import classify
+from autoloader.search._outcome import state_of
 
 from .workloads import FaultInWorkersDataset, SleepDataset, hanging_step, noop_step
 
@@ -73,7 +74,7 @@ def test_worker_faults_are_classified(fault: str, state: str, reason: str) -> No
     deadlines = Deadlines(first=3, each=3) if fault == "die-holding-lock" else GENEROUS
     error = _fail(FaultInWorkersDataset(fault), deadlines=deadlines)
     recorded = classify(error, params=PARAMS, batch_bytes=64)
-    assert recorded.state == state
+    assert state_of(recorded) == state
     assert re.search(reason, recorded.reason), recorded.reason
 
 
@@ -81,7 +82,7 @@ def test_a_hung_worker_times_out() -> None:
     error = _fail(FaultInWorkersDataset("hang"), deadlines=Deadlines(first=1, each=1))
     assert isinstance(error.error, TrialTimeout)
     recorded = classify(error, params=PARAMS)
-    assert recorded.state == "failed"
+    assert state_of(recorded) == "failed"
     assert recorded.reason.startswith("timeout: no progress for 1 s while loading a batch")
 
 
@@ -143,7 +144,7 @@ def _tune_where_a_second_worker_meets(
 def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("autoloader._study._MIN_BATCH_TIMEOUT", 1.0)
+    monkeypatch.setattr("autoloader.search._policy._MIN_BATCH_TIMEOUT", 1.0)
     result = _tune_where_a_second_worker_meets("SIGSEGV", max_workers=3, time_budget=5.0)
     failed = [t for t in result.trials if t.state == "failed"]
     assert failed and all(t.reason == "worker crashed (SIGSEGV)" for t in failed)
@@ -154,7 +155,7 @@ def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
 def test_hung_settings_fail_with_a_timeout_derived_from_the_baseline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("autoloader._study._MIN_BATCH_TIMEOUT", 1.0)
+    monkeypatch.setattr("autoloader.search._policy._MIN_BATCH_TIMEOUT", 1.0)
     result = _tune_where_a_second_worker_meets("hang", max_workers=2, time_budget=8.0)
     hung = [t for t in result.trials if t.state == "failed"]
     assert hung

@@ -6,7 +6,6 @@ import re
 import time
 from typing import Any
 
-import optuna
 import psutil
 import pytest
 import torch
@@ -15,7 +14,6 @@ from torch.utils.data import TensorDataset
 import autoloader
 from autoloader import InvalidInputError, IsolationError, UnpicklableError
 from autoloader._environment import default_start_method
-from autoloader._faults import classify
 from autoloader._isolation import SubprocessRunner
 from autoloader._measure import (
     Deadlines,
@@ -27,6 +25,8 @@ from autoloader._measure import (
 )
 from autoloader._memory import MemoryBudgetExceeded, process_memory, tree_memory
 from autoloader._search_space import normalize_params
+from autoloader.search._faults import classify
+from autoloader.search._outcome import state_of
 
 from .workloads import (
     CountingDataset,
@@ -56,7 +56,7 @@ def _isolated(dataset: Any, step: Any = noop_step, **kwargs: Any) -> SubprocessR
 def test_a_trial_in_its_own_process_is_measured_and_relayed_window_by_window() -> None:
     windows: list[tuple[int, Measurement]] = []
     m = _isolated(SleepDataset(2048), sleep_step).measure(
-        _params(2), max_seconds=1.5, on_window=lambda n, m: windows.append((n, m))
+        _params(2), max_seconds=1.5, on_window=lambda n, m: windows.append((n, m)) is not None
     )
     assert m.samples_per_second > 0 and m.batches > 0
     assert [n for n, _ in windows] == list(range(1, len(windows) + 1))
@@ -102,7 +102,7 @@ def test_the_death_of_the_trial_process_is_recorded(fault: str, state: str, reas
         )
     assert isinstance(info.value.error, TrialProcessDied)
     fault_ = classify(info.value, params=_params(2))
-    assert fault_.state == state
+    assert state_of(fault_) == state
     assert re.search(reason, fault_.reason), fault_.reason
 
 
@@ -123,17 +123,29 @@ def test_a_worker_error_crosses_the_process_boundary_with_its_origin() -> None:
     assert info.value.summary.startswith("OSError: cannot open the second shard")
     assert re.search(r"tests/workloads\.py:\d+ in __getitem__$", info.value.where)
     assert isinstance(info.value.error.__cause__ or info.value.error, BaseException)
-    assert classify(info.value, params=_params(2)).state == "failed"
+    assert state_of(classify(info.value, params=_params(2))) == "failed"
 
 
-def test_pruning_stops_the_trial_process() -> None:
-    def prune(step: int, measurement: Measurement) -> None:
-        raise optuna.TrialPruned("clearly slower")
+def test_a_vote_stops_the_trial_process_at_that_window() -> None:
+    def vote(window: int, measurement: Measurement) -> bool:
+        return window == 2
 
-    with pytest.raises(optuna.TrialPruned):
+    m = _isolated(SleepDataset(4096), sleep_step).measure(
+        _params(2), max_seconds=10, on_window=vote
+    )
+    assert m.batches > 0 and m.duration < 10
+
+
+def test_an_exception_from_on_window_stops_the_trial_process() -> None:
+    def interrupt(window: int, measurement: Measurement) -> bool:
+        raise KeyboardInterrupt
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(KeyboardInterrupt):
         _isolated(SleepDataset(4096), sleep_step).measure(
-            _params(2), max_seconds=10, on_window=prune
+            _params(2), max_seconds=10, on_window=interrupt
         )
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
 def test_the_memory_budget_covers_both_processes() -> None:

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import psutil
 import pytest
 import torch
 
-from autoloader._measure import TrialError, TrialRunner, _Epochs
+from autoloader._deadlines import Deadlines, TrialTimeout
+from autoloader._measure import Measurement, TrialError, TrialRunner, _Epochs
 from autoloader._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
 from autoloader._search_space import normalize_params
 
 from .workloads import (
     FailingDataset,
+    FaultInWorkersDataset,
     LeakingDataset,
     MemoryHogDataset,
     SleepDataset,
@@ -113,15 +118,76 @@ def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later()
     assert not few_in_flight.due(0.0, 1.0, deadline=100.0)  # the edges cost little
 
 
-def test_on_window_can_stop_the_trial_and_workers_are_released() -> None:
+def test_a_vote_stops_the_trial_at_that_window_with_its_estimate() -> None:
+    seen: list[int] = []
+
+    def vote(window: int, estimate: Measurement) -> bool:
+        seen.append(window)
+        return window == 2
+
+    m = _runner(SleepDataset(2048)).measure(_params(3), max_seconds=5, on_window=vote)
+    assert seen == [1, 2]
+    assert m.samples_per_second > 0 and math.isfinite(m.relative_error)
+
+
+def test_an_exception_from_on_window_stops_the_trial_and_workers_are_released() -> None:
     class Stop(Exception):
         pass
 
-    def stop(step: int, estimate: object) -> None:
+    def stop(window: int, estimate: object) -> bool:
         raise Stop
 
+    before = _children()
     with pytest.raises(Stop):
         _runner(SleepDataset(2048)).measure(_params(3), max_seconds=5, on_window=stop)
+    assert _children() <= before
+
+
+def test_max_batches_ends_the_trial_at_a_batch_count() -> None:
+    m = _runner(SleepDataset(4096)).measure(_params(2), max_seconds=30, max_batches=10)
+    assert m.batches == 10
+
+
+def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> None:
+    """The second worker delivers 400 items, then hangs; the others keep going. The
+    baseline's deadline is 60 s; the trial's pace (a few ms a batch) cuts it to the
+    2 s floor of NOTE [ Pace deadline ]."""
+    dataset = FaultInWorkersDataset("hang", length=100_000, from_worker=1, after=400)
+    with pytest.raises(TrialError) as info:
+        _runner(dataset).measure(
+            _params(2), max_seconds=120, deadlines=Deadlines(first=60, each=60)
+        )
+    assert isinstance(info.value.error, TrialTimeout)
+    assert "no progress for 2 s" in str(info.value.error)
+
+
+def test_a_measured_trial_is_kept_when_its_workers_are_slow_to_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("autoloader._measure._STOP_TIMEOUT", 0.5)
+    monkeypatch.setattr("autoloader._measure._shutdown", _stuck_shutdown)
+    before = _children()
+    m = _runner(SleepDataset(2048)).measure(_params(2), max_seconds=2)
+    assert m.samples_per_second > 0
+    assert _children() <= before  # killed and reaped
+
+
+def test_a_memory_overrun_is_not_turned_into_a_timeout_by_a_stuck_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("autoloader._measure._STOP_TIMEOUT", 0.5)
+    monkeypatch.setattr("autoloader._measure._shutdown", _stuck_shutdown)
+    runner = _runner(MemoryHogDataset(300 * 1024**2), memory_budget=tree_memory() + 200 * 1024**2)
+    with pytest.raises(MemoryBudgetExceeded):
+        runner.measure(_params(2), max_seconds=20)
+
+
+def _stuck_shutdown(*args: Any, **kwargs: Any) -> None:
+    time.sleep(30)  # the alarm breaks it
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def test_dataset_error_names_the_stage() -> None:

@@ -70,7 +70,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # same machine: no warning
         again = autoloader.load(path)
     assert again == result
-    assert json.loads(path.read_text())["schema_version"] == 2
+    assert json.loads(path.read_text())["schema_version"] == 3
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
 
 
@@ -141,21 +141,14 @@ def test_out_of_order_loading_gives_every_batch() -> None:
         del loader
 
 
-def test_reordered_settings_need_a_torch_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autoloader._loader, "SUPPORTS_IN_ORDER", False)
-    reordered = _result(params=normalize_params({"num_workers": 2, "in_order": False}))
-    with pytest.raises(ValueError, match=r"in_order=False needs torch 2\.6"):
-        reordered.loader_kwargs()
-    in_order = _result(params=normalize_params({"num_workers": 2}))
-    assert "in_order" not in in_order.loader_kwargs()  # an older DataLoader would reject it
-
-
 def test_batched_fetch_needs_the_dataset_and_no_collate_fn() -> None:
     batched = _result(params=normalize_params({"batched_fetch": True}))
-    with pytest.raises(ValueError, match="pass the dataset, or use make_loader"):
+    with pytest.raises(autoloader.InvalidInputError, match="pass the dataset, or use make_loader"):
         batched.loader_kwargs()
     dataset = TensorDataset(torch.zeros(8, 2))
-    with pytest.raises(ValueError, match="without a collate_fn; pass batched_fetch=False"):
+    with pytest.raises(
+        autoloader.InvalidInputError, match="without a collate_fn; pass batched_fetch=False"
+    ):
         batched.make_loader(dataset, collate_fn=list)
     assert batched.make_loader(dataset, collate_fn=list, batched_fetch=False).batch_size == 8
 
@@ -208,7 +201,10 @@ def test_another_machine_is_warned_about(tmp_path: Path) -> None:
     [
         ("{not json", "is not valid JSON"),
         ("[]", "a result must be a JSON object"),
-        ('{"schema_version": 99}', "schema_version is 99, but this autoloader reads versions 1, 2"),
+        (
+            '{"schema_version": 99}',
+            "schema_version is 99, but this autoloader reads versions 1, 2, 3",
+        ),
         ('{"schema_version": 1}', "missing field 'params'"),
     ],
 )

@@ -152,17 +152,22 @@ class FaultInWorkersDataset(SleepDataset):
     ``fault`` is a signal name ("SIGSEGV", "SIGKILL", "SIGBUS"...) the worker sends
     itself, or "hang", "exit", "enospc", "emfile". Only workers with an id of at least
     ``from_worker`` meet it: with ``from_worker=1`` one worker is fine, two are not.
+    With ``after``, a worker meets it once it has loaded that many items.
     """
 
-    def __init__(self, fault: str, length: int = 512, from_worker: int = 0) -> None:
+    def __init__(self, fault: str, length: int = 512, from_worker: int = 0, after: int = 0) -> None:
         super().__init__(length, latency=0.001)
         self.fault = fault
         self.from_worker = from_worker
+        self.after = after
+        self._loaded = 0
 
     def __getitem__(self, index: int) -> torch.Tensor:
         info = get_worker_info()
         if info is not None and info.id >= self.from_worker:
-            _fault(self.fault)
+            if self._loaded >= self.after:
+                _fault(self.fault)
+            self._loaded += 1
         return super().__getitem__(index)
 
 

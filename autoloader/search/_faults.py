@@ -11,30 +11,16 @@ import re
 import shutil
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from autoloader._deadlines import TrialTimeout
 from autoloader._measure import TrialError, TrialProcessDied, exception_chain
 from autoloader._memory import format_bytes, is_oom_error
+from autoloader.search._outcome import Failed, FaultKind, Pruned, PruneKind
 
 _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
 _KILLED_BY = re.compile(r"is killed by signal: (?P<name>[^.]+)\.")
 _SHM = "/dev/shm"
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """How to record a failed trial.
-
-    Attributes:
-        state: ``"pruned"`` (the setting asks too much memory) or ``"failed"``.
-        reason: starts with the kind ("memory", "killed", "worker crashed", "shared
-            memory", "too many open files", "timeout") and says what to do.
-    """
-
-    state: str
-    reason: str
 
 
 def _signal_of(error: TrialError) -> str | None:
@@ -95,37 +81,54 @@ def _open_files_advice() -> str:
 
 def classify(
     error: TrialError, *, params: Mapping[str, Any], batch_bytes: int | None = None
-) -> Fault:
-    """The state and reason to record for a trial that ended with ``error``.
+) -> Pruned | Failed:
+    """The outcome to record for a trial that ended with ``error``: its kind, and a
+    reason that starts with the kind and says what to do.
 
     A worker's death is named before a timeout: a worker killed at the wrong moment can
     leave the others and the DataLoader waiting on a lock it held, and the hang that
     follows is only its consequence.
     """
     cause = error.error
+    peak = error.peak_memory
+
+    def _failed(kind: FaultKind, reason: str) -> Failed:
+        return Failed(kind, reason, peak_memory=peak)
+
     if is_oom_error(cause):
-        return Fault("pruned", f"memory: {error.summary}")
+        return Pruned(PruneKind.MEMORY, f"memory: {error.summary}", peak_memory=peak)
     name = _signal_of(error)
     who = "the trial's process" if isinstance(cause, TrialProcessDied) else "a worker"
     if name == "SIGKILL":
-        return Fault(
-            "pruned",
+        return Pruned(
+            PruneKind.KILLED,
             f"killed: {who} was killed (SIGKILL), likely by the kernel's OOM killer; "
             "use fewer workers or a smaller prefetch_factor, or set memory_budget",
+            peak_memory=peak,
         )
     if name == "SIGBUS" or _has_errno(cause, errno.ENOSPC, "No space left on device"):
         what = f"{who} crashed (SIGBUS)" if name == "SIGBUS" else error.summary
-        return Fault("failed", f"shared memory: {what}. {_shm_advice(params, batch_bytes)}")
+        return _failed(
+            FaultKind.SHARED_MEMORY, f"shared memory: {what}. {_shm_advice(params, batch_bytes)}"
+        )
     if isinstance(cause, TrialProcessDied):
         if name is not None:
-            return Fault("failed", f"trial process crashed ({name}) with this setting")
-        return Fault("failed", f"trial process exited with code {cause.exit_code}")
+            return _failed(
+                FaultKind.PROCESS_DIED, f"trial process crashed ({name}) with this setting"
+            )
+        return _failed(FaultKind.PROCESS_DIED, f"trial process exited with code {cause.exit_code}")
     if name is not None:
-        return Fault("failed", f"worker crashed ({name})")
+        return _failed(FaultKind.WORKER_CRASHED, f"worker crashed ({name})")
     if isinstance(cause, TrialTimeout):
-        return Fault("failed", f"timeout: {cause}; a worker or step_fn hangs with this setting")
+        return _failed(
+            FaultKind.TIMEOUT, f"timeout: {cause}; a worker or step_fn hangs with this setting"
+        )
     if _has_errno(cause, errno.EMFILE, "Too many open files"):
-        return Fault("failed", f"too many open files: {error.summary}; {_open_files_advice()}")
+        return _failed(
+            FaultKind.OPEN_FILES, f"too many open files: {error.summary}; {_open_files_advice()}"
+        )
     if error.worker_exit_codes:
-        return Fault("failed", f"worker exited with code {error.worker_exit_codes[0]}")
-    return Fault("failed", f"{error.summary} (while {error.stage})")
+        return _failed(
+            FaultKind.WORKER_CRASHED, f"worker exited with code {error.worker_exit_codes[0]}"
+        )
+    return _failed(FaultKind.ERROR, f"{error.summary} (while {error.stage})")

@@ -1,0 +1,283 @@
+"""The thin loop that runs the policy's trials against an Optuna study, by ask and tell.
+
+``Driver.run()`` repeats: ask the :class:`~autoloader.search.Policy` for the next trial;
+``study.ask()`` for its number (and the sampler's proposal, when the policy leaves the
+setting to it); run it with the runner; map what happened to one typed outcome
+(:meth:`Driver._run`, the one place that does); ``study.tell()`` it, and store it in the
+trial's user attributes so that a resumed run rebuilds the same history.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, fields
+from time import perf_counter
+from typing import Any
+
+import optuna
+import psutil
+from optuna.trial import FrozenTrial, TrialState
+
+from autoloader._exceptions import BaselineError
+from autoloader._measure import Measurement, Runner, TrialError
+from autoloader._memory import MemoryBudgetExceeded
+from autoloader._search_space import normalize_params
+from autoloader.search._faults import classify
+from autoloader.search._outcome import (
+    Completed,
+    Failed,
+    FaultKind,
+    Outcome,
+    Phase,
+    Pruned,
+    PruneKind,
+    Trial,
+    TrialSpec,
+    outcome_attrs,
+    outcome_from_attrs,
+)
+from autoloader.search._policy import Plan, Policy, Stop
+
+_logger = logging.getLogger(__name__)
+
+_MEASUREMENT_FIELDS = frozenset(f.name for f in fields(Measurement))
+
+
+class Driver:
+    """Runs one tuning run's trials: the policy decides, the runner measures, the study
+    keeps them.
+
+    Args:
+        policy: the rules.
+        runner: measures one setting.
+        study: the Optuna study (``direction="maximize"``); it may hold an earlier run's
+            trials of the same problem, which the policy sees as ``earlier``.
+        deadline: ``perf_counter()`` time when the run must end.
+        on_trial: called after each trial.
+        clock: seconds, as ``deadline`` counts them (a fake one in tests).
+        interrupted: set when Ctrl-C was pressed; checked at every timing window and
+            trial, in case the KeyboardInterrupt itself was lost on its way.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        runner: Runner,
+        study: optuna.Study,
+        *,
+        deadline: float,
+        on_trial: Callable[[Trial], None] | None = None,
+        interrupted: threading.Event | None = None,
+        clock: Callable[[], float] = perf_counter,
+    ) -> None:
+        self.policy = policy
+        self.runner = runner
+        self.study = study
+        self.deadline = deadline
+        self.on_trial = on_trial
+        self.interrupted = interrupted
+        self.history: list[Trial] = []
+        self.stopped: str | None = None
+        self.search_seconds = 0.0
+        self._owner = _this_process()
+        self._clock = clock
+
+    def run(self) -> None:
+        """Run trials until the policy stops; :attr:`history` then holds every trial."""
+        self._fail_orphans()
+        self.history = self._load()
+        while True:
+            self._stop_if_interrupted()
+            plan = self.policy.next(self.history, seconds_left=self._seconds_left())
+            if isinstance(plan, Stop):
+                self.stopped = plan.why
+                _logger.info("no more trials: %s", plan.why)
+                return
+            if plan.phase is Phase.SEARCH and not any(
+                t.phase is not Phase.BASELINE and not t.earlier for t in self.history
+            ):
+                self.search_seconds = self._seconds_left()
+            self._trial(plan)
+
+    def _trial(self, plan: Plan) -> None:
+        with warnings.catch_warnings():
+            # A storage with heartbeats warns that they are kept only by optimize():
+            # this run's trials carry their owner instead (see _fail_orphans).
+            warnings.filterwarnings("ignore", message=".*[Hh]eartbeat", category=UserWarning)
+            asked = self.study.ask()
+        params = plan.params if plan.params is not None else self.policy.space.suggest(asked)
+        spec = TrialSpec(
+            number=asked.number,
+            phase=plan.phase,
+            params=params,
+            # A plan is made before its trial runs: hold it to the time actually left.
+            max_seconds=max(0.5, min(plan.max_seconds, self._seconds_left())),
+            deadlines=self.policy.deadlines(params, self.history),
+        )
+        asked.set_user_attr("phase", spec.phase.value)
+        asked.set_user_attr("params", params)
+        asked.set_user_attr("owner", self._owner)
+        outcome: Outcome | None = None
+        if plan.params is None:
+            outcome = self.policy.known_failure(params, self.history)
+        try:
+            if outcome is None:
+                outcome = self._run(spec)
+        except KeyboardInterrupt:
+            self._tell(asked, spec, Failed(FaultKind.INTERRUPTED, "interrupted (Ctrl-C)"))
+            raise
+        self._tell(asked, spec, outcome)
+
+    def _run(self, spec: TrialSpec) -> Outcome:
+        """Measure ``spec`` and map whatever happened to its outcome."""
+        voted = False
+
+        def on_window(window: int, measurement: Measurement) -> bool:
+            nonlocal voted
+            self._stop_if_interrupted()
+            voted = self.policy.vote(spec.phase, spec.params, window, measurement, self.history)
+            return voted
+
+        try:
+            measurement = self.runner.measure(
+                spec.params,
+                max_seconds=spec.max_seconds,
+                on_window=on_window,
+                deadlines=spec.deadlines,
+                max_batches=spec.max_batches,
+            )
+        except MemoryBudgetExceeded as error:
+            if spec.phase is Phase.BASELINE:
+                raise BaselineError(
+                    f"The baseline (num_workers=0) alone went over the memory budget: "
+                    f"{error}. Raise memory_budget or use a smaller batch_size."
+                ) from None
+            return Pruned(PruneKind.MEMORY, f"memory: {error}", peak_memory=error.peak)
+        except TrialError as error:
+            # Ctrl-C reaches the workers too: their deaths are its doing, not the setting's.
+            self._stop_if_interrupted()
+            if spec.phase is Phase.BASELINE:
+                where = f" at {error.where}" if error.where else ""
+                raise BaselineError(
+                    f"The baseline (num_workers=0) failed while {error.stage}: "
+                    f"{error.summary}{where}. This is a fault in the dataset, collate_fn or "
+                    "step_fn, not in a loader setting; fix it and tune again."
+                ) from error.error
+            return classify(error, params=spec.params, batch_bytes=self._batch_bytes())
+        return self.policy.judge(spec.phase, spec.params, measurement, self.history, voted=voted)
+
+    def _tell(self, asked: optuna.Trial, spec: TrialSpec, outcome: Outcome) -> None:
+        measurement = outcome.measurement if isinstance(outcome, (Completed, Pruned)) else None
+        if measurement is not None:
+            asked.set_user_attr("measurement", asdict(measurement))
+        asked.set_user_attr("outcome", outcome_attrs(outcome))
+        if isinstance(outcome, Completed):
+            self.study.tell(asked, outcome.value)
+        elif isinstance(outcome, Pruned):
+            if measurement is not None:  # the sampler ranks pruned trials by it
+                asked.report(self.policy.value(spec.params, measurement, self.history), 0)
+            self.study.tell(asked, state=TrialState.PRUNED)
+        else:
+            self.study.tell(asked, state=TrialState.FAIL)
+        trial = Trial(spec.number, spec.phase, spec.params, outcome)
+        self.history.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial)
+        self._stop_if_interrupted()
+
+    # Resuming ---------------------------------------------------------------------
+
+    def _load(self) -> list[Trial]:
+        """The finished trials of earlier runs on this study, as the policy reads them."""
+        earlier = []
+        for frozen in self.study.get_trials(deepcopy=False):
+            trial = _trial_of(frozen)
+            if trial is not None:
+                earlier.append(trial)
+        if earlier:
+            _logger.info("resuming: %d trials of earlier runs", len(earlier))
+        return earlier
+
+    def _fail_orphans(self) -> None:
+        """Fail the RUNNING trials of tuning processes that died.
+
+        A run killed mid-trial (SIGKILL, the OOM killer, a power cut) leaves its trial
+        RUNNING in the storage forever. Its owner is recorded with each trial: a gone
+        process on this machine (or a pid reused by another) means the trial will never
+        finish. A storage with heartbeats also fails the trials of other machines whose
+        heartbeat stopped. Trials of live processes are left alone.
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        for trial in running:
+            owner = trial.user_attrs.get("owner") or {}
+            if owner.get("host") != self._owner["host"] or _is_alive(owner):
+                continue
+            self.study.tell(trial.number, state=TrialState.FAIL)
+            _logger.info("trial %d: %s", trial.number, _orphan_reason(owner))
+
+    # Helpers ------------------------------------------------------------------------
+
+    def _batch_bytes(self) -> int:
+        for trial in self.history:
+            if trial.phase is Phase.BASELINE and trial.measurement is not None:
+                return trial.measurement.batch_bytes
+        return 0
+
+    def _stop_if_interrupted(self) -> None:
+        if self.interrupted is not None and self.interrupted.is_set():
+            raise KeyboardInterrupt
+
+    def _seconds_left(self) -> float:
+        return max(0.0, self.deadline - self._clock())
+
+
+def _trial_of(frozen: FrozenTrial) -> Trial | None:
+    """An earlier run's finished trial, as this run's history holds it; ``None`` for a
+    trial still running or not autoloader's."""
+    attrs = frozen.user_attrs
+    if not frozen.state.is_finished() or "params" not in attrs:
+        return None
+    try:
+        phase = Phase(attrs["phase"])
+        params = normalize_params(attrs["params"])
+        raw = attrs.get("measurement")
+        measurement = (
+            Measurement(**{k: v for k, v in raw.items() if k in _MEASUREMENT_FIELDS})
+            if isinstance(raw, Mapping)
+            else None
+        )
+        if "outcome" in attrs:
+            outcome = outcome_from_attrs(attrs["outcome"], measurement)
+        elif frozen.state == TrialState.FAIL:  # failed by _fail_orphans, or a stale one
+            outcome = Failed(FaultKind.INTERRUPTED, _orphan_reason(attrs.get("owner") or {}))
+        else:
+            return None
+    except (KeyError, TypeError, ValueError) as error:
+        _logger.warning("trial %d of the study is not readable: %s", frozen.number, error)
+        return None
+    return Trial(frozen.number, phase, params, outcome, earlier=True)
+
+
+def _orphan_reason(owner: Mapping[str, Any]) -> str:
+    return f"interrupted: the tuning process (pid {owner.get('pid')}) died"
+
+
+def _this_process() -> dict[str, Any]:
+    process = psutil.Process()
+    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
+
+
+def _is_alive(owner: Mapping[str, Any]) -> bool:
+    """Whether the process that ran a trial still runs (and is not a reused pid)."""
+    try:
+        process = psutil.Process(int(owner["pid"]))
+        return bool(abs(process.create_time() - float(owner["started"])) < 1.0)
+    except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
+        return False

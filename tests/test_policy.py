@@ -1,0 +1,629 @@
+"""The search's rules, tested as pure functions of made-up trials, and the driver
+against a fake runner and a fake clock: no processes, milliseconds each."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optuna
+import pytest
+
+from autoloader import AllSettingsFailedError
+from autoloader._measure import Measurement, TrialError
+from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
+from autoloader.search import (
+    Completed,
+    Driver,
+    Failed,
+    FaultKind,
+    Phase,
+    Plan,
+    Policy,
+    Pruned,
+    PruneKind,
+    Stop,
+    Trial,
+)
+from autoloader.search._policy import _asks_at_least, epoch_samples_per_second, trial_seconds
+
+
+def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
+    return Measurement(
+        samples_per_second=rate,
+        relative_error=0.01,
+        data_wait_fraction=0.1,
+        load_seconds=0.5,
+        step_seconds=0.01,
+        time_to_first_batch=ttfb,
+        epoch_restart_seconds=restart,
+        batches=100,
+        duration=2.0,
+        peak_memory=1,
+    )
+
+
+def _params(workers: int, *, persistent: bool = False, prefetch: int = 2) -> dict[str, Any]:
+    return normalize_params(
+        {"num_workers": workers, "prefetch_factor": prefetch, "persistent_workers": persistent}
+    )
+
+
+def test_epoch_model_charges_startup_every_epoch_without_persistent_workers() -> None:
+    # 10 batches of 10 samples at 100 samples/s: the 9 after the first take 0.9 s.
+    value = epoch_samples_per_second(
+        _params(4),
+        _measurement(100.0, ttfb=3.0),
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == pytest.approx(100 / (3.0 + 0.9))
+
+
+def test_epoch_model_charges_only_a_refill_with_persistent_workers() -> None:
+    value = epoch_samples_per_second(
+        _params(4, persistent=True),
+        _measurement(100.0, ttfb=3.0),
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == pytest.approx(100 / (0.5 + 0.9))
+
+
+def test_epoch_model_prefers_a_measured_restart() -> None:
+    value = epoch_samples_per_second(
+        _params(4, persistent=True),
+        _measurement(100.0, ttfb=3.0, restart=0.2),
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == pytest.approx(100 / (0.2 + 0.9))
+
+
+def test_whole_epochs_timed_by_the_trial_are_the_objective() -> None:
+    """The steady rate and the restart leave out the drain and the refill around an
+    epoch's edges; where the trial timed whole epochs, that rate is used as it is."""
+    measured = dataclasses.replace(
+        _measurement(100.0, ttfb=3.0, restart=0.2), epochs_samples_per_second=61.0
+    )
+    value = epoch_samples_per_second(
+        _params(16, persistent=True),
+        measured,
+        batch_size=10,
+        batches_per_epoch=10,
+        refill_seconds=0.5,
+    )
+    assert value == 61.0
+
+
+def test_an_undrained_burst_makes_a_measurement_too_short_unless_whole_epochs_were_timed() -> None:
+    measured = dataclasses.replace(_measurement(100.0), burst_left=20, batches=100)
+    assert measured.burst_undrained and measured.too_short
+    assert not dataclasses.replace(measured, burst_left=9).too_short  # under a tenth
+    assert not dataclasses.replace(measured, epochs_samples_per_second=90.0).too_short
+
+
+def test_epoch_model_without_epoch_length_is_the_steady_rate() -> None:
+    value = epoch_samples_per_second(
+        _params(4), _measurement(123.0), batch_size=10, batches_per_epoch=None, refill_seconds=0.5
+    )
+    assert value == 123.0
+
+
+def test_trial_seconds_is_a_bounded_share_of_the_budget() -> None:
+    assert trial_seconds(5) == 1.0
+    assert trial_seconds(60) == 6.0
+    assert trial_seconds(3600) == 15.0
+
+
+# Made-up trials -------------------------------------------------------------------
+
+
+def _space(**options: Any) -> SearchSpace:
+    space, _ = SearchSpace(**{"num_workers": (0, 16), **options}).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    return space
+
+
+def _policy(budget: float = 30.0, **options: Any) -> Policy:
+    return Policy(space=_space(), time_budget=budget, batch_size=8, usable_cpus=2, **options)
+
+
+def _done(
+    number: int,
+    params: Mapping[str, Any],
+    value: float,
+    *,
+    phase: Phase = Phase.SEARCH,
+    wait: float = 0.5,
+    earlier: bool = False,
+    duration: float = 2.0,
+) -> Trial:
+    measurement = dataclasses.replace(
+        _measurement(value), data_wait_fraction=wait, duration=duration
+    )
+    return Trial(number, phase, dict(params), Completed(measurement, value), earlier=earlier)
+
+
+def _failed(
+    number: int, params: Mapping[str, Any], kind: FaultKind = FaultKind.WORKER_CRASHED
+) -> Trial:
+    return Trial(number, Phase.SEARCH, dict(params), Failed(kind, f"{kind.value}: made up"))
+
+
+def _baseline(value: float = 100.0, **kwargs: Any) -> Trial:
+    return _done(0, BASELINE_PARAMS, value, phase=Phase.BASELINE, **kwargs)
+
+
+def test_the_baseline_comes_first_and_a_resumed_run_does_not_repeat_it() -> None:
+    policy = _policy()
+    plan = policy.next([], seconds_left=30)
+    assert isinstance(plan, Plan) and plan.phase is Phase.BASELINE
+    assert plan.params == BASELINE_PARAMS
+    resumed = policy.next([_baseline(earlier=True)], seconds_left=30)
+    assert isinstance(resumed, Plan) and resumed.phase is Phase.SEARCH
+
+
+def test_the_cost_models_guesses_come_before_the_doubling_ladder() -> None:
+    # The baseline waits 0.05 s on I/O per batch and steps in 0.01 s: the model wants
+    # 5 workers (and one more for jitter), then the ladder brackets them.
+    baseline = _baseline()
+    assert baseline.measurement is not None
+    io_bound = dataclasses.replace(baseline.measurement, load_seconds=0.05, step_seconds=0.01)
+    measured = dataclasses.replace(baseline, outcome=Completed(io_bound, 100.0))
+    points = _policy().starting_points([measured])
+    assert [p["num_workers"] for p in points] == [5, 6, 1, 2, 4, 8, 16]
+    # Guesses outside the space are left to the ladder: 50 workers wanted, 16 allowed.
+    assert [p["num_workers"] for p in _policy().starting_points([baseline])] == [1, 2, 4, 8, 16]
+
+
+def test_starting_points_are_proposed_in_order_and_never_twice() -> None:
+    policy = _policy()
+    history = [_baseline()]
+    seen = []
+    for number in range(1, 6):
+        plan = policy.next(history, seconds_left=30)
+        assert isinstance(plan, Plan) and plan.params is not None
+        seen.append(plan.params["num_workers"])
+        history.append(_done(number, plan.params, 100.0 + number))
+    assert seen == [1, 2, 4, 8, 16]
+    sampled = policy.next(history, seconds_left=30)
+    assert isinstance(sampled, Plan) and sampled.params is None  # the sampler's turn
+
+
+def test_a_loop_bound_by_its_step_at_the_baseline_is_not_searched() -> None:
+    policy = _policy()
+    history = [_baseline(wait=0.01)]
+    assert isinstance(policy.next(history, seconds_left=30), Stop)
+    assert "already with num_workers=0" in (policy.step_bound(history) or "")
+
+
+def test_the_search_stops_at_the_first_setting_bound_by_its_step() -> None:
+    policy = _policy()
+    history = [_baseline(), _done(1, _params(4), 500.0, wait=0.02)]
+    plan = policy.next(history, seconds_left=30)
+    assert isinstance(plan, Plan) and plan.phase is Phase.RUNOFF
+    assert "with trial 1's setting" in (policy.step_bound(history) or "")
+
+
+def test_patience_ends_the_search_after_the_starting_points() -> None:
+    policy = _policy()
+    history = [_baseline()]
+    for number, params in enumerate(policy.starting_points(history), start=1):
+        history.append(_done(number, params, 500.0))
+    for number in range(6, 11):
+        history.append(_done(number, _params(number), 505.0))  # within 2%
+        assert policy.search_ended(history, seconds_left=30) is None
+    history.append(_done(11, _params(11), 501.0))
+    assert "no gain in the last 6 trials" in (policy.search_ended(history, seconds_left=30) or "")
+
+
+def test_a_gain_resets_patience() -> None:
+    policy = _policy()
+    history = [_baseline()]
+    for number, params in enumerate(policy.starting_points(history), start=1):
+        history.append(_done(number, params, 500.0))
+    for number in range(6, 12):
+        history.append(_done(number, _params(number), 500.0 if number != 9 else 600.0))
+    assert policy.search_ended(history, seconds_left=30) is None
+
+
+def test_the_search_leaves_the_runoff_its_share_of_the_budget() -> None:
+    policy = _policy(budget=30.0)  # the runoff keeps 6 s
+    history = [_baseline(), _done(1, _params(4), 500.0)]
+    assert policy.search_ended(history, seconds_left=6.2) is not None
+    assert policy.search_ended(history, seconds_left=7.0) is None
+
+
+def test_n_trials_caps_this_runs_search_but_not_earlier_runs_trials() -> None:
+    policy = _policy(n_trials=2)
+    history = [_baseline(), _done(1, _params(2), 200.0, earlier=True), _done(2, _params(3), 300.0)]
+    assert policy.search_ended(history, seconds_left=30) is None
+    history.append(_done(3, _params(5), 300.0))
+    assert policy.search_ended(history, seconds_left=30) == "n_trials=2 search trials were run"
+
+
+def test_every_setting_failing_stops_the_run() -> None:
+    policy = _policy()
+    history = [_baseline(), *(_failed(n, _params(n)) for n in range(1, 6))]
+    with pytest.raises(AllSettingsFailedError, match="All 5 settings with workers failed"):
+        policy.next(history, seconds_left=30)
+
+
+def test_the_runoff_measures_the_candidates_best_first_then_the_baseline() -> None:
+    policy = _policy()
+    history = [_baseline(wait=0.5)]
+    for number, (workers, value) in enumerate([(2, 300.0), (4, 500.0), (8, 450.0), (16, 400.0)]):
+        history.append(_done(number + 1, _params(workers), value))
+    order = [p["num_workers"] for p in policy.runoff_order(history)]
+    assert order == [4, 8, 16]
+    planned = []
+    runoff_started = [*history, _done(9, _params(4), 500.0, phase=Phase.RUNOFF)]
+    for number in range(10, 20):
+        plan = policy.next(runoff_started, seconds_left=30)
+        if isinstance(plan, Stop):
+            break
+        assert plan.phase is Phase.RUNOFF and plan.params is not None
+        planned.append(plan.params["num_workers"])
+        runoff_started.append(_done(number, plan.params, 400.0, phase=Phase.RUNOFF))
+    assert planned == [8, 16, 0, 4, 8, 16, 0]  # two rounds in all, then it stops
+
+
+def test_the_runoff_stops_when_the_next_trial_does_not_fit() -> None:
+    policy = _policy()
+    history = [_baseline(), _done(1, _params(4), 500.0, duration=3.0)]
+    runoff = policy.next(history, seconds_left=3.5)
+    assert isinstance(runoff, Plan) and runoff.phase is Phase.RUNOFF
+    stop = policy.next(history, seconds_left=2.5)
+    assert isinstance(stop, Stop) and "no time left" in stop.why
+
+
+# Failures ---------------------------------------------------------------------------
+
+
+def test_a_setting_that_failed_is_known_to_fail_but_not_an_interrupted_one() -> None:
+    policy = _policy()
+    history = [_baseline(), _failed(1, _params(4)), _failed(2, _params(6), FaultKind.INTERRUPTED)]
+    known = policy.known_failure(_params(4), history)
+    assert isinstance(known, Failed) and known.same_as == 1
+    assert known.kind is FaultKind.WORKER_CRASHED
+    assert policy.known_failure(_params(6), history) is None
+
+
+def test_a_setting_that_asks_more_memory_than_one_over_budget_is_not_run() -> None:
+    policy = _policy()
+    over = Trial(1, Phase.SEARCH, _params(4), Pruned(PruneKind.MEMORY, "memory: over"))
+    known = policy.known_failure(_params(8, prefetch=4), [_baseline(), over])
+    assert isinstance(known, Pruned) and known.kind is PruneKind.MEMORY
+    assert "asks at least as much memory as trial 1" in known.reason
+    assert policy.known_failure(_params(2), [_baseline(), over]) is None
+
+
+def test_failures_at_two_counts_above_every_success_mark_a_boundary_and_bisect() -> None:
+    policy = _policy()
+    history = [_baseline(), _done(1, _params(2), 300.0), _failed(2, _params(16))]
+    assert policy.boundary(history) == (2, 16)
+    # One failure could be bad luck: counts above it are still run.
+    assert policy.known_failure(_params(12), history) is None
+    history.append(_failed(3, _params(8)))
+    assert policy.boundary(history) == (2, 8)
+    known = policy.known_failure(_params(12, prefetch=4), history)
+    assert isinstance(known, Failed) and "every count from 8 workers up" in known.reason
+    between = policy.bisection(history)
+    assert between is not None and between["num_workers"] == 5
+    plan = policy.next(history, seconds_left=30)
+    assert isinstance(plan, Plan) and plan.params is not None
+    assert plan.params["num_workers"] in (1, 4)  # starting points first...
+    ladder = {p["num_workers"]: p for p in policy.starting_points(history)}
+    history += [_done(4, ladder[1], 150.0), _done(5, ladder[4], 400.0), _done(6, ladder[2], 1.0)]
+    plan = policy.next(history, seconds_left=30)
+    assert isinstance(plan, Plan) and plan.params is not None
+    assert plan.params["num_workers"] == 6  # ...then halfway between 4 and 8
+    history.append(_failed(7, _params(6)))
+    plan = policy.next(history, seconds_left=30)
+    assert isinstance(plan, Plan) and plan.params is not None and plan.params["num_workers"] == 5
+    history.append(_done(8, _params(5), 420.0))
+    assert policy.bisection(history) is None  # 5 works, 6 fails: found
+    assert policy.known_failure(_params(7), history) is not None
+
+
+def test_memory_and_shared_memory_faults_do_not_mark_a_boundary() -> None:
+    policy = _policy()
+    history = [
+        _baseline(),
+        _done(1, _params(2), 300.0),
+        _failed(2, _params(8), FaultKind.SHARED_MEMORY),
+        _failed(3, _params(16), FaultKind.SHARED_MEMORY),
+    ]
+    assert policy.boundary(history) is None
+
+
+# The vote -----------------------------------------------------------------------------
+
+
+def test_the_vote_stops_a_clearly_slower_search_trial_after_two_windows() -> None:
+    policy = _policy()
+    history = [_baseline(), _done(1, _params(4), 1000.0)]
+    slow = _measurement(500.0)
+    assert not policy.vote(Phase.SEARCH, _params(8), 1, slow, history)  # too early
+    assert policy.vote(Phase.SEARCH, _params(8), 2, slow, history)
+    assert not policy.vote(Phase.SEARCH, _params(8), 4, _measurement(700.0), history)
+    assert not policy.vote(Phase.RUNOFF, _params(8), 4, slow, history)  # always measured
+
+
+def test_without_a_complete_trial_the_vote_keeps_everything() -> None:
+    assert not _policy().vote(Phase.SEARCH, _params(8), 5, _measurement(1.0), [])
+
+
+def test_a_trial_too_short_to_trust_is_pruned_as_such() -> None:
+    policy = _policy()
+    short = dataclasses.replace(_measurement(900.0), relative_error=math.inf, batches=1)
+    outcome = policy.judge(Phase.SEARCH, _params(16), short, [_baseline()])
+    assert isinstance(outcome, Pruned) and outcome.kind is PruneKind.TOO_SHORT
+    assert outcome.reason.startswith("too short: the trial's ")
+    baseline = policy.judge(Phase.BASELINE, BASELINE_PARAMS, short, [])
+    assert isinstance(baseline, Completed)  # the baseline is what there is
+
+
+# The choice --------------------------------------------------------------------------
+
+
+def test_choose_takes_the_best_median_over_repeats() -> None:
+    history = [
+        _baseline(100.0),
+        _done(1, _params(8), 500.0),
+        _done(2, _params(8), 400.0, phase=Phase.RUNOFF),
+        _done(3, _params(8), 410.0, phase=Phase.RUNOFF),
+        _done(4, _params(4), 460.0),
+        _done(5, _params(4), 470.0, phase=Phase.RUNOFF),
+        _done(6, BASELINE_PARAMS, 90.0, phase=Phase.RUNOFF),
+    ]
+    choice = _policy().choose(history)
+    assert choice.params == _params(4)
+    assert choice.throughput == 465
+    assert choice.baseline == 95
+
+
+def test_choose_breaks_ties_towards_the_cheapest_setting() -> None:
+    history = [
+        _baseline(100.0),
+        _done(1, _params(12, prefetch=8), 700.0),
+        _done(2, _params(6, prefetch=4), 690.0),
+        _done(3, _params(6, prefetch=2), 689.0),
+        _done(4, _params(5), 600.0),
+    ]
+    assert _policy().choose(history).params == _params(6, prefetch=2)
+
+
+def test_a_setting_measured_once_does_not_beat_settings_measured_side_by_side() -> None:
+    """16 workers got one lucky sample in the search; 4 and 8 workers were measured
+    again in the runoff, interleaved."""
+    history = [
+        _baseline(100.0),
+        _done(1, _params(4), 480.0),
+        _done(2, _params(8), 500.0),
+        _done(3, _params(16), 560.0),
+        _done(4, _params(8), 505.0, phase=Phase.RUNOFF),
+        _done(5, _params(4), 470.0, phase=Phase.RUNOFF),
+    ]
+    assert _policy().choose(history).params == _params(8)
+
+
+def test_choose_ignores_pruned_and_failed_trials() -> None:
+    history = [
+        _baseline(100.0),
+        Trial(1, Phase.SEARCH, _params(9), Pruned(PruneKind.TOO_SHORT, "too short")),
+        _failed(2, _params(7)),
+    ]
+    assert _policy().choose(history).params == BASELINE_PARAMS
+
+
+def test_heavy_tailed_noise_rarely_fools_the_choice() -> None:
+    """Two settings 10% apart, each measured three times with log-normal noise
+    (sigma 0.1 per measurement: what a second of batches with sigma-1 item latency
+    leaves): the slower one must not win often."""
+    rng = random.Random(0)
+    wins = 0
+    for _ in range(200):
+        history = [_baseline(100.0)]
+        number = 1
+        for _round in range(3):
+            for workers, true in ((4, 1000.0), (6, 900.0)):
+                phase = Phase.SEARCH if _round == 0 else Phase.RUNOFF
+                value = true * rng.lognormvariate(0.0, 0.1)
+                history.append(_done(number, _params(workers), value, phase=phase))
+                number += 1
+        wins += _policy().choose(history).params == _params(4)
+    assert wins >= 180
+
+
+@pytest.mark.parametrize(
+    ("params", "other", "expected"),
+    [
+        ({"num_workers": 4, "prefetch_factor": 2}, {"num_workers": 2, "prefetch_factor": 2}, True),
+        ({"num_workers": 2, "prefetch_factor": 4}, {"num_workers": 2, "prefetch_factor": 2}, True),
+        ({"num_workers": 4, "prefetch_factor": 1}, {"num_workers": 2, "prefetch_factor": 2}, False),
+        ({"num_workers": 1, "prefetch_factor": 8}, {"num_workers": 2, "prefetch_factor": 2}, False),
+        (
+            {"num_workers": 2, "prefetch_factor": 2},
+            {"num_workers": 2, "prefetch_factor": 2, "pin_memory": True},
+            False,
+        ),
+        ({"num_workers": 0}, {"num_workers": 0}, False),
+    ],
+)
+def test_a_setting_asks_at_least_the_memory_of_one_it_dominates(
+    params: dict[str, Any], other: dict[str, Any], expected: bool
+) -> None:
+    assert _asks_at_least(normalize_params(params), normalize_params(other)) is expected
+
+
+# The driver against a fake runner and a fake clock ------------------------------------
+
+
+class FakeRunner:
+    """Answers each setting with a made-up measurement of ``rate(num_workers)``,
+    advancing a fake clock by the trial's length. ``fails(num_workers)`` raises a
+    worker crash instead, ``too_short(num_workers)`` leaves no error estimate."""
+
+    batch_size = 8
+
+    def __init__(
+        self,
+        rate: Callable[[int], float],
+        *,
+        too_short: Callable[[int], bool] = lambda workers: False,
+        fails: Callable[[int], bool] = lambda workers: False,
+        seconds: float = 1.0,
+    ) -> None:
+        self.rate = rate
+        self.too_short = too_short
+        self.fails = fails
+        self.seconds = seconds
+        self.now = 0.0
+        self.measured: list[dict[str, Any]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def measure(
+        self,
+        params: Mapping[str, Any],
+        *,
+        max_seconds: float,
+        on_window: Any = None,
+        deadlines: Any = None,
+        max_batches: int | None = None,
+    ) -> Measurement:
+        self.measured.append(dict(params))
+        self.now += min(self.seconds, max_seconds)
+        workers = int(params["num_workers"])
+        if self.fails(workers):
+            error = TrialError("loading a batch", RuntimeError("made up"), 1)
+            error.worker_signals = [11]  # SIGSEGV
+            raise error
+        return dataclasses.replace(
+            _measurement(self.rate(workers)),
+            relative_error=math.inf if self.too_short(workers) else 0.01,
+            data_wait_fraction=0.5,
+            load_seconds=0.02,
+            step_seconds=0.01,
+            batches=1 if self.too_short(workers) else 100,
+            duration=self.seconds,
+        )
+
+
+def _driver(
+    runner: FakeRunner,
+    *,
+    budget: float = 30.0,
+    n_trials: int | None = None,
+    study: optuna.Study | None = None,
+) -> Driver:
+    policy = Policy(
+        space=_space(), time_budget=budget, batch_size=8, n_trials=n_trials, usable_cpus=2
+    )
+    study = study or optuna.create_study(
+        direction="maximize", sampler=optuna.samplers.TPESampler(seed=0)
+    )
+    return Driver(policy, runner, study, deadline=budget, clock=runner.clock)
+
+
+def _peaks_at_5(workers: int) -> float:
+    return 1000.0 - 40.0 * abs(workers - 5) if workers else 100.0
+
+
+def test_a_run_measures_the_baseline_searches_and_runs_off_within_its_budget() -> None:
+    runner = FakeRunner(_peaks_at_5)
+    driver = _driver(runner)
+    driver.run()
+    phases = [t.phase for t in driver.history]
+    assert phases[0] is Phase.BASELINE and Phase.RUNOFF in phases
+    # Patience ended the search, two runoff rounds ran, and the rest was given back.
+    assert driver.stopped == "the runoff's 2 round(s) are done"
+    assert runner.now < 30.0
+    best = max(t.value or 0 for t in driver.history)
+    choice = driver.policy.choose(driver.history)
+    assert _peaks_at_5(choice.params["num_workers"]) == best
+    assert choice.baseline == 100.0
+
+
+def test_the_driver_persists_typed_outcomes_and_a_resumed_run_chooses_among_all_trials() -> None:
+    """A first run is stopped after a few trials; the second, on the same study, sees
+    them as earlier trials, does not repeat the baseline or the ladder, and its choice
+    counts them: the best setting was only measured by the first run."""
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
+    first = FakeRunner(lambda n: 2000.0 if n == 16 else 100.0 + n)
+    _driver(first, n_trials=6, study=study, budget=12.0).run()
+    assert 16 in [p["num_workers"] for p in first.measured]
+
+    second = FakeRunner(lambda n: 100.0 + n)  # the machine is the same; 16 was not seen
+    driver = _driver(second, n_trials=3, study=study, budget=12.0)
+    driver.run()
+    earlier = [t for t in driver.history if t.earlier]
+    assert earlier and all(t.number < len(earlier) for t in earlier)
+    assert second.measured[0]["num_workers"] != 0  # the baseline was not repeated
+    starting_points = driver.policy.starting_points(driver.history)
+    assert not [p for p in second.measured if normalize_params(p) in starting_points]
+    assert driver.policy.choose(driver.history).params["num_workers"] == 16
+
+
+def test_a_worker_index_crash_is_bracketed_and_nothing_above_it_is_run_again() -> None:
+    """Workers 6 and above crash (a dataset with 6 shards): after failures at 8 and 16
+    the search bisects to 6 and 5, and never runs a count from 6 up again."""
+    runner = FakeRunner(_peaks_at_5, fails=lambda n: n >= 6)
+    driver = _driver(runner, budget=60.0)
+    driver.run()
+    ran = [int(p["num_workers"]) for p in runner.measured]
+    crashed_at = [n for n in ran if n >= 6]
+    assert set(crashed_at) >= {8, 16}
+    assert 6 in crashed_at or 7 in crashed_at  # the bisection probed between 4 and 8
+    assert len(crashed_at) <= 4
+    skipped = [t for t in driver.history if t.skipped]
+    assert all(t.workers >= 6 for t in skipped)
+    assert driver.policy.choose(driver.history).params["num_workers"] == 5
+
+
+def test_a_measurement_too_short_to_trust_is_pruned_and_never_chosen() -> None:
+    """16 workers look fastest, but their trial ran out before two timing windows."""
+    runner = FakeRunner(lambda n: 10_000.0 if n >= 16 else 100.0 + n, too_short=lambda n: n >= 16)
+    driver = _driver(runner, n_trials=6)
+    driver.run()
+    assert driver.policy.choose(driver.history).params["num_workers"] < 16
+    short = [t.record() for t in driver.history if t.workers >= 16]
+    assert short and all(r.state == "pruned" and r.too_short for r in short)
+    assert driver.policy.shortcomings(driver.history, search_seconds=20) == []
+
+
+def test_when_no_setting_with_workers_is_measured_the_result_says_so() -> None:
+    driver = _driver(FakeRunner(lambda n: 100.0, too_short=lambda n: n > 0), n_trials=4)
+    driver.run()
+    assert driver.policy.choose(driver.history).params == BASELINE_PARAMS
+    (shortcoming,) = driver.policy.shortcomings(driver.history, search_seconds=20)
+    assert shortcoming.startswith("no setting with workers was measured to the end (")
+    assert "pruned" in shortcoming and "these are the defaults" in shortcoming
+
+
+def test_a_search_with_no_time_left_says_it_did_not_run() -> None:
+    runner = FakeRunner(lambda n: 100.0)
+    driver = _driver(runner, budget=1.2)
+    driver.run()
+    assert [t.phase for t in driver.history] == [Phase.BASELINE]
+    (shortcoming,) = driver.policy.shortcomings(driver.history, search_seconds=0.2)
+    assert shortcoming.startswith("the search did not run: the checks and the baseline left ")
+
+
+def test_a_baseline_too_short_to_trust_is_said_to_be_so() -> None:
+    driver = _driver(FakeRunner(lambda n: 100.0 + n, too_short=lambda n: n == 0), n_trials=3)
+    driver.run()
+    assert any(
+        s.startswith("the baseline (num_workers=0) timed 1 batches")
+        for s in driver.policy.shortcomings(driver.history, search_seconds=20)
+    )
