@@ -215,7 +215,8 @@ def tune(
                 length=dataset_length,
                 batch_size=batch_size,
                 space=space,
-                memory_budget=memory_bytes,
+                # The budget asked for: a default one moves with the memory free.
+                memory_budget=None if memory_budget is None else memory_bytes,
                 fixed_loader_kwargs=fixed,
                 environment=environment,
                 device=resolved_device,
@@ -302,7 +303,7 @@ def study_name(
     length: int | None,
     batch_size: int,
     space: SearchSpace,
-    memory_budget: int,
+    memory_budget: int | None,
     fixed_loader_kwargs: Mapping[str, Any],
     environment: Environment,
     device: torch.device | None,

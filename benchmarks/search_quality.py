@@ -41,7 +41,7 @@ import psutil
 import autoloader
 from autoloader._batching import batched_fetch_problem
 from autoloader._deadlines import Deadlines
-from autoloader._measure import Measurement, TrialRunner
+from autoloader._measure import Measurement, TrialError, TrialRunner
 from autoloader._memory import MemoryBudgetExceeded, format_bytes, tree_memory
 from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
 from autoloader.search._policy import epoch_samples_per_second, params_key
@@ -83,11 +83,15 @@ class Context:
     def measure(
         self, params: dict[str, Any], seconds: float, *, to_the_cap: bool = False
     ) -> Measurement | None:
-        """One measurement, or ``None`` if the setting passed the memory budget."""
+        """One measurement, or ``None`` if the setting passed the memory budget or fails
+        (a workload's faulty worker counts are not run: a hang would cost its deadline)."""
+        fails_from = self.workload.fails_from
+        if fails_from is not None and params["num_workers"] >= fails_from:
+            return None
         runner = self.to_the_cap if to_the_cap else self.runner
         try:
             return runner.measure(params, max_seconds=seconds, deadlines=DEADLINES)
-        except MemoryBudgetExceeded:
+        except (MemoryBudgetExceeded, TrialError):
             return None
 
 

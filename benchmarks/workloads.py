@@ -7,7 +7,9 @@ module level so that spawned processes can import them.
 from __future__ import annotations
 
 import math
+import os
 import random
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +110,25 @@ class MemoryHeavy(Latency):
         return super().__getitem__(index)
 
 
+class WorkerFault(Latency):
+    """Latency-bound; workers with an id of ``from_worker`` or more meet ``fault`` on
+    their first item: ``"crash"`` (SIGSEGV) or ``"hang"``. A dataset of ``from_worker``
+    shards, or a per-worker resource that runs out, fails this way."""
+
+    def __init__(self, length: int, fault: str, from_worker: int, latency: float = 0.005) -> None:
+        super().__init__(length, latency)
+        self.fault = fault
+        self.from_worker = from_worker
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = get_worker_info()
+        if info is not None and info.id >= self.from_worker:
+            if self.fault == "crash":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(3600)
+        return super().__getitem__(index)
+
+
 def tensor_dataset(length: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(length, 128, generator=generator), torch.arange(length))
@@ -120,6 +141,8 @@ class Workload:
     Attributes:
         ceiling: ``batch_size / step_seconds``: no setting can beat the step.
         memory_budget: bytes above what the tree uses at start, or ``None``.
+        fails_from: the worker count from which every setting fails (crashes or
+            hangs), or ``None``: the grid does not measure those, they are worth 0.
     """
 
     name: str
@@ -130,6 +153,7 @@ class Workload:
     step_seconds: float
     memory_budget: int | None = None
     search_space: dict[str, Any] = field(default_factory=dict)
+    fails_from: int | None = None
 
     @property
     def ceiling(self) -> float:
@@ -165,6 +189,24 @@ WORKLOADS = {
             8,
             0.010,
             memory_budget=1024**3,
+        ),
+        Workload(
+            "crash-at-4",
+            "5 ms wait per item; workers 3 and up crash (SIGSEGV): at most 3 work",
+            lambda n: WorkerFault(n, "crash", from_worker=3),
+            4096,
+            8,
+            0.010,
+            fails_from=4,
+        ),
+        Workload(
+            "hang-at-4",
+            "5 ms wait per item; workers 3 and up hang: at most 3 work",
+            lambda n: WorkerFault(n, "hang", from_worker=3),
+            4096,
+            8,
+            0.010,
+            fails_from=4,
         ),
     )
 }

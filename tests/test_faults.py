@@ -147,7 +147,8 @@ def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
     monkeypatch.setattr("autoloader.search._policy._MIN_BATCH_TIMEOUT", 1.0)
     result = _tune_where_a_second_worker_meets("SIGSEGV", max_workers=3, time_budget=5.0)
     failed = [t for t in result.trials if t.state == "failed"]
-    assert failed and all(t.reason == "worker crashed (SIGSEGV)" for t in failed)
+    assert failed and all(t.kind == "worker crashed" for t in failed)
+    assert all((t.reason or "").startswith("worker crashed (SIGSEGV)") for t in failed)
     assert all(t.params["num_workers"] >= 2 for t in failed)
     assert result.params["num_workers"] <= 1
 
@@ -182,24 +183,6 @@ def test_when_every_setting_fails_the_run_stops_early() -> None:
             show_progress=False,
         )
     assert time.monotonic() - started < 60, "the run went on after every setting failed"
-
-
-def test_a_shutdown_that_hangs_is_cut_short(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autoloader._measure as measure
-
-    shutdown = measure._shutdown
-
-    def stuck_shutdown(*args: Any, **kwargs: Any) -> None:
-        time.sleep(3600)  # as if waiting on a lock a dead worker held
-        shutdown(*args, **kwargs)
-
-    monkeypatch.setattr(measure, "_STOP_TIMEOUT", 1.0)
-    monkeypatch.setattr(measure, "_shutdown", stuck_shutdown)
-    error = _fail(SleepDataset(512), deadlines=GENEROUS)
-    assert error.stage == "stopping the trial's workers"
-    assert classify(error, params=PARAMS).reason.startswith(
-        "timeout: no progress for 1 s while stopping the trial's workers"
-    )
 
 
 def test_an_exit_code_only_torch_saw_is_read_from_its_message() -> None:

@@ -133,9 +133,11 @@ def test_repeated_randomness_advice_comes_from_the_facts() -> None:
     assert "Workers repeat each other's randomness" in line and "worker_init_fn" in line
 
 
-def _failed(number: int, workers: int, reason: str, state: str = "failed") -> TrialRecord:
+def _failed(
+    number: int, workers: int, reason: str, state: str = "failed", kind: str = "error"
+) -> TrialRecord:
     params = normalize_params({"num_workers": workers, "prefetch_factor": 2})
-    return TrialRecord(number, "search", params, state, reason=reason)
+    return TrialRecord(number, "search", params, state, reason=reason, kind=kind)
 
 
 def test_the_report_lists_each_distinct_failure_with_the_settings_that_met_it() -> None:
@@ -151,9 +153,9 @@ def test_the_report_lists_each_distinct_failure_with_the_settings_that_met_it() 
         _failed(2, 3, shards.format(2)),
         _failed(3, 8, shards.format(2)),
         _failed(4, 4, shards.format(3)),
-        _failed(5, 16, memory.format("4.2"), state="pruned"),
-        _failed(6, 12, memory.format("4.5"), state="pruned"),
-        _failed(7, 6, "clearly slower than the best setting so far", state="pruned"),
+        _failed(5, 16, memory.format("4.2"), state="pruned", kind="memory"),
+        _failed(6, 12, memory.format("4.5"), state="pruned", kind="memory"),
+        _failed(7, 6, "clearly slower than the best setting so far", "pruned", "slower"),
     ]
     text = " ".join(report(_result(trials, tuned)).split())
     assert (

@@ -84,6 +84,27 @@ def test_a_version_1_file_loads_with_the_defaults_it_measured(tmp_path: Path) ->
     assert autoloader.load(path).params == _result().params
 
 
+def test_a_version_2_file_has_its_trial_kinds_read_from_the_reasons(tmp_path: Path) -> None:
+    data = _result().as_dict()
+    data["schema_version"] = 2
+    reasons = [
+        ("pruned", "too short: the trial's 1.0 s ran out before two timing windows", "too short"),
+        ("pruned", "clearly slower than the best setting so far", "slower"),
+        ("pruned", "memory: process tree reached 4.2 GiB", "memory"),
+        ("failed", "worker crashed (SIGSEGV)", None),
+    ]
+    template = {k: v for k, v in data["trials"][0].items() if k != "kind"}
+    data["trials"] = [
+        {**template, "number": n, "state": state, "reason": reason}
+        for n, (state, reason, _) in enumerate(reasons)
+    ]
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(data))
+    trials = autoloader.load(path).trials
+    assert [t.kind for t in trials] == [kind for _, _, kind in reasons]
+    assert [t.too_short for t in trials] == [True, False, False, False]
+
+
 def test_a_partial_result_stays_partial(tmp_path: Path) -> None:
     again = autoloader.load(_result(partial=True).save(tmp_path / "best.json"))
     assert again.partial is True

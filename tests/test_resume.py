@@ -85,9 +85,19 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
         t for t in after if t.number < len(before) and before[t.number].state == TrialState.RUNNING
     ]
     assert orphans and all(t.state == TrialState.FAIL for t in orphans)
+    records = {r.number: r for r in result.trials}
     assert all(
-        t.user_attrs["reason"].startswith("interrupted: the tuning process") for t in orphans
+        (records[t.number].reason or "").startswith("interrupted: the tuning process")
+        and records[t.number].kind == "interrupted"
+        for t in orphans
     )
+    # The choice is made among every trial of the problem, the killed run's included:
+    # its records are in the result, and the chosen setting's median is the best of
+    # all complete settings (the killed run's baseline was not measured again).
+    killed_run = [t for t in before if t.state == TrialState.COMPLETE]
+    assert {t.number for t in killed_run} <= set(records)
+    assert [r.phase for r in result.trials].count("baseline") == 1
+    assert any("resumed from storage" in note for note in result.notes)
     # What the killed run finished is kept; a setting measured under its phase is not
     # re-run by the resumed run's ladder, and no queued setting is left waiting.
     kept = [t for t in before if t.state == TrialState.COMPLETE]

@@ -461,3 +461,41 @@ def test_with_an_accelerator_pin_memory_is_searched() -> None:
     assert result.environment.accelerator == "cuda: Fake GPU x1"
     assert not any("no accelerator" in n for n in result.notes)
     assert math.isfinite(result.speedup)
+
+
+def test_a_stored_study_is_shared_only_by_the_same_problem() -> None:
+    """A setting pruned under a 4 GiB budget may fit in 64 GiB; a step, fixed loader
+    options, a device or a machine that differ make trials that do not compare."""
+    import dataclasses
+
+    from autoloader._environment import Environment
+    from autoloader._tune import study_name
+
+    environment = Environment.current()
+    problem: dict[str, Any] = {
+        "length": 512,
+        "batch_size": 4,
+        "space": SearchSpace(),
+        "memory_budget": 4 * 1024**3,
+        "fixed_loader_kwargs": {"shuffle": True, "collate_fn": None},
+        "environment": environment,
+        "device": None,
+    }
+    name = study_name(SleepDataset(512), sleep_step, **problem)
+    assert name == study_name(SleepDataset(512), sleep_step, **problem)  # not by address
+    changed = [
+        study_name(SleepDataset(512), sleep_step, **{**problem, "memory_budget": 64 * 1024**3}),
+        study_name(SleepDataset(512), noop_step, **problem),
+        study_name(
+            SleepDataset(512),
+            sleep_step,
+            **{**problem, "fixed_loader_kwargs": {"shuffle": False, "collate_fn": None}},
+        ),
+        study_name(
+            SleepDataset(512),
+            sleep_step,
+            **{**problem, "environment": dataclasses.replace(environment, cpu_count=64)},
+        ),
+        study_name(SleepDataset(512), sleep_step, **{**problem, "device": torch.device("meta")}),
+    ]
+    assert name not in changed and len(set(changed)) == len(changed)

@@ -63,7 +63,7 @@ _MAX_TRIAL_SECONDS = 15.0
 # budget, at least _BASELINE_TIMEOUT. Within a trial, its own pace tightens the
 # deadline (NOTE [ Pace deadline ] in _measure.py).
 _TIMEOUT_FACTOR = 20.0
-_MIN_BATCH_TIMEOUT = 10.0
+_MIN_BATCH_TIMEOUT = 3.0
 _BASELINE_TIMEOUT = 60.0
 # NOTE [ Enough searching ]
 # Once the starting points (the cost model's guesses and the ladder) are measured, the
