@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autoloader
 from autoloader import BaselineError, InvalidInputError, SearchSpace, UnpicklableError
 from autoloader._memory import tree_memory
-from autoloader._search_space import BASELINE_PARAMS, trial_params
+from autoloader._search_space import BASELINE_PARAMS
 
 from .workloads import (
     CountingDataset,
@@ -413,15 +414,15 @@ def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
     (summary,) = optuna.get_all_study_summaries(url)
     study = optuna.load_study(study_name=summary.study_name, storage=url)
     phases = [t.user_attrs["phase"] for t in study.trials]
-    assert phases.count("baseline") == 2
+    # The second run read the first's trials: its baseline and ladder were not run again.
+    assert phases.count("baseline") == 1
     assert phases.count("search") == 3
-    # Only as much of the ladder is queued as n_trials lets run: a trial started from a
-    # queued setting measured that setting, not a runoff candidate.
-    for trial in study.trials:
-        queued = trial.system_attrs.get("fixed_params")
-        if queued is not None:
-            measured = trial_params(trial.user_attrs["params"])
-            assert queued == measured, (trial.number, trial.user_attrs["phase"])
+    searched = [
+        json.dumps(t.user_attrs["params"], sort_keys=True)
+        for t in study.trials
+        if t.user_attrs["phase"] == "search"
+    ]
+    assert len(set(searched)) == 3
 
 
 def test_a_journal_file_keeps_the_study_and_a_stale_lock_does_not_hang(tmp_path: Path) -> None:

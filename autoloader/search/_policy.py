@@ -255,8 +255,7 @@ class Policy:
         measured = baseline.measurement if baseline is not None else None
         facts = measured.as_dict() if measured is not None else {}
         guesses = guess_workers(facts, usable_cpus=self.usable_cpus)
-        points = self.space.ladder(first=guesses, limit_threads=loads_on_several_threads(facts))
-        return points[: self.n_trials]
+        return self.space.ladder(first=guesses, limit_threads=loads_on_several_threads(facts))
 
     # NOTE [ Failure boundary ]
     # Some faults come with the worker count: a WebDataset with k shards fails every
