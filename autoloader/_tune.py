@@ -49,6 +49,8 @@ from autoloader.search import Driver, Policy, Trial
 _logger = logging.getLogger(__name__)
 
 DEFAULT_TIME_BUDGET = 60.0
+# A run that ends with more than this share of its budget left says why in its notes.
+_GIVEN_BACK = 0.1
 
 
 def tune(
@@ -269,6 +271,15 @@ def tune(
         for shortcoming in [] if partial else shortcomings:
             _logger.warning("%s", shortcoming)
             notes.append(shortcoming)
+        elapsed = perf_counter() - started
+        if not partial and elapsed < (1 - _GIVEN_BACK) * budget and driver.search_ended:
+            why = driver.search_ended
+            if why == step_bound:
+                why = "the loop is bound by its step (above)"
+            notes.append(
+                f"done in {elapsed:.0f} s of the {budget:.0f} s budget, the rest given back: "
+                f"{why}, and {driver.stopped}"
+            )
         resumed = sum(t.earlier for t in driver.history)
         if resumed:
             notes.append(

@@ -82,6 +82,7 @@ class Driver:
         self.interrupted = interrupted
         self.history: list[Trial] = []
         self.stopped: str | None = None
+        self.search_ended: str | None = None
         self.search_seconds = 0.0
         self._owner = _this_process()
         self._clock = clock
@@ -93,6 +94,12 @@ class Driver:
         while True:
             self._stop_if_interrupted()
             plan = self.policy.next(self.history, seconds_left=self._seconds_left())
+            if self.search_ended is None and (isinstance(plan, Stop) or plan.phase is Phase.RUNOFF):
+                self.search_ended = self.policy.search_ended(
+                    self.history, seconds_left=self._seconds_left()
+                )
+                if self.search_ended is not None:
+                    _logger.info("the search ends: %s", self.search_ended)
             if isinstance(plan, Stop):
                 self.stopped = plan.why
                 _logger.info("no more trials: %s", plan.why)
