@@ -356,7 +356,9 @@ class _Epochs:
 # pace, a batch may take no more than _PACE_FACTOR times what each worker takes per
 # batch at that pace (workers x seconds per batch: batches come in turn), and at least
 # _MIN_PACE_SECONDS. A log-normal latency with sigma 1 stays an order of magnitude
-# under it; a hung worker is found in seconds instead of the floor's ten.
+# under it; a hung worker is found in seconds instead of the baseline's floor. Without
+# workers (the baseline) there is no worker to hang, and a false timeout there would
+# stop the run: the baseline keeps its own deadline.
 _PACE_FACTOR = 20.0
 _MIN_PACE_SECONDS = 2.0
 
@@ -797,7 +799,7 @@ class TrialRunner:
                     return estimate
                 if last:
                     return estimate
-                if each_limit is not None:
+                if each_limit is not None and workers > 0:
                     each_limit = min(each_limit, _pace_limit(total, workers))
                 if (
                     len(windows) >= self.min_windows

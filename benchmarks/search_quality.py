@@ -18,6 +18,12 @@ For each workload, in one run on one machine:
 Values are samples per second over a training epoch, start-up included (the tuner's
 objective, ``NOTE [ Epoch model ]`` in ``autoloader/search/_policy.py``).
 
+The workloads (``benchmarks/workloads.py``) include heavy-tailed latency (``jitter``:
+log-normal per item, sigma 1) and faults that come with the worker index
+(``crash-at-4``, ``hang-at-4``: workers 3 and up crash or hang, so at most 3 work).
+The grid does not run their failing counts (a hang would cost its deadline each
+time): they are worth 0, and the oracle is the best count that works.
+
     python benchmarks/search_quality.py [--workloads latency,tensor] [--time-budget 30]
         [--rounds 3] [--seconds 2] [--remeasure-seconds 3] [--sizes]
 """
