@@ -38,3 +38,18 @@ def test_every_exported_name_is_documented() -> None:
         value = getattr(autoloader, name)
         if callable(value):
             assert inspect.getdoc(value), f"{name} has no docstring"
+
+
+def test_the_torch_floor_covers_the_apis_the_package_uses() -> None:
+    """``torch.accelerator`` and ``DataLoader(in_order=...)`` arrived in torch 2.6: the
+    floor in pyproject.toml must not promise an older torch."""
+    import re
+    from pathlib import Path
+
+    package = Path(autoloader.__file__).parent
+    pyproject = (package.parent / "pyproject.toml").read_text()
+    floor = re.search(r'^\s*"torch>=(\d+)\.(\d+)', pyproject, re.MULTILINE)
+    assert floor is not None, "pyproject.toml has no torch>= floor"
+    source = "".join(p.read_text() for p in package.rglob("*.py"))
+    needs = (2, 6) if "torch.accelerator" in source or "in_order" in source else (2, 0)
+    assert (int(floor[1]), int(floor[2])) >= needs
