@@ -275,7 +275,7 @@ def tune(
         if not partial and elapsed < (1 - _GIVEN_BACK) * budget and driver.search_ended:
             why = driver.search_ended
             if why == step_bound:
-                why = "the loop is bound by its step (above)"
+                why = "no setting can beat the step (see above)"
             notes.append(
                 f"done in {elapsed:.0f} s of the {budget:.0f} s budget, the rest given back: "
                 f"{why}, and {driver.stopped}"

@@ -262,6 +262,8 @@ def test_a_loop_bound_by_its_step_is_not_searched() -> None:
     assert [t.phase for t in result.trials] == ["baseline"]
     # Nothing beats the step: workers would only cost memory and start-up.
     assert result.params == BASELINE_PARAMS
+    (given_back,) = [n for n in result.notes if n.startswith("done in ")]
+    assert "of the 30 s budget, the rest given back: no setting can beat the step" in given_back
 
 
 def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its_step() -> None:
