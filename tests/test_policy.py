@@ -314,6 +314,7 @@ def test_failures_at_two_counts_above_every_success_mark_a_boundary_and_bisect()
     assert policy.known_failure(_params(12), history) is None
     history.append(_failed(3, _params(8)))
     assert policy.boundary(history) == (2, 8)
+    assert policy.failing_from(history) == 8
     known = policy.known_failure(_params(12, prefetch=4), history)
     assert isinstance(known, Failed) and "every count from 8 workers up" in known.reason
     between = policy.bisection(history)
@@ -590,6 +591,10 @@ def test_a_worker_index_crash_is_bracketed_and_nothing_above_it_is_run_again() -
     assert len(crashed_at) <= 4
     skipped = [t for t in driver.history if t.skipped]
     assert all(t.workers >= 6 for t in skipped)
+    # Past the boundary the sampler is asked for fewer workers: it spends no proposals
+    # on counts known to fail (the starting points already skip them).
+    assert driver.policy.failing_from(driver.history) == 6
+    assert len(skipped) <= 1
     assert driver.policy.choose(driver.history).params["num_workers"] == 5
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import optuna
 import psutil
+from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._exceptions import BaselineError
@@ -115,8 +116,12 @@ class Driver:
             # A storage with heartbeats warns that they are kept only by optimize():
             # this run's trials carry their owner instead (see _fail_orphans).
             warnings.filterwarnings("ignore", message=".*[Hh]eartbeat", category=UserWarning)
-            asked = self.study.ask()
-        params = plan.params if plan.params is not None else self.policy.space.suggest(asked)
+            asked = self.study.ask(self._sampler_bounds() if plan.params is None else None)
+        with warnings.catch_warnings():
+            # Drawn from the bounds above, num_workers is then asked again with the
+            # space's own range: Optuna keeps the first, and says so.
+            warnings.filterwarnings("ignore", "Inconsistent parameter values", RuntimeWarning)
+            params = plan.params if plan.params is not None else self.policy.space.suggest(asked)
         spec = TrialSpec(
             number=asked.number,
             phase=plan.phase,
@@ -230,6 +235,16 @@ class Driver:
             _logger.info("trial %d: %s", trial.number, _orphan_reason(owner))
 
     # Helpers ------------------------------------------------------------------------
+
+    def _sampler_bounds(self) -> dict[str, BaseDistribution] | None:
+        """Past a failure boundary, the sampler draws the worker count below it: Optuna's
+        TPE learns nothing from failed trials, and would keep proposing counts that are
+        known to fail (each recorded without running, but a proposal spent)."""
+        failing_from = self.policy.failing_from(self.history)
+        low, high = self.policy.space.num_workers  # type: ignore[misc]
+        if failing_from is None or not low <= failing_from - 1 < high:
+            return None
+        return {"num_workers": IntDistribution(low, failing_from - 1)}
 
     def _batch_bytes(self) -> int:
         for trial in self.history:

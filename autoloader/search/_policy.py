@@ -460,20 +460,32 @@ class Policy:
                 return Failed(outcome.kind, outcome.reason, same_as=trial.number)
         return self._beyond_boundary(params, history)
 
-    def _beyond_boundary(
-        self, params: Mapping[str, Any], history: Sequence[Trial]
-    ) -> Failed | None:
+    def failing_from(self, history: Sequence[Trial]) -> int | None:
+        """The worker count from which every count is known to fail (``NOTE [ Failure
+        boundary ]``): failures of a worker-count kind at two counts or more above every
+        count that ran. The sampler is then asked for fewer workers only."""
         found = self.boundary(history)
         if found is None:
             return None
         _, smallest = found
+        counts = {
+            t.workers for t in history
+            if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
+            and not t.skipped and t.workers >= smallest
+        }  # fmt: skip
+        return smallest if len(counts) >= 2 else None
+
+    def _beyond_boundary(
+        self, params: Mapping[str, Any], history: Sequence[Trial]
+    ) -> Failed | None:
+        smallest = self.failing_from(history)
+        if smallest is None or int(params["num_workers"]) < smallest:
+            return None
         counts = [
             t for t in history
             if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
             and not t.skipped and t.workers >= smallest
         ]  # fmt: skip
-        if len({t.workers for t in counts}) < 2 or int(params["num_workers"]) < smallest:
-            return None
         first = min(counts, key=lambda t: t.workers)
         assert isinstance(first.outcome, Failed)
         return Failed(
