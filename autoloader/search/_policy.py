@@ -262,9 +262,10 @@ class Policy:
     # count above k; a dataset that crashes or hangs in workers >= k fails every count
     # above k. Once failures of such a kind are seen at two counts or more above the
     # largest count that worked, every count from the smallest of them up is known to
-    # fail (the sampler's proposals there are recorded without running), and the
-    # search bisects between the largest success and the smallest failure to find the
-    # most workers that work, instead of spending the budget above the boundary.
+    # fail (the sampler draws fewer workers, and a proposal there would be recorded
+    # without running), and the search bisects between the largest success and the
+    # smallest failure to find the most workers that work, instead of spending the
+    # budget above the boundary.
     def boundary(self, history: Sequence[Trial]) -> tuple[int, int] | None:
         """``(largest count that worked, smallest count that failed above it)``, when
         failures of a worker-count kind lie above every success; else ``None``."""
