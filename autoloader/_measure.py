@@ -739,6 +739,12 @@ class TrialRunner:
         to_skip = warmup
         burst_left = 0
 
+        def estimate_so_far() -> Measurement:
+            return self._estimate(
+                windows, total, time_to_first_batch, restarts, started, watch, batch_bytes,
+                epochs, burst_left,
+            )  # fmt: skip
+
         while perf_counter() < deadline:
             t0, cpu0 = perf_counter(), process_time()
             try:
@@ -784,17 +790,7 @@ class TrialRunner:
                 windows.append(window)
                 for name in (f.name for f in fields(_Totals)):
                     setattr(total, name, getattr(total, name) + getattr(window, name))
-                estimate = self._estimate(
-                    windows,
-                    total,
-                    time_to_first_batch,
-                    restarts,
-                    started,
-                    watch,
-                    batch_bytes,
-                    epochs,
-                    burst_left,
-                )
+                estimate = estimate_so_far()
                 if on_window is not None and on_window(len(windows), estimate):
                     return estimate
                 if last:
@@ -822,17 +818,7 @@ class TrialRunner:
                 seconds=time_to_first_batch,
                 wait=time_to_first_batch,
             )
-        return self._estimate(
-            windows,
-            total,
-            time_to_first_batch,
-            restarts,
-            started,
-            watch,
-            batch_bytes,
-            epochs,
-            burst_left,
-        )
+        return estimate_so_far()
 
     def _estimate(
         self,

@@ -254,7 +254,7 @@ def tune(
             with _remember_ctrl_c(driver.interrupted):
                 driver.run()
         except KeyboardInterrupt:
-            if not any(t.phase.value == "baseline" and t.value for t in driver.history):
+            if not driver.has_baseline():
                 raise
             # The trial under way has stopped and its workers are gone; what finished
             # before is still a measured answer.

@@ -41,7 +41,7 @@ from autoloader.search._outcome import (
     outcome_attrs,
     outcome_from_attrs,
 )
-from autoloader.search._policy import Plan, Policy, Stop
+from autoloader.search._policy import Plan, Policy, Stop, baseline_measurement
 
 _logger = logging.getLogger(__name__)
 
@@ -246,11 +246,13 @@ class Driver:
             return None
         return {"num_workers": IntDistribution(low, failing_from - 1)}
 
+    def has_baseline(self) -> bool:
+        """Whether the baseline finished: without it there is nothing to compare to."""
+        return baseline_measurement(self.history) is not None
+
     def _batch_bytes(self) -> int:
-        for trial in self.history:
-            if trial.phase is Phase.BASELINE and trial.measurement is not None:
-                return trial.measurement.batch_bytes
-        return 0
+        measured = baseline_measurement(self.history)
+        return measured.batch_bytes if measured is not None else 0
 
     def _stop_if_interrupted(self) -> None:
         if self.interrupted is not None and self.interrupted.is_set():

@@ -201,7 +201,7 @@ class Policy:
         Raises:
             AllSettingsFailedError: every setting with workers failed so far.
         """
-        if _baseline(history) is None:
+        if baseline_measurement(history) is None:
             seconds = max(0.5 * _MIN_TRIAL_SECONDS, min(self._trial_seconds, seconds_left))
             return Plan(Phase.BASELINE, BASELINE_PARAMS, seconds, "the baseline")
         mine = [t for t in history if not t.earlier]
@@ -251,8 +251,7 @@ class Policy:
 
     def starting_points(self, history: Sequence[Trial]) -> list[Params]:
         """The cost model's guesses, then the doubling ladder (see ``SearchSpace.ladder``)."""
-        baseline = _baseline(history)
-        measured = baseline.measurement if baseline is not None else None
+        measured = baseline_measurement(history)
         facts = measured.as_dict() if measured is not None else {}
         guesses = guess_workers(facts, usable_cpus=self.usable_cpus)
         return self.space.ladder(first=guesses, limit_threads=loads_on_several_threads(facts))
@@ -269,20 +268,11 @@ class Policy:
     def boundary(self, history: Sequence[Trial]) -> tuple[int, int] | None:
         """``(largest count that worked, smallest count that failed above it)``, when
         failures of a worker-count kind lie above every success; else ``None``."""
-        worked = [t.workers for t in history if _ran(t.outcome)]
-        largest = max(worked, default=0)
-        failed = sorted(
-            {
-                t.workers
-                for t in history
-                if isinstance(t.outcome, Failed)
-                and t.outcome.kind in WORKER_COUNT_FAULTS
-                and t.workers > largest
-            }
-        )
+        largest = max((t.workers for t in history if _ran(t.outcome)), default=0)
+        failed = [t.workers for t in _worker_count_failures(history) if t.workers > largest]
         if not failed:
             return None
-        return largest, failed[0]
+        return largest, min(failed)
 
     def bisection(self, history: Sequence[Trial]) -> Params | None:
         """A setting halfway between the largest count that worked and the smallest that
@@ -392,8 +382,7 @@ class Policy:
     def deadlines(self, params: Mapping[str, Any], history: Sequence[Trial]) -> Deadlines:
         """How long one batch may take with ``params`` (see ``NOTE [ Hang deadlines ]``)."""
         workers = int(params["num_workers"])
-        baseline = _baseline(history)
-        measured = baseline.measurement if baseline is not None else None
+        measured = baseline_measurement(history)
         if measured is None:
             limit = max(_BASELINE_TIMEOUT, self.time_budget)
             return Deadlines(first=limit, each=limit)
@@ -406,8 +395,7 @@ class Policy:
         self, params: Mapping[str, Any], measurement: Measurement, history: Sequence[Trial]
     ) -> float:
         """The objective: samples per second over an epoch (``NOTE [ Epoch model ]``)."""
-        baseline = _baseline(history)
-        measured = baseline.measurement if baseline is not None else None
+        measured = baseline_measurement(history)
         return epoch_samples_per_second(
             params,
             measurement,
@@ -469,11 +457,7 @@ class Policy:
         if found is None:
             return None
         _, smallest = found
-        counts = {
-            t.workers for t in history
-            if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
-            and not t.skipped and t.workers >= smallest
-        }  # fmt: skip
+        counts = {t.workers for t in _worker_count_failures(history) if t.workers >= smallest}
         return smallest if len(counts) >= 2 else None
 
     def _beyond_boundary(
@@ -482,12 +466,10 @@ class Policy:
         smallest = self.failing_from(history)
         if smallest is None or int(params["num_workers"]) < smallest:
             return None
-        counts = [
-            t for t in history
-            if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
-            and not t.skipped and t.workers >= smallest
-        ]  # fmt: skip
-        first = min(counts, key=lambda t: t.workers)
+        first = min(
+            (t for t in _worker_count_failures(history) if t.workers >= smallest),
+            key=lambda t: t.workers,
+        )
         assert isinstance(first.outcome, Failed)
         return Failed(
             first.outcome.kind,
@@ -537,8 +519,7 @@ class Policy:
         """
         mine = [t for t in history if not t.earlier]
         found = []
-        baseline = _baseline(mine)
-        measured = baseline.measurement if baseline is not None else None
+        measured = baseline_measurement(mine)
         if measured is not None and not math.isfinite(measured.relative_error):
             found.append(
                 f"the baseline (num_workers=0) timed {measured.batches} batches "
@@ -574,6 +555,15 @@ class Policy:
         return seconds_left - _RUNOFF_SHARE * self.time_budget
 
 
+def _worker_count_failures(history: Sequence[Trial]) -> list[Trial]:
+    """Trials run that failed with a fault that comes with the worker count."""
+    return [
+        t for t in history
+        if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
+        and not t.skipped
+    ]  # fmt: skip
+
+
 def _over_memory(outcome: Outcome) -> bool:
     return isinstance(outcome, Pruned) and outcome.kind in (PruneKind.MEMORY, PruneKind.KILLED)
 
@@ -585,11 +575,11 @@ def _ran(outcome: Outcome) -> bool:
     )
 
 
-def _baseline(history: Sequence[Trial]) -> Trial | None:
-    """The first complete baseline trial."""
+def baseline_measurement(history: Sequence[Trial]) -> Measurement | None:
+    """What the first complete baseline trial measured, or ``None`` before it."""
     for trial in history:
         if trial.phase is Phase.BASELINE and isinstance(trial.outcome, Completed):
-            return trial
+            return trial.outcome.measurement
     return None
 
 
