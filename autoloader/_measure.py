@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from time import perf_counter, process_time
 from types import FrameType
@@ -134,6 +134,7 @@ class TrialError(Exception):
         peak_memory: bytes, the tree's peak before the error.
         worker_signals: signals that killed the trial's workers, if any.
         worker_exit_codes: non-zero exit codes of the trial's workers, if any.
+        rank: under torchrun, the rank it happened on (set by the rank that gathered it).
     """
 
     def __init__(self, stage: str, error: BaseException, peak_memory: int) -> None:
@@ -143,6 +144,7 @@ class TrialError(Exception):
         self.peak_memory = peak_memory
         self.worker_signals: tuple[int, ...] = ()
         self.worker_exit_codes: tuple[int, ...] = ()
+        self.rank: int | None = None
         super().__init__(f"{self.summary} while {stage}")
 
     def __reduce__(self) -> tuple[Callable[..., TrialError], tuple[Any, ...]]:
@@ -251,6 +253,89 @@ def describe_error(error: BaseException) -> tuple[str, str]:
 # returns True to stop the trial there (a vote, not an exception: the runner returns
 # the estimate as measured, and every process of a trial can stop at the same window).
 WindowCallback = Callable[[int, Measurement], bool]
+
+
+# NOTE [ Joint trials ]
+# Under torchrun every rank measures the same setting at once (see _joint.py), and a
+# step_fn that runs DDP collectives blocks until every rank has called it as often. So
+# the ranks take every decision of the loop (warm-up over, a window closed, stop, time
+# up, a failure) at the same batch: at checkpoints every few batches (as many as take
+# about _CHECKPOINT_SECONDS, the same count on every rank), where each says what it saw
+# and all act on what any saw. A rank whose loader fails or hangs (found by its own
+# deadline) does not leave the loop at once: it steps a spare batch (the last good one)
+# until the next checkpoint, so that the others' collectives are matched, and there
+# every rank abandons the trial together. A worker's death is reported at the next
+# fetch, never in the middle of a step (whose collectives might be half done). Alone,
+# every batch is a checkpoint and nothing is exchanged: the loop is what it always was.
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """What one process measuring a setting saw since the last checkpoint; agreed, what
+    any of the processes saw (for ``seconds``, the longest)."""
+
+    time_up: bool = False  # the trial's time has run out
+    warming: bool = False  # still in the warm-up
+    not_ready: bool = False  # its timing window is not yet long enough to close
+    restarted: bool = False  # it began a new epoch
+    failed: bool = False  # its loader or step failed; it steps the spare batch
+    seconds: float = 0.0  # since the last checkpoint
+
+
+class Lockstep(Protocol):
+    """How the processes that measure one setting together (every rank of a torchrun
+    job) take the loop's decisions at the same batch (``NOTE [ Joint trials ]``)."""
+
+    joint: bool
+    # The last batch stepped well: a joint trial steps it in place of one it failed to load.
+    spare: Any
+
+    def begin(self) -> None:
+        """A trial starts."""
+
+    def every(self) -> int:
+        """Batches from one checkpoint to the next."""
+
+    def agree(self, mine: Checkpoint) -> Checkpoint:
+        """What any process saw."""
+
+    def combine(self, estimate: Measurement) -> Measurement:
+        """The job's estimate from each process's."""
+
+    def decide(self, stop: bool) -> bool:
+        """The driving process's decision to stop, on every process."""
+
+
+class Alone:
+    """A process measuring on its own: every batch a checkpoint, nothing exchanged."""
+
+    joint = False
+    spare = None
+
+    def begin(self) -> None:
+        return None
+
+    def every(self) -> int:
+        return 1
+
+    def agree(self, mine: Checkpoint) -> Checkpoint:
+        return mine
+
+    def combine(self, estimate: Measurement) -> Measurement:
+        return estimate
+
+    def decide(self, stop: bool) -> bool:
+        return stop
+
+
+class PeerFailed(Exception):
+    """Another process of a joint trial failed; this one stopped with it (internal)."""
+
+    def __init__(self) -> None:
+        super().__init__("the trial failed on another rank")
+
+    def __reduce__(self) -> tuple[type[PeerFailed], tuple[()]]:
+        return type(self), ()
 
 
 class Runner(Protocol):
@@ -420,8 +505,10 @@ class _WorkerDeaths:
     installed first here so that it is the one this handler passes deaths on to.
     """
 
-    def __init__(self, watch: MemoryWatch) -> None:
+    def __init__(self, watch: MemoryWatch, *, defer: bool = False) -> None:
         self.watch = watch
+        self.defer = defer
+        self.fetching = False
         self.expected = False
         self._deferring = False
         self._deferred = False
@@ -460,8 +547,18 @@ class _WorkerDeaths:
         finally:
             signal.signal(signal.SIGCHLD, self._previous)
 
+    def report_deferred(self) -> None:
+        """Raise what a death held back outside a fetch meant (``defer``); the fetch
+        that calls this is then under way."""
+        self.fetching = True
+        if not self._deferred or self._deferring:
+            return
+        self._deferred = False
+        self.watch.check()
+        _error_if_any_worker_fails()
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._deferring:
+        if self._deferring or (self.defer and not self.fetching):
             self._deferred = True
             return
         if self.watch.exceeded:
@@ -492,6 +589,9 @@ class TrialRunner:
             this well. (default: ``0.05``)
         min_windows (int, optional): timing windows needed before stopping. (default: ``4``)
         min_window_seconds (float, optional): shortest timing window. (default: ``0.1``)
+        memory_peers (sequence of int, optional): other processes whose trees count
+            in ``memory_budget``: the other ranks of a torchrun job on this node, whose
+            workers the watch stops too. (default: ``()``)
     """
 
     def __init__(
@@ -506,6 +606,7 @@ class TrialRunner:
         target_relative_error: float = 0.05,
         min_windows: int = 4,
         min_window_seconds: float = 0.1,
+        memory_peers: Sequence[int] = (),
     ) -> None:
         self.dataset = dataset
         self.step_fn = step_fn
@@ -516,6 +617,7 @@ class TrialRunner:
         self.target_relative_error = target_relative_error
         self.min_windows = min_windows
         self.min_window_seconds = min_window_seconds
+        self.memory_peers = tuple(memory_peers)
 
     def measure(
         self,
@@ -525,6 +627,7 @@ class TrialRunner:
         on_window: WindowCallback | None = None,
         deadlines: Deadlines | None = None,
         max_batches: int | None = None,
+        lockstep: Lockstep | None = None,
     ) -> Measurement:
         """Measure the loop with ``params`` for at most about ``max_seconds``.
 
@@ -538,6 +641,8 @@ class TrialRunner:
                 pace, a batch may also take no more than ``NOTE [ Pace deadline ]``
                 allows.
             max_batches: stop once this many batches are timed, if set.
+            lockstep: how this process keeps in step with the others measuring the
+                same setting (every rank of a torchrun job); ``None`` measures alone.
 
         Raises:
             MemoryBudgetExceeded: the process tree passed the memory budget.
@@ -551,7 +656,9 @@ class TrialRunner:
             )
             return build_loader(self.dataset, kwargs)
 
-        return self._measure(build, params, max_seconds, on_window, deadlines, max_batches)
+        return self._measure(
+            build, params, max_seconds, on_window, deadlines, max_batches, lockstep or Alone()
+        )
 
     def measure_loader(
         self,
@@ -573,7 +680,7 @@ class TrialRunner:
             "prefetch_factor": loader.prefetch_factor if workers else None,
             "pin_memory": loader.pin_memory,
         }
-        return self._measure(lambda: loader, params, max_seconds, None, deadlines, None)
+        return self._measure(lambda: loader, params, max_seconds, None, deadlines, None, Alone())
 
     def first_batches(
         self, build: Callable[[], DataLoader[Any]], count: int, *, seconds: float
@@ -614,13 +721,15 @@ class TrialRunner:
         on_window: WindowCallback | None,
         deadlines: Deadlines | None,
         max_batches: int | None,
+        lockstep: Lockstep,
     ) -> Measurement:
         return self._guarded(
             build,
             max_seconds,
             lambda loader, guard: self._time_loop(
-                loader, guard, params, deadlines, max_seconds, on_window, max_batches
+                loader, guard, params, deadlines, max_seconds, on_window, max_batches, lockstep
             ),
+            joint=lockstep.joint,
         )
 
     def _guarded(
@@ -628,13 +737,17 @@ class TrialRunner:
         build: Callable[[], DataLoader[Any]],
         max_seconds: float,
         run: Callable[[DataLoader[Any], _Guard], _T],
+        *,
+        joint: bool = False,
     ) -> _T:
         """``run`` over the loader ``build`` makes, under the memory watch, the workers'
         death handler and the alarm; its workers stopped afterwards, killed if it failed."""
         started = perf_counter()
-        watch = MemoryWatch(self.memory_budget, ends_at=time.monotonic() + max_seconds).start()
+        watch = MemoryWatch(
+            self.memory_budget, ends_at=time.monotonic() + max_seconds, others=self.memory_peers
+        ).start()
         with (
-            _WorkerDeaths(watch).handled() as deaths,
+            _WorkerDeaths(watch, defer=joint).handled() as deaths,
             Alarm().installed() as alarm,
             warnings.catch_warnings(),
         ):
@@ -686,6 +799,7 @@ class TrialRunner:
         max_seconds: float,
         on_window: WindowCallback | None,
         max_batches: int | None,
+        lockstep: Lockstep,
     ) -> Measurement:
         deaths, watch, alarm, started = guard.deaths, guard.watch, guard.alarm, guard.started
         iterator = guard.iterator = deaths.start(loader)
@@ -702,34 +816,65 @@ class TrialRunner:
         window_batches = max(2, workers)
         first_limit = deadlines.first if deadlines else None
         each_limit = deadlines.each if deadlines else None
+        # A joint trial's failure waits for the next checkpoint (NOTE [ Joint trials ]).
+        failure: TrialError | MemoryBudgetExceeded | None = None
 
         def fetch(it: Iterator[Any], limit: float | None) -> Any:
+            if failure is not None:
+                return lockstep.spare
             alarm.arm("loading a batch", limit)
             try:
+                deaths.report_deferred()
                 return next(it)
             except StopIteration:
                 raise
             except Exception as error:
-                raise TrialError("loading a batch", error, watch.peak) from error
+                return failed(TrialError("loading a batch", error, watch.peak), error)
             finally:
+                deaths.fetching = False
                 alarm.disarm()
 
         def step(batch: Any) -> None:
+            if failure is not None:
+                # Only to keep the step's collectives matched with the other ranks'.
+                with contextlib.suppress(Exception):
+                    self._step(batch, non_blocking)
+                return
             alarm.arm("running step_fn", each_limit)
             try:
-                if self.device is not None:
-                    batch = move_to_device(batch, self.device, non_blocking=non_blocking)
-                self.step_fn(batch)
+                self._step(batch, non_blocking)
+                watch.check()
+            except MemoryBudgetExceeded as error:
+                failed(error, None)
             except Exception as error:
-                raise TrialError("running step_fn", error, watch.peak) from error
+                failed(TrialError("running step_fn", error, watch.peak), error)
+            else:
+                if lockstep.joint:
+                    lockstep.spare = batch
             finally:
                 alarm.disarm()
 
+        def failed(error: TrialError | MemoryBudgetExceeded, cause: BaseException | None) -> Any:
+            """Alone, raise ``error``; in a joint trial keep it for the next checkpoint
+            and hand back the spare batch to step in the meantime."""
+            nonlocal failure
+            if not lockstep.joint or lockstep.spare is None:
+                raise error from cause
+            failure = error
+            return lockstep.spare
+
+        def restart() -> Iterator[Any]:
+            try:
+                return deaths.start(loader)
+            except Exception as error:
+                failed(TrialError("loading a batch", error, watch.peak), error)
+                return iterator
+
+        lockstep.begin()
         batch = fetch(iterator, first_limit)
         time_to_first_batch = perf_counter() - started
         batch_bytes = _batch_bytes(batch)
         step(batch)
-        watch.check()
         epochs = _Epochs(_loader_length(loader), in_flight=warmup)
         restarts: list[float] = []
         windows: list[_Totals] = []
@@ -737,7 +882,11 @@ class TrialRunner:
         window: _Totals | None = None
         window_start = 0.0
         to_skip = warmup
+        warming = True
         burst_left = 0
+        since_checkpoint = 0
+        restarted_since = False
+        checkpoint_at = perf_counter()
 
         def estimate_so_far() -> Measurement:
             return self._estimate(
@@ -745,65 +894,102 @@ class TrialRunner:
                 epochs, burst_left,
             )  # fmt: skip
 
-        while perf_counter() < deadline:
+        def checkpoint(**said: bool) -> Checkpoint:
+            nonlocal checkpoint_at, since_checkpoint, restarted_since
+            now = perf_counter()
+            agreed = lockstep.agree(
+                Checkpoint(
+                    time_up=now >= deadline,
+                    failed=failure is not None,
+                    seconds=now - checkpoint_at,
+                    **said,
+                )
+            )
+            checkpoint_at, since_checkpoint, restarted_since = now, 0, False
+            if agreed.failed:
+                raise failure if failure is not None else PeerFailed()
+            return agreed
+
+        agreed = checkpoint()
+        while not agreed.time_up:
             t0, cpu0 = perf_counter(), process_time()
+            restarted = False
             try:
                 batch = fetch(iterator, each_limit)
             except StopIteration:
                 # A new epoch: workers restart unless persistent; time it, warm up again.
-                iterator = guard.iterator = deaths.start(loader)
+                iterator = guard.iterator = restart()
                 batch = fetch(iterator, first_limit)
                 restarts.append(perf_counter() - t0)
-                step(batch)
-                epochs.restarted()
-                epochs.add(_batch_length(batch, self.batch_size), perf_counter())
-                window, to_skip = None, warmup
-                continue
+                restarted = True
             t1, cpu1 = perf_counter(), process_time()
             step(batch)
-            watch.check()
             t2, cpu2 = perf_counter(), process_time()
+            if restarted:
+                epochs.restarted()
+                restarted_since = True
             epochs.add(_batch_length(batch, self.batch_size), t2)
-            if to_skip > 0 and t2 < warmup_deadline:
-                to_skip -= 1
+            ready = last = False
+            if restarted:
+                window, to_skip = None, warmup
+            elif window is None:
+                warming = to_skip > 0 and t2 < warmup_deadline
+                to_skip -= warming
+            else:
+                window.samples += _batch_length(batch, self.batch_size)
+                window.batches += 1
+                window.wait += t1 - t0
+                window.wait_cpu += cpu1 - cpu0
+                window.step_cpu += cpu2 - cpu1
+                window.step += t2 - t1
+                elapsed = t2 - window_start
+                last = max_batches is not None and total.batches + window.batches >= max_batches
+                ready = window.batches >= window_batches and elapsed >= self.min_window_seconds
+            since_checkpoint += 1
+            if since_checkpoint < lockstep.every():
                 continue
-            if not restarts and window is None and not windows:
-                burst_left = to_skip  # the first window starts: what the cap left queued
-            if epochs.mark is None:
-                epochs.start(t2)
+            agreed = checkpoint(
+                restarted=restarted_since,
+                warming=window is None and warming,
+                not_ready=window is not None and not (ready or last),
+            )
+            if agreed.restarted:
+                window, to_skip = None, warmup
+                continue
             if window is None:
+                if agreed.warming:
+                    continue
+                if not restarts and not windows:
+                    burst_left = to_skip  # the first window starts: what the cap left queued
+                if epochs.mark is None:
+                    epochs.start(t2)
                 synchronize(self.device)
                 window, window_start = _Totals(), perf_counter()
                 continue
-            window.samples += _batch_length(batch, self.batch_size)
-            window.batches += 1
-            window.wait += t1 - t0
-            window.wait_cpu += cpu1 - cpu0
-            window.step_cpu += cpu2 - cpu1
-            window.step += t2 - t1
-            elapsed = t2 - window_start
-            last = max_batches is not None and total.batches + window.batches >= max_batches
-            if last or (window.batches >= window_batches and elapsed >= self.min_window_seconds):
-                synchronize(self.device)
-                end = perf_counter()
-                window.seconds = end - window_start
-                windows.append(window)
-                for name in (f.name for f in fields(_Totals)):
-                    setattr(total, name, getattr(total, name) + getattr(window, name))
-                estimate = estimate_so_far()
-                if on_window is not None and on_window(len(windows), estimate):
-                    return estimate
-                if last:
-                    return estimate
-                if each_limit is not None and workers > 0:
-                    each_limit = min(each_limit, _pace_limit(total, workers))
-                if (
+            if agreed.not_ready:
+                continue
+            synchronize(self.device)
+            end = perf_counter()
+            window.seconds = end - window_start
+            windows.append(window)
+            for name in (f.name for f in fields(_Totals)):
+                setattr(total, name, getattr(total, name) + getattr(window, name))
+            mine = estimate_so_far()
+            estimate = lockstep.combine(mine)
+            stop = (
+                (on_window is not None and on_window(len(windows), estimate))
+                or last
+                or (
                     len(windows) >= self.min_windows
                     and estimate.relative_error <= self.target_relative_error
                     and not epochs.due(end, total.seconds / total.batches, deadline)
-                ):
-                    return estimate
-                window, window_start = _Totals(), end
+                )
+            )
+            if lockstep.decide(stop):
+                return mine
+            if each_limit is not None and workers > 0:
+                each_limit = min(each_limit, _pace_limit(total, workers))
+            window, window_start = _Totals(), end
 
         if not windows and window is not None and window.batches > 0:
             # The cap came before a full window: keep the partial one, flagged uncertain.
@@ -819,6 +1005,11 @@ class TrialRunner:
                 wait=time_to_first_batch,
             )
         return estimate_so_far()
+
+    def _step(self, batch: Any, non_blocking: bool) -> None:
+        if self.device is not None:
+            batch = move_to_device(batch, self.device, non_blocking=non_blocking)
+        self.step_fn(batch)
 
     def _estimate(
         self,

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -44,7 +44,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 # Share of the currently available memory a default budget may take on top of what the
 # tree already uses: the rest is head-room for the page cache and other processes.
-_DEFAULT_BUDGET_SHARE = 0.8
+DEFAULT_BUDGET_SHARE = 0.8
 
 
 def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
@@ -135,8 +135,12 @@ def process_memory(process: psutil.Process) -> int:
 def tree_memory(root: psutil.Process | None = None) -> int:
     """PSS in bytes of ``root`` (this process by default) and all its descendants."""
     root = root or psutil.Process()
+    try:
+        descendants = root.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return 0
     total = 0
-    for process in (root, *root.children(recursive=True)):
+    for process in (root, *descendants):
         try:
             total += process_memory(process)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
@@ -146,7 +150,7 @@ def tree_memory(root: psutil.Process | None = None) -> int:
 
 def default_memory_budget() -> int:
     """What the tree uses now plus a safe share of the memory still available."""
-    return tree_memory() + int(_DEFAULT_BUDGET_SHARE * available_memory())
+    return tree_memory() + int(DEFAULT_BUDGET_SHARE * available_memory())
 
 
 def resolve_memory_budget(memory_budget: int | str | None) -> int:
@@ -274,6 +278,9 @@ class MemoryWatch:
         interval (float, optional): seconds between samples. (default: ``0.1``)
         ends_at (float, optional): ``time.monotonic()`` time the trial ends, to which
             growth is projected; ``None`` disables the projection. (default: ``None``)
+        others (sequence of int, optional): pids of other processes whose trees count in
+            the budget with this one's (the other ranks of a torchrun job on this node);
+            their children started after :meth:`start` are stopped too. (default: ``()``)
     """
 
     # NOTE [ Cheap memory sampling ]
@@ -308,13 +315,22 @@ class MemoryWatch:
     _MIN_GROWTH_SPAN = 1.0
     _CONFIRMATIONS = 3
 
-    def __init__(self, budget: int, *, interval: float = 0.1, ends_at: float | None = None) -> None:
+    def __init__(
+        self,
+        budget: int,
+        *,
+        interval: float = 0.1,
+        ends_at: float | None = None,
+        others: Sequence[int] = (),
+    ) -> None:
         self.budget = budget
         self.interval = interval
         self.ends_at = ends_at
         self.peak = 0
         self.projected: int | None = None
         self._process = psutil.Process()
+        self._others = [psutil.Process(pid) for pid in others if _exists(pid)]
+        self._started_at = 0.0
         self._exceeded = threading.Event()
         self._reported = False
         self._stop = threading.Event()
@@ -335,6 +351,7 @@ class MemoryWatch:
 
     def start(self) -> MemoryWatch:
         self._preexisting = frozenset(p.pid for p in self._process.children(recursive=True))
+        self._started_at = time.time()
         self.sample()
         self._thread = threading.Thread(target=self._run, name="autoloader-memory", daemon=True)
         self._thread.start()
@@ -351,7 +368,11 @@ class MemoryWatch:
         trial's, to be stopped with it. The standard library's helpers (see
         :func:`_multiprocessing_helpers`) are not, even when the trial started them."""
         keep = self._preexisting | _multiprocessing_helpers()
-        return [p for p in self._process.children(recursive=True) if p.pid not in keep]
+        mine = [p for p in self._process.children(recursive=True) if p.pid not in keep]
+        # The others start their trials when this one does, give or take a few ms: their
+        # children from then on are their trials'.
+        since = self._started_at - _OTHERS_SLACK
+        return mine + [p for p in _descendants(self._others) if _created_after(p, since)]
 
     def sample(self) -> int:
         """Estimate the tree's memory now (see ``NOTE [ Cheap memory sampling ]``)."""
@@ -359,6 +380,7 @@ class MemoryWatch:
         changed = False
         if now - self._tree_read_at >= self._CHILDREN_REFRESH:
             tree = [self._process, *self._process.children(recursive=True)]
+            tree += [*self._others, *_descendants(self._others)]
             changed = {p.pid for p in tree} != {p.pid for p in self._tree}
             self._tree, self._tree_read_at = tree, now
         rss = _rss_sum(self._tree)
@@ -408,7 +430,9 @@ class MemoryWatch:
 
     def _calibrate(self, rss: int) -> int:
         started = time.monotonic()
-        self._exact = tree_memory(self._process)
+        self._exact = tree_memory(self._process) + sum(
+            tree_memory(other) for other in self._others if _exists(other.pid)
+        )
         self._rss_at_exact = rss
         self._exact_at = time.monotonic()
         self._exact_every = (self._exact_at - started) / self._CALIBRATION_DUTY
@@ -443,6 +467,32 @@ class MemoryWatch:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+# Seconds before this watch started that another rank's new child still counts as its
+# trial's (the ranks start a trial on the same broadcast).
+_OTHERS_SLACK = 0.5
+
+
+def _exists(pid: int) -> bool:
+    return bool(psutil.pid_exists(pid))
+
+
+def _descendants(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for process in processes:
+        try:
+            found += process.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _created_after(process: psutil.Process, when: float) -> bool:
+    try:
+        return bool(process.create_time() >= when)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
 
 
 def _rss_sum(processes: Iterable[psutil.Process]) -> int:
