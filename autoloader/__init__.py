@@ -19,6 +19,7 @@ from autoloader._exceptions import (
     InvalidInputError,
     IsolationError,
     LoopError,
+    RankError,
     ResultFileError,
     UnpicklableError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "InvalidInputError",
     "IsolationError",
     "LoopError",
+    "RankError",
     "ResultFileError",
     "SearchSpace",
     "TrialRecord",

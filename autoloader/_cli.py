@@ -11,13 +11,15 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import Dataset
+import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler
 
 from autoloader._exceptions import AutoloaderError
 
@@ -32,6 +34,9 @@ def _tune(args: argparse.Namespace) -> int:
         except Exception as error:
             name = getattr(factory, "__qualname__", "the dataset factory")
             raise AutoloaderError(f"{name}() raised {type(error).__name__}: {error}") from error
+    loader_kwargs: dict[str, Any] | None = {"shuffle": True} if args.shuffle else None
+    if dist.is_initialized():  # under torchrun: each rank reads its share, as in training
+        loader_kwargs = {"sampler": DistributedSampler(dataset, shuffle=args.shuffle)}
     result = tune(
         dataset,
         args.step,
@@ -39,7 +44,7 @@ def _tune(args: argparse.Namespace) -> int:
         time_budget=args.time_budget,
         n_trials=args.n_trials,
         memory_budget=args.memory_budget,
-        loader_kwargs={"shuffle": True} if args.shuffle else None,
+        loader_kwargs=loader_kwargs,
         device=args.device,
         seed=args.seed,
         storage=args.storage,
@@ -48,6 +53,8 @@ def _tune(args: argparse.Namespace) -> int:
     )
     # Saved first: a report that fails to print (a closed pipe) loses nothing measured.
     path = result.save(args.out)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0  # every rank holds the same result: rank 0 saves and prints it
     print(result.report())
     print(f"\nsaved to {path}: autoloader.load({str(path)!r}).make_loader(dataset)")
     return 0
@@ -282,7 +289,23 @@ def _warning_line(
     return f"autoloader: warning: {message}\n"
 
 
+def _join_torchrun() -> None:
+    """Under torchrun (``RANK`` and ``WORLD_SIZE`` set for a world of more than one),
+    start the process group before the user's modules are imported, so that a step
+    that builds a DDP model finds it: gloo, with NCCL for CUDA tensors where there is
+    a GPU. autoloader's own exchanges go through a gloo group of their own."""
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import torch
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _join_torchrun()
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,11 +21,46 @@ from autoloader._memory import format_bytes, total_memory
 _MEMORY_TOLERANCE = 0.05
 
 
-def _usable_cpus() -> int:
+def affinity() -> frozenset[int]:
+    """The CPUs this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def _affinity() -> int:
+    return len(affinity())
+
+
+def cgroup_cpus(*, cgroup_root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs the cgroup's quota allows (v2 ``cpu.max``, else v1's CFS quota), if any."""
+    try:
+        quota, period = (cgroup_root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = (cgroup_root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+        period = (cgroup_root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        return int(quota) / int(period) if int(quota) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus(*, local_world_size: int = 1, node_cpus: int | None = None) -> int:
+    """CPUs this process may use: its affinity (``taskset``, ``numactl``), capped by the
+    cgroup's quota. Under torchrun, its share of ``node_cpus`` (the CPUs any rank of the
+    node may run on) among the ``local_world_size`` ranks there; a rank bound to fewer
+    CPUs of its own keeps those."""
+    affinity = _affinity()
+    node = node_cpus or affinity
+    quota = cgroup_cpus()
+    if quota is not None:
+        node = min(node, math.ceil(quota))
+    return max(1, min(affinity, node // max(1, local_world_size)))
 
 
 def _accelerator_name() -> str | None:
@@ -43,13 +80,16 @@ class Environment:
 
     Attributes:
         cpu_count: logical CPUs of the machine.
-        usable_cpus: CPUs this process may run on (affinity, e.g. ``taskset``).
+        usable_cpus: CPUs this process may run on (affinity, e.g. ``taskset``, and the
+            cgroup's quota); under torchrun, this rank's share of its node's.
         memory_total: bytes of memory, or the cgroup limit where that is smaller.
         torch_version: ``torch.__version__``.
         python_version: ``platform.python_version()``.
         platform: ``platform.platform()``.
         accelerator: e.g. ``"cuda: NVIDIA A100 x8"``, or ``None``.
         start_method: the multiprocessing start method DataLoader workers use by default.
+        world_size: ranks of the torchrun job tuned together (1 alone).
+        local_world_size: of those, the ranks on each node.
     """
 
     cpu_count: int
@@ -60,18 +100,26 @@ class Environment:
     platform: str
     accelerator: str | None
     start_method: str
+    world_size: int = 1
+    local_world_size: int = 1
 
     @classmethod
-    def current(cls) -> Environment:
+    def current(
+        cls, *, world_size: int = 1, local_world_size: int = 1, node_cpus: int | None = None
+    ) -> Environment:
+        """This machine, for a process alone or for one of ``local_world_size`` ranks of
+        a node in a job of ``world_size`` (see :func:`usable_cpus`)."""
         return cls(
             cpu_count=os.cpu_count() or 1,
-            usable_cpus=_usable_cpus(),
+            usable_cpus=usable_cpus(local_world_size=local_world_size, node_cpus=node_cpus),
             memory_total=total_memory(),
             torch_version=torch.__version__,
             python_version=platform.python_version(),
             platform=platform.platform(),
             accelerator=_accelerator_name(),
             start_method=default_start_method(),
+            world_size=world_size,
+            local_world_size=local_world_size,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -85,6 +133,11 @@ class Environment:
     def differences(self, other: Environment) -> list[str]:
         """How ``other`` differs from this environment, one phrase per difference."""
         found = []
+        if (self.world_size, self.local_world_size) != (other.world_size, other.local_world_size):
+            found.append(
+                f"ranks: {_ranks(self)} when measured, {_ranks(other)} now; the settings "
+                "were tuned for each rank's share of the node"
+            )
         if self.usable_cpus != other.usable_cpus or self.cpu_count != other.cpu_count:
             found.append(
                 f"CPUs: {self.usable_cpus} usable of {self.cpu_count} when measured, "
@@ -104,6 +157,12 @@ class Environment:
                 f"{other.accelerator or 'none'} now"
             )
         return found
+
+
+def _ranks(environment: Environment) -> str:
+    if environment.world_size == 1:
+        return "one process"
+    return f"{environment.world_size} ranks, {environment.local_world_size} per node"
 
 
 def default_start_method() -> str:

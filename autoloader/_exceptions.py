@@ -13,6 +13,8 @@ The tree::
     │                                           loader failed
     ├── IsolationError                          under isolation="subprocess", a trial's
     │                                           process could not start or load its work
+    ├── RankError                               under torchrun, another rank stopped
+    │                                           answering, or the ranks disagree
     └── ResultFileError                         a saved result cannot be read back
 
     EnvironmentMismatchWarning (a UserWarning)  a loaded result was measured elsewhere
@@ -60,6 +62,14 @@ class IsolationError(AutoloaderError):
 
     Nothing about a setting was learnt: the process could not start (a script without
     an ``if __name__ == "__main__":`` guard) or load what it was sent.
+    """
+
+
+class RankError(AutoloaderError):
+    """Under ``torchrun``, the ranks could not tune together: another rank stopped
+    answering (it died, or hangs outside a trial), or the ranks called
+    :func:`autoloader.tune` with different arguments. Every rank raises it; the first
+    error in the other ranks' output says which rank and why.
     """
 
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from autoloader._environment import Environment
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
 from autoloader._loader import dataloader_kwargs, merge_loader_kwargs, new_loader
+from autoloader._ranks import world
 from autoloader._search_space import TUNED_KEYS, normalize_params
 
 SCHEMA_VERSION = 3
@@ -227,10 +228,17 @@ class TuneResult:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the result as JSON; the file is replaced atomically.
 
+        In a torchrun job that tuned jointly, every rank holds the same result and only
+        global rank 0 writes it: the others return the path without writing, so that
+        every rank can call ``save()`` on a shared file system.
+
         Returns:
             The path written.
         """
         path = Path(path)
+        rank, _, _ = world()
+        if self.environment.world_size > 1 and rank != 0:
+            return path
         text = json.dumps(self.as_dict(), indent=2, allow_nan=False) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -330,7 +338,8 @@ def load(path: str | os.PathLike[str]) -> TuneResult:
 
     Only JSON is parsed; nothing in the file is executed. Warns with
     :class:`~autoloader.EnvironmentMismatchWarning` when this machine differs from the
-    one the result was measured on (CPUs, memory, torch version, accelerator).
+    one the result was measured on (CPUs, memory, torch version, accelerator), or for
+    another number of torchrun ranks (each rank's share of the node differs).
 
     Raises:
         ResultFileError: the file is missing, not JSON, or not a result.
@@ -346,7 +355,9 @@ def load(path: str | os.PathLike[str]) -> TuneResult:
         result = TuneResult.from_dict(data)
     except ResultFileError as error:
         raise ResultFileError(f"{path}: {error}") from None
-    differences = result.environment.differences(Environment.current())
+    _, world_size, local_world_size = world()
+    here = Environment.current(world_size=world_size, local_world_size=local_world_size)
+    differences = result.environment.differences(here)
     if differences:
         warnings.warn(
             f"{path} was measured on a different machine ({'; '.join(differences)}); "

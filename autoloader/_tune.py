@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,15 +22,24 @@ from torch.utils.data import Dataset
 
 from autoloader._device import resolve_device
 from autoloader._environment import Environment
-from autoloader._exceptions import InvalidInputError
+from autoloader._exceptions import InvalidInputError, RankError
 from autoloader._facts import Checks, checks_seconds
 from autoloader._isolation import SubprocessRunner
+from autoloader._joint import (
+    JointRunner,
+    agree_on_arguments,
+    follow,
+    node_memory_budget,
+    spare_batch,
+)
+from autoloader._loader import build_loader, merge_loader_kwargs
 from autoloader._measure import Runner, TrialRunner
 from autoloader._memory import format_bytes, resolve_memory_budget
 from autoloader._progress import Progress
+from autoloader._ranks import Ranks
 from autoloader._report import describe
 from autoloader._result import TuneResult, split_loader_kwargs
-from autoloader._search_space import SearchSpace
+from autoloader._search_space import BASELINE_PARAMS, SearchSpace
 from autoloader._validation import (
     check_batch_size,
     check_dataset,
@@ -51,6 +61,8 @@ _logger = logging.getLogger(__name__)
 DEFAULT_TIME_BUDGET = 60.0
 # A run that ends with more than this share of its budget left says why in its notes.
 _GIVEN_BACK = 0.1
+# The memory budget of a rank that is not its node's first: that one watches them all.
+_UNWATCHED = 1 << 62
 
 
 def tune(
@@ -142,169 +154,280 @@ def tune(
         loader = result.make_loader(dataset)
     """
     started = perf_counter()
-    dataset_length = check_dataset(dataset)
-    batch_size = check_batch_size(batch_size, dataset_length)
-    step_fn = check_step_fn(step_fn)
-    budget = check_positive_number(
-        "time_budget",
-        DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
-        hint=" It is the seconds the whole tuning run may take.",
-    )
-    n_trials = check_n_trials(n_trials)
-    space = check_search_space(search_space)
-    fixed = check_loader_kwargs(loader_kwargs)
-    resolved_device = resolve_device(device)
-    study_storage = open_storage(storage)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
-    batches_per_epoch = count_batches(dataset, batch_size, fixed)
-    environment = Environment.current()
-    method = start_method(fixed, environment.start_method)
-    check_picklable(
-        {
-            "dataset": dataset,
-            "collate_fn": fixed.get("collate_fn"),
-            "worker_init_fn": fixed.get("worker_init_fn"),
-        },
-        method,
-    )
-    isolation = check_isolation(isolation)
-    memory_bytes = resolve_memory_budget(memory_budget)
+    # Under torchrun every rank calls tune(): they tune together (see _joint.py).
+    ranks = Ranks.join()
+    try:
+        with _stopped_by_sigterm(ranks):
+            return _tune(
+                ranks,
+                started,
+                dataset,
+                step_fn,
+                batch_size=batch_size,
+                time_budget=time_budget,
+                n_trials=n_trials,
+                memory_budget=memory_budget,
+                search_space=search_space,
+                loader_kwargs=loader_kwargs,
+                device=device,
+                seed=seed,
+                storage=storage,
+                show_progress=show_progress,
+                isolation=isolation,
+            )
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _tune(
+    ranks: Ranks | None,
+    started: float,
+    dataset: Dataset[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    batch_size: int,
+    time_budget: float | None,
+    n_trials: int | None,
+    memory_budget: int | str | None,
+    search_space: SearchSpace | Mapping[str, Any] | None,
+    loader_kwargs: Mapping[str, Any] | None,
+    device: str | torch.device | None,
+    seed: int,
+    storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None,
+    show_progress: bool,
+    isolation: str,
+) -> TuneResult:
+    """:func:`tune`, for this process alone (``ranks`` is ``None``) or as one of the
+    ranks of a torchrun job."""
+    try:
+        dataset_length = check_dataset(dataset)
+        batch_size = check_batch_size(batch_size, dataset_length)
+        step_fn = check_step_fn(step_fn)
+        budget = check_positive_number(
+            "time_budget",
+            DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
+            hint=" It is the seconds the whole tuning run may take.",
+        )
+        n_trials = check_n_trials(n_trials)
+        space = check_search_space(search_space)
+        fixed = check_loader_kwargs(loader_kwargs)
+        resolved_device = resolve_device(device)
+        # Only the rank that drives the study opens its storage.
+        study_storage = open_storage(storage if ranks is None or ranks.drives else None)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
+        batches_per_epoch = count_batches(dataset, batch_size, fixed)
+        environment = Environment.current(
+            world_size=ranks.world_size if ranks else 1,
+            local_world_size=ranks.local_world_size if ranks else 1,
+            node_cpus=ranks.node_cpus if ranks else None,
+        )
+        method = start_method(fixed, environment.start_method)
+        check_picklable(
+            {
+                "dataset": dataset,
+                "collate_fn": fixed.get("collate_fn"),
+                "worker_init_fn": fixed.get("worker_init_fn"),
+            },
+            method,
+        )
+        isolation = check_isolation(isolation)
+        if ranks is not None and isolation == "subprocess":
+            raise InvalidInputError(
+                'isolation="subprocess" does not work under torchrun: a trial\'s own '
+                "process is not a rank of the job, and a step_fn with DDP collectives "
+                'would wait there forever. Use isolation="in-process".'
+            )
+        memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
+    except Exception as error:
+        if ranks is not None:
+            agree_on_arguments(ranks, error=error, arguments=None)
+        raise
+    if ranks is not None:
+        arguments = (
+            dataset_length, batches_per_epoch, batch_size, budget, n_trials, seed,
+            space.as_dict(), str(resolved_device), isolation, memory_budget,
+        )  # fmt: skip
+        agree_on_arguments(ranks, error=None, arguments=arguments)
+        memory_bytes = node_memory_budget(ranks, memory_budget)
     in_process = TrialRunner(
         dataset,
         step_fn,
         batch_size=batch_size,
-        memory_budget=memory_bytes,
+        # Each node's first rank watches the node's whole tree, every rank's workers.
+        memory_budget=memory_bytes if ranks is None or ranks.local_rank == 0 else _UNWATCHED,
+        memory_peers=ranks.node_pids[1:] if ranks is not None and ranks.local_rank == 0 else (),
         fixed_kwargs=fixed,
         device=resolved_device,
     )
-    runner: Runner = SubprocessRunner(in_process) if isolation == "subprocess" else in_process
-    # The checks read items and start processes: only once every argument was checked,
-    # and out of the time budget (see NOTE [ Checks before the search ]).
-    checks = Checks(
-        dataset,
-        fixed,
-        batch_size=batch_size,
-        seconds=checks_seconds(budget),
-        memory_budget=memory_bytes,
-    )
-    if space.num_workers != (0, 0):  # with no workers, nothing can repeat
-        checks.repeated_samples()
-    space, notes = space.resolve(
-        usable_cpus=environment.usable_cpus,
-        has_accelerator=environment.accelerator is not None,
-        batches_per_epoch=batches_per_epoch,
-        batched_fetch_problem=(
-            checks.batched_fetch_problem() if space.batched_fetch != (False,) else None
-        ),
-    )
-    facts = checks.facts(dataset_length, start_method=method)
-    for name, why in facts["missing"].items():
-        _logger.warning("not checked before the search, %s: %s", name, why)
-    _logger.info(
-        "tuning %s for %.0f s, memory budget %s, space %s",
-        type(dataset).__name__,
-        budget,
-        format_bytes(memory_bytes),
-        space.as_dict(),
-    )
-    with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
-        study = optuna.create_study(
-            storage=study_storage,
-            study_name=study_name(
-                dataset,
-                step_fn,
-                length=dataset_length,
-                batch_size=batch_size,
-                space=space,
-                # The budget asked for: a default one moves with the memory free.
-                memory_budget=None if memory_budget is None else memory_bytes,
-                fixed_loader_kwargs=fixed,
-                environment=environment,
-                device=resolved_device,
-            ),
-            direction="maximize",
-            sampler=optuna.samplers.TPESampler(seed=seed),
-            load_if_exists=True,
+    if ranks is not None:
+        baseline_kwargs = merge_loader_kwargs(BASELINE_PARAMS, batch_size=batch_size, fixed=fixed)
+        spare = spare_batch(
+            ranks,
+            lambda: in_process.first_batches(
+                lambda: build_loader(dataset, baseline_kwargs), 1, seconds=checks_seconds(budget)
+            )[0],
         )
-        policy = Policy(
-            space=space,
-            time_budget=budget,
+        if not ranks.drives:
+            found: TuneResult = follow(in_process, ranks, spare=spare)
+            return dataclasses.replace(found, _in_memory_kwargs=_in_memory(fixed))
+    runner: Runner
+    if ranks is not None:
+        runner = joint = JointRunner(in_process, ranks, spare=spare)
+    else:
+        runner = SubprocessRunner(in_process) if isolation == "subprocess" else in_process
+    try:
+        # The checks read items and start processes: only once every argument was checked,
+        # and out of the time budget (see NOTE [ Checks before the search ]).
+        checks = Checks(
+            dataset,
+            fixed,
             batch_size=batch_size,
-            batches_per_epoch=batches_per_epoch,
-            n_trials=n_trials,
+            seconds=checks_seconds(budget),
+            memory_budget=memory_bytes,
+        )
+        if space.num_workers != (0, 0):  # with no workers, nothing can repeat
+            checks.repeated_samples()
+        space, notes = space.resolve(
             usable_cpus=environment.usable_cpus,
+            has_accelerator=environment.accelerator is not None,
+            batches_per_epoch=batches_per_epoch,
+            batched_fetch_problem=(
+                checks.batched_fetch_problem() if space.batched_fetch != (False,) else None
+            ),
         )
-
-        def on_trial(trial: Trial) -> None:
-            record = trial.record()
-            _logger.info(describe(record))
-            progress.trial_done(record)
-
-        driver = Driver(
-            policy,
-            runner,
-            study,
-            deadline=started + budget,
-            on_trial=on_trial,
-            interrupted=threading.Event(),
+        facts = checks.facts(dataset_length, start_method=method)
+        if ranks is not None:
+            notes.append(
+                f"tuned jointly by {ranks.world_size} ranks ({ranks.local_world_size} per "
+                f"node), each with {environment.usable_cpus} of its node's CPUs: figures are "
+                "samples per second of the slowest rank"
+            )
+        for name, why in facts["missing"].items():
+            _logger.warning("not checked before the search, %s: %s", name, why)
+        _logger.info(
+            "tuning %s for %.0f s, memory budget %s, space %s",
+            type(dataset).__name__,
+            budget,
+            format_bytes(memory_bytes),
+            space.as_dict(),
         )
-        partial = False
-        try:
-            with _remember_ctrl_c(driver.interrupted):
-                driver.run()
-        except KeyboardInterrupt:
-            if not driver.has_baseline():
-                raise
-            # The trial under way has stopped and its workers are gone; what finished
-            # before is still a measured answer.
-            partial = True
-            notes.append(
-                "interrupted (Ctrl-C): these settings are the best of the trials that "
-                "finished; tune again for a complete search"
+        with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
+            study = optuna.create_study(
+                storage=study_storage,
+                study_name=study_name(
+                    dataset,
+                    step_fn,
+                    length=dataset_length,
+                    batch_size=batch_size,
+                    space=space,
+                    # The budget asked for: a default one moves with the memory free.
+                    memory_budget=None if memory_budget is None else memory_bytes,
+                    fixed_loader_kwargs=fixed,
+                    environment=environment,
+                    device=resolved_device,
+                ),
+                direction="maximize",
+                sampler=optuna.samplers.TPESampler(seed=seed),
+                load_if_exists=True,
             )
-            _logger.warning("tuning interrupted; returning the best of the finished trials")
-        step_bound = policy.step_bound(driver.history)
-        if step_bound is not None:
-            notes.append(step_bound)
-        shortcomings = policy.shortcomings(driver.history, search_seconds=driver.search_seconds)
-        for shortcoming in [] if partial else shortcomings:
-            _logger.warning("%s", shortcoming)
-            notes.append(shortcoming)
-        elapsed = perf_counter() - started
-        if not partial and elapsed < (1 - _GIVEN_BACK) * budget and driver.search_ended:
-            why = driver.search_ended
-            if why == step_bound:
-                why = "no setting can beat the step (see above)"
-            notes.append(
-                f"done in {elapsed:.0f} s of the {budget:.0f} s budget, the rest given back: "
-                f"{why}, and {driver.stopped}"
+            policy = Policy(
+                space=space,
+                time_budget=budget,
+                batch_size=batch_size,
+                batches_per_epoch=batches_per_epoch,
+                n_trials=n_trials,
+                usable_cpus=environment.usable_cpus,
             )
-        resumed = sum(t.earlier for t in driver.history)
-        if resumed:
-            notes.append(
-                f"resumed from storage: {resumed} trials of earlier runs on the same problem "
-                "were counted in the choice"
+
+            def on_trial(trial: Trial) -> None:
+                record = trial.record()
+                _logger.info(describe(record))
+                progress.trial_done(record)
+
+            driver = Driver(
+                policy,
+                runner,
+                study,
+                deadline=started + budget,
+                on_trial=on_trial,
+                interrupted=threading.Event(),
             )
-        records = [trial.record() for trial in driver.history]
-        choice = policy.choose(driver.history)
-    saved, unsaved = split_loader_kwargs(fixed)
-    return TuneResult(
-        params=choice.params,
-        throughput=choice.throughput,
-        baseline=choice.baseline,
-        batch_size=batch_size,
-        trials=tuple(records),
-        environment=environment,
-        tuning_seconds=perf_counter() - started,
-        memory_budget=memory_bytes,
-        notes=tuple(notes),
-        partial=partial,
-        fixed_loader_kwargs=saved,
-        unsaved_loader_kwargs=unsaved,
-        facts=facts,
-        _in_memory_kwargs={k: fixed[k] for k in unsaved},
-    )
+            partial = False
+            try:
+                with _remember_ctrl_c(driver.interrupted):
+                    driver.run()
+            except KeyboardInterrupt:
+                # Under torchrun the other ranks stop too (torchrun ends the job): no
+                # partial result for all to agree on; the storage keeps the trials.
+                if not driver.has_baseline() or ranks is not None:
+                    raise
+                # The trial under way has stopped and its workers are gone; what finished
+                # before is still a measured answer.
+                partial = True
+                notes.append(
+                    "interrupted (Ctrl-C): these settings are the best of the trials that "
+                    "finished; tune again for a complete search"
+                )
+                _logger.warning("tuning interrupted; returning the best of the finished trials")
+            step_bound = policy.step_bound(driver.history)
+            if step_bound is not None:
+                notes.append(step_bound)
+            shortcomings = policy.shortcomings(driver.history, search_seconds=driver.search_seconds)
+            for shortcoming in [] if partial else shortcomings:
+                _logger.warning("%s", shortcoming)
+                notes.append(shortcoming)
+            elapsed = perf_counter() - started
+            if not partial and elapsed < (1 - _GIVEN_BACK) * budget and driver.search_ended:
+                why = driver.search_ended
+                if why == step_bound:
+                    why = "no setting can beat the step (see above)"
+                notes.append(
+                    f"done in {elapsed:.0f} s of the {budget:.0f} s budget, the rest given back: "
+                    f"{why}, and {driver.stopped}"
+                )
+            resumed = sum(t.earlier for t in driver.history)
+            if resumed:
+                notes.append(
+                    f"resumed from storage: {resumed} trials of earlier runs on the same problem "
+                    "were counted in the choice"
+                )
+            records = [trial.record() for trial in driver.history]
+            choice = policy.choose(driver.history)
+        saved, unsaved = split_loader_kwargs(fixed)
+        result = TuneResult(
+            params=choice.params,
+            throughput=choice.throughput,
+            baseline=choice.baseline,
+            batch_size=batch_size,
+            trials=tuple(records),
+            environment=environment,
+            tuning_seconds=perf_counter() - started,
+            memory_budget=memory_bytes,
+            notes=tuple(notes),
+            partial=partial,
+            fixed_loader_kwargs=saved,
+            unsaved_loader_kwargs=unsaved,
+            facts=facts,
+            _in_memory_kwargs=_in_memory(fixed),
+        )
+    except (RankError, KeyboardInterrupt):
+        raise  # the other ranks stop with their own RankError
+    except Exception as error:
+        if ranks is not None:
+            joint.finish(error=error)
+        raise
+    if ranks is not None:
+        joint.finish(result=dataclasses.replace(result, _in_memory_kwargs={}))
+    return result
+
+
+def _in_memory(fixed: Mapping[str, Any]) -> dict[str, Any]:
+    """The fixed loader options a result keeps in memory only (a sampler, a collate_fn):
+    this process's own, also under torchrun where each rank has its own sampler."""
+    _, unsaved = split_loader_kwargs(fixed)
+    return {name: fixed[name] for name in unsaved}
 
 
 def study_name(
@@ -331,6 +454,8 @@ def study_name(
         environment.torch_version,
         environment.accelerator,
         socket.gethostname(),
+        environment.world_size,
+        environment.local_world_size,
     )
     fixed = sorted((name, _identity(value)) for name, value in fixed_loader_kwargs.items())
     problem = "|".join(
@@ -392,6 +517,34 @@ def _remember_ctrl_c(interrupted: threading.Event | None) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm(ranks: Ranks | None) -> Iterator[None]:
+    """Under torchrun, turn SIGTERM into a :class:`RankError`.
+
+    torchrun stops every rank with SIGTERM when one of them fails (or dies); by
+    default the process would end on the spot, its trial's workers orphaned and no
+    word of why. Raised instead, the error unwinds the trial (its workers stopped)
+    and says what happened.
+    """
+    if ranks is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        raise RankError(
+            f"rank {ranks.rank} was stopped (SIGTERM) while tuning: torchrun stops every "
+            "rank when the job is interrupted (Ctrl-C) or a rank fails or dies; the first "
+            "error in the job's output says which"
+        )
+
+    signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

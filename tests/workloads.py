@@ -56,11 +56,15 @@ class CountingDataset(SleepDataset):
 
 
 class FailingDataset(SleepDataset):
-    """Raises on one item, in every process."""
+    """Raises on one item (``bad``), in every process."""
+
+    def __init__(self, length: int = 512, latency: float = 0.002, bad: int = 3) -> None:
+        super().__init__(length, latency=latency)
+        self.bad = bad
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if index == 3:
-            raise ValueError("corrupt record 3")
+        if index == self.bad:
+            raise ValueError(f"corrupt record {index}")
         return super().__getitem__(index)
 
 

@@ -6,6 +6,7 @@ is recorded with a reason a person can act on; the tuning run goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import re
 import shutil
@@ -16,6 +17,7 @@ from typing import Any
 from autoloader._deadlines import TrialTimeout
 from autoloader._measure import TrialError, TrialProcessDied, exception_chain
 from autoloader._memory import format_bytes, is_oom_error
+from autoloader._ranks import world
 from autoloader.search._outcome import Failed, FaultKind, Pruned, PruneKind
 
 _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
@@ -57,11 +59,13 @@ def _shm_advice(params: Mapping[str, Any], batch_bytes: int | None) -> str:
     except OSError:
         space = f"{_SHM} could not be read"
     batches = _in_flight(params)
+    _, _, local_ranks = world()  # under torchrun, every rank of the node shares /dev/shm
     load = ""
     if batch_bytes:
+        on_node = f" on each of the {local_ranks} ranks of this node" if local_ranks > 1 else ""
         load = (
             f"; this setting keeps up to {batches} batches of {format_bytes(batch_bytes)} "
-            f"in flight ({format_bytes(batches * batch_bytes)})"
+            f"in flight{on_node} ({format_bytes(local_ranks * batches * batch_bytes)})"
         )
     return (
         f"{space}{load}. Use fewer workers or a smaller prefetch_factor, or give the "
@@ -83,7 +87,19 @@ def classify(
     error: TrialError, *, params: Mapping[str, Any], batch_bytes: int | None = None
 ) -> Pruned | Failed:
     """The outcome to record for a trial that ended with ``error``: its kind, and a
-    reason that starts with the kind and says what to do.
+    reason that starts with the kind, says what to do, and names the rank it happened
+    on under torchrun.
+    """
+    outcome = _classify(error, params=params, batch_bytes=batch_bytes)
+    if error.rank is None:
+        return outcome
+    return dataclasses.replace(outcome, reason=f"{outcome.reason} (on rank {error.rank})")
+
+
+def _classify(
+    error: TrialError, *, params: Mapping[str, Any], batch_bytes: int | None
+) -> Pruned | Failed:
+    """See :func:`classify`.
 
     A worker's death is named before a timeout: a worker killed at the wrong moment can
     leave the others and the DataLoader waiting on a lock it held, and the hang that

@@ -1,0 +1,302 @@
+"""Joint tuning's parts, without torchrun: the job's figures and outcome from each
+rank's, the lockstep of one rank's loop (a fake of the other ranks), each rank's share
+of the node, and what a result records of the job."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import autoloader
+from autoloader import Environment, EnvironmentMismatchWarning, RankError
+from autoloader._deadlines import TrialTimeout
+from autoloader._environment import usable_cpus
+from autoloader._joint import (
+    agree_on_arguments,
+    job_measurement,
+    job_outcome,
+    next_stride,
+    node_memory_budget,
+)
+from autoloader._measure import Checkpoint, Measurement, PeerFailed, TrialError, TrialRunner
+from autoloader._memory import MemoryBudgetExceeded
+from autoloader._ranks import Ranks
+from autoloader.search._faults import classify
+from tests.workloads import FailingDataset, SleepDataset
+
+
+def _measurement(rate: float, **changes: Any) -> Measurement:
+    base = Measurement(
+        samples_per_second=rate,
+        relative_error=0.02,
+        data_wait_fraction=0.1,
+        load_seconds=0.001,
+        step_seconds=0.01,
+        time_to_first_batch=0.2,
+        epoch_restart_seconds=None,
+        batches=100,
+        duration=2.0,
+        peak_memory=1 << 30,
+        epochs_samples_per_second=rate * 0.9,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_the_job_runs_at_its_slowest_rank() -> None:
+    fast = _measurement(1000.0, batches=120, peak_memory=3 << 30)
+    slow = _measurement(600.0, relative_error=0.08, time_to_first_batch=0.9)
+    job = job_measurement([fast, slow])
+    assert job.samples_per_second == 600.0
+    assert job.epochs_samples_per_second == 540.0
+    assert (job.relative_error, job.time_to_first_batch) == (0.08, 0.9)
+    assert job.batches == 100
+    assert job.peak_memory == 3 << 30  # the node's first rank measures the whole node
+    # A rank that timed no whole epoch: the job has none either.
+    assert job_measurement([fast, dataclasses.replace(slow, epochs_samples_per_second=None)]) \
+        .epochs_samples_per_second is None  # fmt: skip
+
+
+def _trial_error(stage: str, cause: BaseException) -> TrialError:
+    return TrialError(stage, cause, peak_memory=0)
+
+
+def test_the_job_outcome_is_the_error_that_says_most_and_names_its_rank() -> None:
+    step_timeout = _trial_error("running step_fn", TrialTimeout("running step_fn", 4.0))
+    load_timeout = _trial_error("loading a batch", TrialTimeout("loading a batch", 4.0))
+    with pytest.raises(TrialError) as raised:
+        job_outcome([step_timeout, PeerFailed(), load_timeout])
+    # The rank whose worker hangs, not the rank whose step waited for it.
+    assert raised.value is load_timeout and load_timeout.rank == 2
+    outcome = classify(load_timeout, params={"num_workers": 4, "prefetch_factor": 2})
+    assert outcome.reason.endswith("(on rank 2)")
+
+    memory = MemoryBudgetExceeded(peak=5 << 30, budget=4 << 30)
+    with pytest.raises(MemoryBudgetExceeded):
+        job_outcome([load_timeout, memory])
+    with pytest.raises(RankError, match="disagree"):
+        job_outcome([PeerFailed(), PeerFailed()])
+    assert job_outcome([_measurement(900.0), _measurement(800.0)]).samples_per_second == 800.0
+
+
+def test_checkpoints_are_spaced_by_time_and_swing_at_most_fourfold() -> None:
+    assert next_stride(2, 0.001) == 8  # fast batches: farther apart, but not at once
+    assert next_stride(8, 0.05) == 8  # on target
+    assert next_stride(64, 1.0) == 16  # one slow stretch
+    assert next_stride(1, 10.0) == 1
+    assert next_stride(3, 0.0) == 12
+
+
+class _FakeRanks:
+    """The other ranks, as one rank sees them: gather answers with their values."""
+
+    def __init__(self, rank: int, others: Sequence[Any], hosts: Sequence[str] = ()) -> None:
+        self.rank = rank
+        self.others = list(others)
+        self.hosts = tuple(hosts) or ("node",) * (len(others) + 1)
+
+    def gather(self, value: Any, *, during: str) -> list[Any]:
+        return [*self.others[: self.rank], value, *self.others[self.rank :]]
+
+    def node(self, values: Sequence[Any]) -> list[Any]:
+        return Ranks.node(self, values)  # type: ignore[arg-type]
+
+
+def test_ranks_start_only_with_the_same_valid_arguments() -> None:
+    same = (512, 16, 32)
+    agree_on_arguments(_FakeRanks(0, [(None, same)]), error=None, arguments=same)  # type: ignore[arg-type]
+    with pytest.raises(RankError, match=r"ranks \[1\] called tune\(\) with other arguments"):
+        agree_on_arguments(_FakeRanks(0, [(None, (512, 16, 64))]), error=None, arguments=same)  # type: ignore[arg-type]
+    other = ValueError("batch_size must be positive")
+    with pytest.raises(RankError, match="rank 1 could not start tuning: batch_size"):
+        agree_on_arguments(_FakeRanks(0, [(other, None)]), error=None, arguments=same)  # type: ignore[arg-type]
+    # A rank with its own error raises it (after telling the others).
+    with pytest.raises(ValueError, match="batch_size"):
+        agree_on_arguments(_FakeRanks(1, [(None, same)]), error=other, arguments=None)  # type: ignore[arg-type]
+
+
+def test_the_memory_budget_is_the_nodes() -> None:
+    gib = 1 << 30
+    # Two ranks on this node, one on another: the other node's use does not count here.
+    ranks = _FakeRanks(0, [(gib, 10 * gib), (7 * gib, 1 * gib)], hosts=("a", "a", "b"))
+    budget = node_memory_budget(ranks, None)  # type: ignore[arg-type]
+    in_use = budget - int(0.8 * 10 * gib)
+    assert gib < in_use < 3 * gib  # this process's tree and the other local rank's
+    explicit = node_memory_budget(ranks, "64GiB")  # type: ignore[arg-type]
+    assert explicit == 64 * gib
+    with pytest.raises(autoloader.InvalidInputError, match="node's whole process tree"):
+        node_memory_budget(ranks, gib)  # type: ignore[arg-type]
+
+
+class _FakeLockstep:
+    """This rank's side of a joint trial; ``others_fail_at`` is the checkpoint at which
+    another rank says it failed."""
+
+    joint = True
+
+    def __init__(self, spare: Any, others_fail_at: int | None = None) -> None:
+        self.spare = spare
+        self.others_fail_at = others_fail_at
+        self.checkpoints: list[Checkpoint] = []
+
+    def begin(self) -> None:
+        self.checkpoints.clear()
+
+    def every(self) -> int:
+        return 4
+
+    def agree(self, mine: Checkpoint) -> Checkpoint:
+        self.checkpoints.append(mine)
+        if len(self.checkpoints) == self.others_fail_at:
+            return dataclasses.replace(mine, failed=True)
+        return mine
+
+    def combine(self, estimate: Measurement) -> Measurement:
+        return estimate
+
+    def decide(self, stop: bool) -> bool:
+        return stop
+
+
+class _CountingStep:
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def __call__(self, batch: torch.Tensor) -> None:
+        self.batches.append(batch)
+
+
+def test_a_rank_that_fails_to_load_steps_the_spare_batch_until_the_checkpoint() -> None:
+    step = _CountingStep()
+    spare = torch.full((4, 8), -1.0)
+    # Item 10 raises: the third batch of four items fails to load.
+    runner = TrialRunner(FailingDataset(bad=10), step, batch_size=4, memory_budget=1 << 40)
+    lockstep = _FakeLockstep(spare)
+    with pytest.raises(TrialError, match="corrupt"):
+        runner.measure({"num_workers": 0}, max_seconds=5.0, lockstep=lockstep)
+    # The first batch, then a checkpoint every 4: the failure waited for the one after
+    # batch 5, stepping the last good batch meanwhile (the others' collectives matched).
+    assert len(step.batches) == 5
+    last_good = step.batches[1]
+    assert last_good is not spare and all(b is last_good for b in step.batches[2:])
+    assert [c.failed for c in lockstep.checkpoints] == [False, True]
+
+
+def test_a_rank_stops_with_the_others_when_another_fails() -> None:
+    step = _CountingStep()
+    runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
+    lockstep = _FakeLockstep(torch.zeros(4, 8), others_fail_at=3)
+    with pytest.raises(PeerFailed):
+        runner.measure({"num_workers": 0}, max_seconds=5.0, lockstep=lockstep)
+    assert len(step.batches) == 1 + 2 * 4  # stopped at the third checkpoint, with the rest
+
+
+def test_alone_a_failure_is_raised_at_once() -> None:
+    step = _CountingStep()
+    runner = TrialRunner(FailingDataset(bad=10), step, batch_size=4, memory_budget=1 << 40)
+    with pytest.raises(TrialError, match="corrupt"):
+        runner.measure({"num_workers": 0}, max_seconds=5.0)
+    assert len(step.batches) == 2
+
+
+def test_each_rank_gets_its_share_of_the_nodes_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("autoloader._environment._affinity", lambda: 32)
+    monkeypatch.setattr("autoloader._environment.cgroup_cpus", lambda: None)
+    assert usable_cpus() == 32
+    assert usable_cpus(local_world_size=8, node_cpus=32) == 4
+    assert usable_cpus(local_world_size=64, node_cpus=32) == 1
+    monkeypatch.setattr("autoloader._environment.cgroup_cpus", lambda: 12.5)  # a quota
+    assert usable_cpus() == 13
+    assert usable_cpus(local_world_size=4, node_cpus=32) == 3
+    # Ranks bound to CPUs of their own (numactl, torchrun --numa-binding): 2 each of 8.
+    monkeypatch.setattr("autoloader._environment.cgroup_cpus", lambda: None)
+    monkeypatch.setattr("autoloader._environment._affinity", lambda: 2)
+    assert usable_cpus(local_world_size=4, node_cpus=8) == 2
+    # Every rank of the job held to the same 8 CPUs (taskset): they share them.
+    monkeypatch.setattr("autoloader._environment._affinity", lambda: 8)
+    assert usable_cpus(local_world_size=4, node_cpus=8) == 2
+
+
+def test_a_cgroup_cpu_quota_is_read(tmp_path: Path) -> None:
+    from autoloader._environment import cgroup_cpus
+
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpus(cgroup_root=tmp_path) == 2.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpus(cgroup_root=tmp_path) is None
+    assert cgroup_cpus(cgroup_root=tmp_path / "missing") is None
+
+
+def _joint_result() -> autoloader.TuneResult:
+    environment = Environment.current(world_size=8, local_world_size=8)
+    return autoloader.TuneResult(
+        params={"num_workers": 2},
+        throughput=900.0,
+        baseline=300.0,
+        batch_size=32,
+        trials=(),
+        environment=environment,
+        tuning_seconds=30.0,
+        memory_budget=1 << 33,
+    )
+
+
+def test_only_global_rank_0_writes_a_joint_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = _joint_result()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert result.save(tmp_path / "best.json") == tmp_path / "best.json"
+    assert not (tmp_path / "best.json").exists()
+    monkeypatch.setenv("RANK", "0")
+    result.save(tmp_path / "best.json")
+    assert json.loads((tmp_path / "best.json").read_text())["environment"]["world_size"] == 8
+
+
+def test_loading_warns_when_the_ranks_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _joint_result().save(tmp_path / "best.json")
+    with pytest.warns(EnvironmentMismatchWarning, match="ranks: 8 ranks, 8 per node when "
+                      "measured, one process now"):  # fmt: skip
+        autoloader.load(path)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autoloader.load(path)
+    assert not [w for w in caught if "ranks:" in str(w.message)]
+
+
+def test_no_process_group_means_tuning_alone() -> None:
+    assert not torch.distributed.is_initialized()
+    assert Ranks.join() is None
+
+
+def test_a_world_of_one_tunes_alone(tmp_path: Path) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        assert Ranks.join() is None
+        result = autoloader.tune(
+            SleepDataset(length=256),
+            lambda batch: None,
+            batch_size=8,
+            time_budget=3.0,
+            search_space={"num_workers": (0, 1)},
+            show_progress=False,
+        )
+        assert result.environment.world_size == 1
+        assert not any("jointly" in note for note in result.notes)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert math.isfinite(result.throughput)
