@@ -2,9 +2,10 @@
 
 Run as ``torchrun --standalone --nproc_per_node=N tests/torchrun_job.py OUT SCENARIO``;
 each rank writes what tune() returned or raised to ``OUT/rank<r>.json``. Scenarios:
-``plain``; ``crash-on-rank-1`` and ``hang-on-last-rank`` (that rank's workers from
-index 2 up crash or hang; the others' are fine); ``long`` (a long budget, for the
-tests that kill a rank or press Ctrl-C).
+``plain``; ``faults-on-rank-1`` (on rank 1 only, with 3 workers the third fills 2 GiB,
+over the node's budget of 1.5, and with 4 the fourth segfaults); ``hang-on-last-rank`` (that
+rank's workers from index 2 up hang); ``long`` (a long budget, for the tests that kill
+a rank or press Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,10 +17,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, get_worker_info
 
 import autoloader
-from tests.workloads import FaultInWorkersDataset, SleepDataset
+from tests.workloads import FaultInWorkersDataset, SleepDataset, _fault
+
+
+class FaultsOnRank1(SleepDataset):
+    """Worker 2 fills 2 GiB as it loads its first item; worker 3 segfaults."""
+
+    def __init__(self) -> None:
+        super().__init__(length=768, latency=0.002)
+        self.held: torch.Tensor | None = None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = get_worker_info()
+        if info is not None and info.id == 2 and self.held is None:
+            self.held = torch.ones(2 << 30, dtype=torch.uint8)  # written: resident
+        if info is not None and info.id >= 3:
+            _fault("SIGSEGV")
+        return super().__getitem__(index)
 
 
 class DDPStep:
@@ -42,9 +59,10 @@ def main(out: Path, scenario: str) -> int:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     dataset: SleepDataset = SleepDataset(length=768, latency=0.002)
-    faulty = {"crash-on-rank-1": (1, "SIGSEGV"), "hang-on-last-rank": (size - 1, "hang")}
-    if scenario in faulty and rank == faulty[scenario][0]:
-        dataset = FaultInWorkersDataset(faulty[scenario][1], length=768, from_worker=2)
+    if scenario == "faults-on-rank-1" and rank == 1:
+        dataset = FaultsOnRank1()
+    if scenario == "hang-on-last-rank" and rank == size - 1:
+        dataset = FaultInWorkersDataset("hang", length=768, from_worker=2)
     step = DDPStep()
     report: dict[str, object] = {"rank": rank}
     try:
@@ -52,7 +70,8 @@ def main(out: Path, scenario: str) -> int:
             dataset,
             step,
             batch_size=16,
-            time_budget=120.0 if scenario == "long" else 14.0,
+            time_budget=120.0 if scenario == "long" else 10.0,
+            memory_budget="1536MiB" if scenario == "faults-on-rank-1" else None,
             search_space={"num_workers": (0, 4)},
             loader_kwargs={"sampler": DistributedSampler(dataset)},
             show_progress=False,
