@@ -41,6 +41,11 @@ _logger = logging.getLogger(__name__)
 _T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14,
         2.13, 2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05,
         2.05, 2.04)  # fmt: skip
+# The most of a trial's time its warm-up may take (NOTE [ Warm-up ]). Each rank of a
+# torchrun job has a share of the cores and drains its burst slower: with 2 ranks on 2
+# cores, 8 workers x prefetch 2 took about 1 s of a 3 s trial, and at 0.3 every setting
+# of 8 workers or more was pruned as too short (the joint choice fell to 4 workers).
+_WARMUP_SHARE = 0.5
 # Seconds to wait for the trial's workers to exit before killing them.
 _REAP_TIMEOUT = 5.0
 # Seconds the shutdown of a trial's loader may take before its workers are killed.
@@ -810,9 +815,10 @@ class TrialRunner:
         # At start-up every worker loads prefetch_factor batches at once, so the first
         # workers * prefetch_factor batches arrive faster than the steady rate. They are
         # excluded, or an under-provisioned setting would look fast in a short trial. The
-        # exclusion is capped in time so a slow loader still leaves time to measure.
+        # exclusion is capped at _WARMUP_SHARE of the trial's time, so a slow loader
+        # still leaves time to measure.
         warmup = workers * int(params.get("prefetch_factor") or 0)
-        warmup_deadline = started + 0.3 * max_seconds
+        warmup_deadline = started + _WARMUP_SHARE * max_seconds
         window_batches = max(2, workers)
         first_limit = deadlines.first if deadlines else None
         each_limit = deadlines.each if deadlines else None

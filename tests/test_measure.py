@@ -83,7 +83,7 @@ def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
 
 def test_a_trial_that_starts_timing_before_the_start_up_burst_drains_is_too_short() -> None:
     """4 workers x prefetch 8: 32 batches queued at start-up, each worker's taking 80 ms.
-    A 1 s trial's warm-up (capped at 0.3 s) drains a dozen of them; the clock then counts
+    A 1 s trial's warm-up (capped at 0.5 s) drains a score of them; the clock then counts
     batches loaded before it started. A 6 s trial drains them all."""
     runner = _runner(SleepDataset(1024, latency=0.02), noop_step)
     params = _params(4, prefetch_factor=8)
