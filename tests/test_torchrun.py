@@ -201,7 +201,7 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
     job = _start(
         _torchrun(
             2, "-m", "autoloader", "tune", f"{example}:make_dataset", f"{example}:step",
-            "--batch-size", "32", "--time-budget", "6", "--out", "best.json", "-q",
+            "--batch-size", "32", "--time-budget", "4", "--out", "best.json", "-q",
         ),
         tmp_path,
     )  # fmt: skip
