@@ -505,6 +505,9 @@ class _WorkerDeaths:
       purpose, ignore;
     - otherwise a worker really died: DataLoader's handler reports it, once; the
       deaths that follow are part of the same failure.
+    - in a joint trial (``defer``), a death while the main thread is not fetching is
+      held back until the next fetch begins (:meth:`fetching`): raised in a step, it
+      could cut short a step whose collectives are half done (``NOTE [ Joint trials ]``).
 
     DataLoader installs its handler once per process, when workers first start; it is
     installed first here so that it is the one this handler passes deaths on to.
@@ -513,7 +516,7 @@ class _WorkerDeaths:
     def __init__(self, watch: MemoryWatch, *, defer: bool = False) -> None:
         self.watch = watch
         self.defer = defer
-        self.fetching = False
+        self._fetching = False
         self.expected = False
         self._deferring = False
         self._deferred = False
@@ -552,18 +555,22 @@ class _WorkerDeaths:
         finally:
             signal.signal(signal.SIGCHLD, self._previous)
 
-    def report_deferred(self) -> None:
-        """Raise what a death held back outside a fetch meant (``defer``); the fetch
-        that calls this is then under way."""
-        self.fetching = True
-        if not self._deferred or self._deferring:
-            return
-        self._deferred = False
-        self.watch.check()
-        _error_if_any_worker_fails()
+    @contextlib.contextmanager
+    def fetching(self) -> Iterator[None]:
+        """A fetch is under way: a death held back outside one (``defer``) is reported
+        as it starts, and a death during it at once."""
+        self._fetching = True
+        try:
+            if self._deferred and not self._deferring:
+                self._deferred = False
+                self.watch.check()
+                _error_if_any_worker_fails()
+            yield
+        finally:
+            self._fetching = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._deferring or (self.defer and not self.fetching):
+        if self._deferring or (self.defer and not self._fetching):
             self._deferred = True
             return
         if self.watch.exceeded:
@@ -830,14 +837,13 @@ class TrialRunner:
                 return lockstep.spare
             alarm.arm("loading a batch", limit)
             try:
-                deaths.report_deferred()
-                return next(it)
+                with deaths.fetching():
+                    return next(it)
             except StopIteration:
                 raise
             except Exception as error:
                 return failed(TrialError("loading a batch", error, watch.peak), error)
             finally:
-                deaths.fetching = False
                 alarm.disarm()
 
         def step(batch: Any) -> None:
