@@ -11,6 +11,7 @@ a rank or press Ctrl-C).
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -82,8 +83,13 @@ def main(out: Path, scenario: str) -> int:
         report["error"] = f"{type(error).__name__}: {error}"
         raise
     finally:
+        # torchrun stops the other ranks with SIGTERM when one fails: let this rank
+        # finish its report, written whole or not at all.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         report["steps"] = step.steps
-        (out / f"rank{rank}.json").write_text(json.dumps(report))
+        written = out / f".rank{rank}.json"
+        written.write_text(json.dumps(report))
+        written.replace(out / f"rank{rank}.json")
         dist.destroy_process_group()
     return 0
 
