@@ -110,7 +110,8 @@ def test_a_crash_or_the_nodes_memory_on_one_rank_fails_the_trial_for_every_rank(
         if trial["state"] != "complete":
             by_workers.setdefault(trial["params"]["num_workers"], set()).add(trial["kind"])
     # Rank 1's third worker passed the node's budget, watched by rank 0.
-    assert by_workers.get(3) == {"memory"}, result["trials"]
+    reasons = [(t["params"]["num_workers"], t["reason"]) for t in result["trials"]]
+    assert by_workers.get(3) == {"memory"}, reasons
     crashed = [t for t in result["trials"] if t.get("kind") == "worker crashed"]
     assert crashed and all("(on rank 1)" in t["reason"] for t in crashed)
     assert result["params"]["num_workers"] <= 2
