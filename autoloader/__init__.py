@@ -25,6 +25,7 @@ from autoloader._exceptions import (
 )
 from autoloader._result import TrialRecord, TuneResult, load
 from autoloader._search_space import SearchSpace
+from autoloader._thread_workers import ThreadLoader
 from autoloader._tune import tune
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "RankError",
     "ResultFileError",
     "SearchSpace",
+    "ThreadLoader",
     "TrialRecord",
     "TuneResult",
     "UnpicklableError",

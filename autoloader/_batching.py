@@ -86,24 +86,29 @@ def batched_fetch_problem(
     return None
 
 
-def same_batch(a: Any, b: Any) -> bool:
+def same_batch(a: Any, b: Any, *, values: bool = True) -> bool:
     """Whether two (nested) batches hold equal tensors of the same dtype, in the same
-    structure."""
+    structure; with ``values=False``, whether they have the same structure and tensors of
+    the same dtypes and shapes, their values aside (batches of random items)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
+        if not values:
+            return True
         if a.is_floating_point():  # NaN is data here: equal where both are NaN
             return bool(((a == b) | (a.isnan() & b.isnan())).all())
         return torch.equal(a, b)
     if type(a) is not type(b):
         return False
     if isinstance(a, Mapping):
-        return a.keys() == b.keys() and all(same_batch(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_batch(a[k], b[k], values=values) for k in a)
     if isinstance(a, Sequence) and not isinstance(a, str | bytes):
-        return len(a) == len(b) and all(same_batch(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
+        return len(a) == len(b) and all(
+            same_batch(x, y, values=values) for x, y in zip(a, b, strict=True)
+        )
+    return bool(a == b) if values else True
 
 
 def batched_loader_kwargs(dataset: Dataset[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:

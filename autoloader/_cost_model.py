@@ -31,6 +31,7 @@ workers; loading that mostly waits is overlapped by workers with little CPU.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 
 # Share of the baseline's load time spent on CPU above which loading is CPU-bound.
@@ -55,6 +56,31 @@ def guess_workers(baseline: Mapping[str, float], *, usable_cpus: int) -> list[in
     if cpu_share > _CPU_BOUND_SHARE:
         needed = min(needed, usable_cpus)
     return list(dict.fromkeys([max(1, needed), needed + 1]))
+
+
+def guess_threads(baseline: Mapping[str, float]) -> list[int]:
+    """Thread worker counts to measure first (see ``NOTE [ Thread workers ]``): where
+    loading mostly waits (I/O, sleeps in native code that release the GIL), or where
+    this Python runs without a GIL, threads overlap loading as processes do, without
+    their per-batch hand-over. A thread costs little, so the guesses reach twice the
+    count that keeps up with the step. Loading that is Python work under the GIL gets
+    none: the sampler may still try threads.
+    """
+    load = float(baseline.get("load_seconds", 0.0))
+    step = float(baseline.get("step_seconds", 0.0))
+    if load <= 0 or step <= 0:
+        return []
+    cpu_share = float(baseline.get("load_cpu_seconds", 0.0)) / load
+    if cpu_share > _CPU_BOUND_SHARE and gil_enabled():
+        return []
+    needed = max(1, math.ceil(load / step))
+    return list(dict.fromkeys([needed + 1, 2 * needed]))
+
+
+def gil_enabled() -> bool:
+    """Whether this Python runs with a GIL (free-threaded CPython 3.13t and later may not)."""
+    check = getattr(sys, "_is_gil_enabled", None)
+    return bool(check()) if check is not None else True
 
 
 def loads_on_several_threads(baseline: Mapping[str, float]) -> bool:

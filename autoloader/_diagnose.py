@@ -79,6 +79,13 @@ _HANG_FACTOR = 2.0
 _STEP_ALONE_SHARE = 0.15
 _SPINNING_CPUS = 0.1
 
+# What lifts a loop bound by receiving batches from worker processes.
+_THREADS_LIFT = (
+    " Thread workers (autoloader.ThreadLoader) hand batches over without that cost, "
+    "where the dataset may be read from several threads at once; autoloader.tune() "
+    "measures both kinds."
+)
+
 VERDICTS = (
     "step-bound",
     "CPU-bound (step and loader)",
@@ -267,6 +274,8 @@ def diagnose(
         )
 
     workers = loader.num_workers
+    # Thread workers (a ThreadLoader) run in this process: nothing is forked or received.
+    threads = getattr(loader, "worker_kind", "processes") == "threads"
     options = {
         "collate_fn": loader.collate_fn,
         "worker_init_fn": loader.worker_init_fn,
@@ -282,7 +291,9 @@ def diagnose(
     )
     if workers > 1:
         checks.repeated_samples()
-    facts = checks.copy_on_read(_length(loader.dataset), start_method=method if workers else "none")
+    facts = checks.copy_on_read(
+        _length(loader.dataset), start_method=method if workers and not threads else "none"
+    )
     copied = copied_per_worker(facts)
     deadlines = Deadlines.per_batch(_HANG_FACTOR * seconds, workers=workers)
     children_before = _children_cpu()
@@ -314,7 +325,12 @@ def diagnose(
             + ". Fix it and run the loop once by hand before diagnosing it."
         ) from error.error
 
-    if workers:
+    if workers and threads:
+        # This process's CPU time while it waited on the loader alone is the threads'.
+        rate = alone.load_cpu_seconds / alone.load_seconds if alone.load_seconds else 0.0
+        cpu_share = rate / min(workers, usable_cpus)
+        load_cpu = alone.load_cpu_seconds
+    elif workers:
         cpu_share = children_cpu / (loop.duration * min(workers, usable_cpus))
         # The workers' CPU seconds per second, over the loop's seconds per batch.
         load_cpu = children_cpu / loop.duration * (loop.load_seconds + loop.step_seconds)
@@ -323,8 +339,9 @@ def diagnose(
         load_cpu = loop.load_cpu_seconds
     cpu_share = min(1.0, cpu_share)
     verdict, reason = _verdict(
-        loop, alone, step_alone, cpu_share, load_cpu, workers, budget, usable_cpus, copied
-    )
+        loop, alone, step_alone, cpu_share, load_cpu, workers, budget, usable_cpus, copied,
+        receiving=workers > 0 and not threads,
+    )  # fmt: skip
     return Diagnosis(
         verdict=verdict,
         reason=reason,
@@ -356,7 +373,11 @@ def _verdict(
     budget: int,
     usable_cpus: int,
     copied: float | None,
+    *,
+    receiving: bool,
 ) -> tuple[str, str]:
+    """The verdict of ``NOTE [ Verdict ]``; ``receiving``: batches come from worker
+    processes, whose hand-over costs the main process."""
     peak = max(loop.peak_memory, alone.peak_memory)
     step, loader = loop.step_seconds, alone.load_seconds + alone.step_seconds
     if peak >= _MEMORY_NEAR * budget:
@@ -381,13 +402,13 @@ def _verdict(
             f"time, the step takes {_ms(step)} per batch and the loader alone "
             f"{_ms(loader)}. More workers would only cost memory and start-up."
         )
-    if workers and loader <= step:
+    if receiving and loader <= step:
         return "step-bound", (
             f"The loader alone delivers a batch every {_ms(loader)}, faster than the step's "
             f"{_ms(step)}, yet the loop waits for data {wait:.0%} of the time: that is the "
             "main process receiving each batch from a worker (unpickling, shared-memory "
             "handles), which more workers do not remove. Fewer, larger transfers do: "
-            "batched fetch, or a larger batch."
+            "batched fetch, or a larger batch." + _THREADS_LIFT
         )
     figures = (
         f"The loop waits for data {wait:.0%} of the time: the loader needs {_ms(loader)} "
@@ -415,14 +436,14 @@ def _verdict(
             "transform, or data decoded once ahead of training, makes this loop faster; "
             "autoloader.tune() measures whether workers pay."
         )
-    receiving = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
-    if workers and receiving > _RECEIVING_SHARE:
+    on_cpu = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
+    if receiving and on_cpu > _RECEIVING_SHARE:
         return "loader-bound (CPU)", (
-            f"{figures} The main process is the limit: it was on the CPU {receiving:.0%} "
+            f"{figures} The main process is the limit: it was on the CPU {on_cpu:.0%} "
             "of the time it waited, receiving batches from the workers (unpickling, "
             "shared-memory handles), which more workers do not speed up. Fewer, larger "
             "transfers do: batched fetch, a larger batch, or num_workers=0 if loading is "
-            "cheap."
+            "cheap." + _THREADS_LIFT
         )
     if cpu_share > _CPU_BOUND_SHARE:
         return "loader-bound (CPU)", (

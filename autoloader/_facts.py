@@ -63,6 +63,7 @@ import gc
 import itertools
 import math
 import multiprocessing
+import random
 import shutil
 import signal
 import time
@@ -95,12 +96,18 @@ _MAX_CHECKS_SECONDS = 20.0
 # Each check's share of the checks' time (see NOTE [ Checks before the search ]). A
 # map-style dataset meets the first four, an iterable one the last.
 _SHARES = {
-    "batched_fetch": 0.2,
-    "random_items": 0.1,
-    "workers_repeat_randomness": 0.2,
-    "copy_on_read": 0.5,
+    "batched_fetch": 0.15,
+    "threads": 0.2,
+    "random_items": 0.05,
+    "workers_repeat_randomness": 0.15,
+    "copy_on_read": 0.45,
     "repeated_samples": 0.5,
 }
+# The thread-workers check (see NOTE [ Threads check ]): batches of at most this many
+# items, read by this many threads.
+_THREAD_CHECK_BATCHES = 4
+_THREAD_CHECK_ITEMS = 8
+_THREAD_CHECK_THREADS = 2
 # A check given less time than this is not started.
 _MIN_CHECK_SECONDS = 0.05
 
@@ -199,6 +206,78 @@ class Checks:
         problem = self._run("batched_fetch", check)
         if problem is None and "batched_fetch" in self.missing:
             return f"its check was cut short ({self.missing['batched_fetch']})"
+        return problem
+
+    # NOTE [ Threads check ]
+    # Thread workers read the dataset from several threads of this process at once (NOTE
+    # [ Thread workers ]). A dataset that keeps per-read state in itself (a buffer it
+    # fills, a file handle it seeks) then mixes up its items, or raises. Before threads
+    # are offered, a few batches of scattered items are read by two threads, and in this
+    # thread alone, and must come out the same, tensor for tensor. Items that differ
+    # between two reads in one thread (random augmentations) cannot be compared: for
+    # them the batches must have the same layout (types, dtypes and shapes). A fault
+    # that shows only now and then can pass this check; a thread trial that then fails
+    # is recorded failed, and no thread setting is run again.
+    def threads_problem(self) -> str | None:
+        """Why thread workers cannot load the dataset, or ``None`` if they can (see
+        ``NOTE [ Threads check ]``)."""
+        if isinstance(self.dataset, IterableDataset):
+            return (
+                "an IterableDataset is split among worker processes by get_worker_info(), "
+                "which threads do not have"
+            )
+        for option in ("worker_init_fn", "multiprocessing_context"):
+            if self.fixed.get(option) is not None:
+                return f"loader_kwargs sets {option}, which sets up worker processes"
+        try:
+            length = len(self.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            return "the dataset has no __len__"
+        size = min(self.batch_size, _THREAD_CHECK_ITEMS, length)
+        count = min(_THREAD_CHECK_BATCHES * size, length)
+        indices = random.Random(0).sample(range(length), count)
+        options = {
+            "batch_size": size,
+            "sampler": indices,
+            "collate_fn": self.fixed.get("collate_fn"),
+            "pin_memory": False,
+        }
+        batches = math.ceil(count / size)
+
+        def alone(seconds: float) -> list[Any]:
+            with time_limit(seconds, "reading batches in this thread"):
+                return list(new_loader(self.dataset, options))
+
+        def check(seconds: float) -> str | None:
+            ends = time.monotonic() + seconds
+            try:
+                threaded = self._runner.first_batches(
+                    lambda: new_loader(
+                        self.dataset,
+                        {**options, "num_workers": _THREAD_CHECK_THREADS, "prefetch_factor": 1},
+                        threads=True,
+                    ),
+                    batches,
+                    seconds=seconds / 2,
+                )
+            except TrialError as error:
+                if isinstance(error.error, TrialTimeout):
+                    raise
+                return f"reading it from {_THREAD_CHECK_THREADS} threads raised {error.summary}"
+            first = alone(max(_MIN_CHECK_SECONDS, ends - time.monotonic()))
+            if same_batch(threaded, first):
+                return None
+            second = alone(max(_MIN_CHECK_SECONDS, ends - time.monotonic()))
+            if not same_batch(first, second) and same_batch(threaded, first, values=False):
+                return None  # random items: the layout is all that can be compared
+            return (
+                f"reading it from {_THREAD_CHECK_THREADS} threads gave other batches than "
+                "reading it from one: it keeps state of its own between reads"
+            )
+
+        problem = self._run("threads", check)
+        if problem is None and "threads" in self.missing:
+            return f"its check was cut short ({self.missing['threads']})"
         return problem
 
     def repeated_samples(self) -> None:

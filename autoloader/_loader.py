@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from autoloader._batching import batched_loader_kwargs
 from autoloader._exceptions import InvalidInputError
 from autoloader._search_space import normalize_params
+from autoloader._thread_workers import ThreadLoader
 from autoloader._threads import LimitThreads
 
 # Tuned settings that are not DataLoader options but change how the loader is built.
@@ -42,20 +43,29 @@ def merge_loader_kwargs(
         merged.pop("prefetch_factor", None)
         merged.pop("multiprocessing_context", None)
         merged["persistent_workers"] = False
+    if merged["worker_kind"] == "threads":
+        merged.pop("multiprocessing_context", None)  # no process is started
     return merged
 
 
 def build_loader(dataset: Dataset[Any], options: Mapping[str, Any]) -> DataLoader[Any]:
     """A DataLoader over ``dataset`` from :func:`merge_loader_kwargs` output (see
-    :func:`dataloader_kwargs`)."""
-    return new_loader(dataset, dataloader_kwargs(dataset, options))
+    :func:`dataloader_kwargs`): a :class:`ThreadLoader` for thread workers."""
+    return new_loader(
+        dataset, dataloader_kwargs(dataset, options), threads=options["worker_kind"] == "threads"
+    )
 
 
-def new_loader(dataset: Dataset[Any], kwargs: Mapping[str, Any]) -> DataLoader[Any]:
-    """``DataLoader(dataset, **kwargs)``, without torch's warning about more workers than
-    cores: trials use them on purpose, and a tuned count was measured to pay."""
+def new_loader(
+    dataset: Dataset[Any], kwargs: Mapping[str, Any], *, threads: bool = False
+) -> DataLoader[Any]:
+    """``DataLoader(dataset, **kwargs)``, or ``ThreadLoader`` with ``threads``, without
+    torch's warning about more workers than cores: trials use them on purpose, and a
+    tuned count was measured to pay."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create")
+        if threads:
+            return ThreadLoader(dataset, **kwargs)
         return DataLoader(dataset, **kwargs)
 
 
@@ -66,11 +76,15 @@ def dataloader_kwargs(dataset: Dataset[Any] | None, options: Mapping[str, Any]) 
     (see ``NOTE [ Batched fetch ]``); ``worker_threads`` wraps the ``worker_init_fn``
     (see ``NOTE [ Worker threads ]``).
 
+    The worker kind is not an option: with ``worker_kind="threads"`` the result is for
+    :class:`ThreadLoader` (see :func:`new_loader`).
+
     Raises:
         InvalidInputError: the options do not go together (``batched_fetch`` with a
             ``collate_fn``, or without the dataset its sampler needs).
     """
     kwargs = dict(options)
+    kwargs.pop("worker_kind", None)
     batched, threads = (kwargs.pop(name, None) for name in _BUILD_OPTIONS)
     if threads is not None:
         kwargs["worker_init_fn"] = LimitThreads(threads, kwargs.get("worker_init_fn"))

@@ -691,6 +691,7 @@ class TrialRunner:
             "num_workers": workers,
             "prefetch_factor": loader.prefetch_factor if workers else None,
             "pin_memory": loader.pin_memory,
+            "worker_kind": getattr(loader, "worker_kind", "processes"),
         }
         return self._measure(lambda: loader, params, max_seconds, None, deadlines, None, Alone())
 
@@ -1108,7 +1109,7 @@ def _worker_exits(
     the workers get a moment to finish, or the signal would be missed.
     """
     workers = list(getattr(iterator, "_workers", None) or ())
-    if _worker_died(error):
+    if workers and _worker_died(error):
         give_up = time.monotonic() + _DEATH_GRACE
         while time.monotonic() < give_up and all(w.exitcode is None for w in workers):
             time.sleep(0.02)

@@ -426,7 +426,12 @@ class MemoryWatch:
     def _stop_trial(self, why: str) -> None:
         self._exceeded.set()
         _logger.info("%s; stopping the trial", why)
-        kill(self.new_children())
+        workers = self.new_children()
+        kill(workers)
+        if not workers:
+            # Thread workers: no process dies to wake a main thread waiting for a batch,
+            # so it is sent the signal a worker's death would send.
+            os.kill(os.getpid(), signal.SIGCHLD)
 
     def _calibrate(self, rss: int) -> int:
         started = time.monotonic()

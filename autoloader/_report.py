@@ -64,7 +64,12 @@ def describe(record: TrialRecord) -> str:
 
 
 # Settings shown only when they differ from DataLoader's usual behaviour.
-_USUAL = {"batched_fetch": False, "worker_threads": None, "in_order": True}
+_USUAL = {
+    "batched_fetch": False,
+    "worker_threads": None,
+    "in_order": True,
+    "worker_kind": "processes",
+}
 
 
 def _unusual(params: dict[str, object]) -> list[tuple[str, str]]:
@@ -86,12 +91,12 @@ def report(result: TuneResult) -> str:
         f"{env.torch_version}, {env.accelerator or 'no accelerator'}"
         + (" (interrupted: best of the finished trials)" if result.partial else ""),
         "",
-        f"{'setting':<20} {'tuned':>8} {'default':>8}",
+        f"{'setting':<20} {'tuned':>9} {'default':>9}",
     ]
     for name in TUNED_KEYS:
         value, default = result.params.get(name), BASELINE_PARAMS.get(name)
         mark = "" if value == default else "  <"
-        lines.append(f"{name:<20} {_show(value):>8} {_show(default):>8}{mark}")
+        lines.append(f"{name:<20} {_show(value):>9} {_show(default):>9}{mark}")
     lines.append("")
     rows = [
         (
@@ -116,7 +121,7 @@ def report(result: TuneResult) -> str:
             (
                 "peak memory",
                 f"{format_bytes(chosen.peak_memory)} (process tree, tuned), budget "
-                f"{format_bytes(result.memory_budget)}",
+                f"{format_bytes(result.memory_budget)}" + _memory_saved(result, chosen),
             )
         )
     states = [t.state for t in result.trials]
@@ -161,6 +166,7 @@ _CHECKS = {
     "workers_repeat_randomness": "whether workers repeat each other's randomness",
     "copy_on_read": "copy-on-read in forked workers",
     "repeated_samples": "whether workers repeat each other's samples",
+    "threads": "whether thread workers read the dataset as one thread does",
 }
 
 
@@ -208,7 +214,7 @@ def advise(result: TuneResult) -> Iterator[str]:
             )
 
     per_worker = copied_per_worker(facts)
-    if per_worker is not None:
+    if per_worker is not None and result.params.get("worker_kind") != "threads":
         workers = result.params["num_workers"]
         line = (
             f"Workers copy the dataset as they read it: a forked process gained "
@@ -342,6 +348,32 @@ def _step_cpu(result: TuneResult, baseline: TrialRecord) -> float:
         if t.state == "complete" and t.params.get("num_workers") and t.step_cpu_seconds is not None
     ]
     return statistics.median(clean) if clean else baseline.step_cpu_seconds or 0.0
+
+
+def _memory_saved(result: TuneResult, chosen: TrialRecord) -> str:
+    """With thread workers tuned: the memory they save against the fastest setting with
+    worker processes, which copy what threads share (``""`` if they save none)."""
+    if result.params.get("worker_kind") != "threads" or not chosen.peak_memory:
+        return ""
+    processes = [
+        t
+        for t in result.trials
+        if t.state == "complete"
+        and t.params.get("num_workers")
+        and t.params.get("worker_kind", "processes") == "processes"
+        and t.peak_memory
+    ]
+    if not processes:
+        return ""
+    best = max(processes, key=_rate)
+    saved = (best.peak_memory or 0) - chosen.peak_memory
+    if saved <= 0:
+        return ""
+    return (
+        f"; {format_bytes(saved)} less than the fastest setting with worker processes "
+        f"({best.params['num_workers']} processes: {format_bytes(best.peak_memory or 0)}, "
+        f"{_rate(best):,.0f} samples/s)"
+    )
 
 
 def _chosen(result: TuneResult) -> TrialRecord | None:

@@ -20,10 +20,11 @@ from autoloader._loader import dataloader_kwargs, merge_loader_kwargs, new_loade
 from autoloader._ranks import world
 from autoloader._search_space import TUNED_KEYS, normalize_params
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
 # it measured. Version 2 had no trial kinds: they are read from the reasons' words.
-_READABLE_VERSIONS = (1, 2, 3)
+# Version 3 had no worker_kind: its workers were processes.
+_READABLE_VERSIONS = (1, 2, 3, 4)
 # How versions 1 and 2 worded the reasons of trials pruned as slower or too short.
 _V2_SLOWER = "clearly slower than the best setting so far"
 _V2_TOO_SHORT = "too short"
@@ -156,12 +157,20 @@ class TuneResult:
         Settings that fetch whole batches (``batched_fetch``) build their sampler over
         ``dataset``, which must then be given; settings that limit the workers' threads
         (``worker_threads``) come as a ``worker_init_fn`` that then calls the user's.
+        Settings with thread workers (``worker_kind="threads"``) are keyword arguments
+        for :class:`~autoloader.ThreadLoader`, not ``DataLoader``: use
+        :meth:`make_loader`, which picks the class.
 
         Raises:
             InvalidInputError: the settings fetch whole batches and ``dataset`` is missing, or
                 an override does not go with them (a ``collate_fn``: pass
                 ``batched_fetch=False`` with it).
         """
+        return dataloader_kwargs(dataset, self._options(overrides))
+
+    def _options(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The loader's options (:func:`merge_loader_kwargs`), warning of fixed options
+        the file could not keep and the caller did not pass again."""
         missing = [k for k in self.unsaved_loader_kwargs if k not in overrides]
         missing = [k for k in missing if k not in self._in_memory_kwargs]
         if missing:
@@ -169,17 +178,22 @@ class TuneResult:
                 f"The tuning run used {', '.join(missing)}, which a JSON file cannot keep; "
                 f"pass {'it' if len(missing) == 1 else 'them'} as keyword arguments "
                 f"(e.g. make_loader(dataset, {missing[0]}=...)) to load as tuned.",
-                stacklevel=3,
+                stacklevel=3,  # the caller of loader_kwargs() or make_loader()
             )
         fixed = {**self.fixed_loader_kwargs, **self._in_memory_kwargs}
-        options = merge_loader_kwargs(
+        return merge_loader_kwargs(
             self.params, batch_size=self.batch_size, fixed=fixed, overrides=overrides
         )
-        return dataloader_kwargs(dataset, options)
 
     def make_loader(self, dataset: Dataset[Any], **overrides: Any) -> DataLoader[Any]:
-        """A ``DataLoader`` over ``dataset`` with the tuned settings; overrides win."""
-        return new_loader(dataset, self.loader_kwargs(dataset, **overrides))
+        """A ``DataLoader`` over ``dataset`` with the tuned settings; overrides win.
+
+        With thread workers tuned (``params["worker_kind"] == "threads"``), a
+        :class:`~autoloader.ThreadLoader`: a ``DataLoader`` whose workers are threads
+        of this process (see ``NOTE [ Thread workers ]``)."""
+        options = self._options(overrides)
+        threads = options["worker_kind"] == "threads"
+        return new_loader(dataset, dataloader_kwargs(dataset, options), threads=threads)
 
     def report(self) -> str:
         """A readable report: the settings against the defaults, the speedup, the

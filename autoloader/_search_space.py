@@ -21,7 +21,11 @@ TUNED_KEYS = (
     "batched_fetch",
     "worker_threads",
     "in_order",
+    "worker_kind",
 )
+
+# The kinds of worker a setting may use (see NOTE [ Thread workers ]).
+WORKER_KINDS = ("processes", "threads")
 
 # Latency-bound datasets (network or disk waits) want far more workers than cores: a
 # 2-core machine reading items that each sleep 5 ms is fastest near 12-16 workers.
@@ -64,6 +68,20 @@ def _thread_choices(value: object) -> tuple[int | None, ...]:
         raise InvalidInputError(
             f"SearchSpace.worker_threads must be at least 1 but got {value!r}; use None to "
             "leave the workers' thread pools as they are."
+        )
+    return tuple(dict.fromkeys(choices))
+
+
+def _kind_choices(value: object) -> tuple[str, ...]:
+    choices = (value,) if isinstance(value, str) else value
+    if (
+        not isinstance(choices, tuple | list)
+        or not choices
+        or not all(isinstance(c, str) and c in WORKER_KINDS for c in choices)
+    ):
+        raise InvalidInputError(
+            'SearchSpace.worker_kind must be "processes", "threads" or a tuple of them, but '
+            f"got {value!r}."
         )
     return tuple(dict.fromkeys(choices))
 
@@ -111,6 +129,12 @@ class SearchSpace:
             sampler's order. ``(True, False)`` lets the tuner hand batches over as soon
             as any worker has one, which hides slow items behind fast ones but makes
             the order of batches depend on timing. (default: ``True``)
+        worker_kind (str or tuple of str, optional): ``"processes"`` (DataLoader's
+            worker processes) or ``"threads"`` (a :class:`~autoloader.ThreadLoader`:
+            threads of the training process, see ``NOTE [ Thread workers ]``). ``None``
+            means both where the dataset was seen to give the same batches read from
+            several threads (checked before the run), else processes.
+            (default: ``None``)
 
     Example::
 
@@ -124,6 +148,7 @@ class SearchSpace:
     batched_fetch: bool | tuple[bool, ...] | None = None
     worker_threads: int | tuple[int | None, ...] | Literal["auto"] | None = "auto"
     in_order: bool | tuple[bool, ...] = True
+    worker_kind: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers is not None:
@@ -150,6 +175,8 @@ class SearchSpace:
         if self.worker_threads != "auto":
             object.__setattr__(self, "worker_threads", _thread_choices(self.worker_threads))
         object.__setattr__(self, "in_order", _choices("in_order", self.in_order))
+        if self.worker_kind is not None:
+            object.__setattr__(self, "worker_kind", _kind_choices(self.worker_kind))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SearchSpace:
@@ -174,6 +201,7 @@ class SearchSpace:
         has_accelerator: bool,
         batches_per_epoch: int | None,
         batched_fetch_problem: str | None = "the dataset was not checked for it",
+        threads_problem: str | None = "the dataset was not checked for it",
     ) -> tuple[SearchSpace, list[str]]:
         """Fill in the defaults for this machine and dataset.
 
@@ -184,13 +212,17 @@ class SearchSpace:
             batched_fetch_problem: why the dataset cannot be fetched a batch at a time
                 (see :func:`autoloader._batching.batched_fetch_problem`), or ``None``
                 once it was checked that it can.
+            threads_problem: why thread workers cannot load the dataset (see
+                :meth:`autoloader._facts.Checks.threads_problem`), or ``None`` once it
+                was checked that they can.
 
         Returns:
             The concrete space, and notes for the user about settings fixed here.
 
         Raises:
             InvalidInputError: ``batched_fetch=True`` was asked for a dataset that
-                cannot be fetched a batch at a time.
+                cannot be fetched a batch at a time, or ``worker_kind="threads"`` for
+                one that thread workers cannot load.
         """
         notes = []
         num_workers = self.num_workers
@@ -229,12 +261,29 @@ class SearchSpace:
         if worker_threads == "auto":
             # Each worker's pools start as wide as the machine (see NOTE [ Worker threads ]).
             worker_threads = (None, 1) if usable_cpus > 1 else (None,)
+        worker_kind = self.worker_kind
+        if threads_problem is not None:
+            if worker_kind is not None and "threads" in worker_kind:
+                raise InvalidInputError(
+                    f'SearchSpace.worker_kind "threads" was asked for, but {threads_problem}. '
+                    'Leave worker_kind unset, or set it to "processes".'
+                )
+            if worker_kind is None:
+                notes.append(f"worker_kind fixed to processes: {threads_problem}.")
+            worker_kind = ("processes",)
+        elif worker_kind is None:
+            worker_kind = WORKER_KINDS
+            notes.append(
+                "worker_kind searched: the dataset gave the same batches read from several "
+                "threads as from one, so thread workers were measured too."
+            )
         space = dataclasses.replace(
             self,
             num_workers=num_workers,
             pin_memory=pin_memory,
             batched_fetch=batched_fetch,
             worker_threads=worker_threads,
+            worker_kind=worker_kind,
         )
         return space, notes
 
@@ -244,6 +293,7 @@ class SearchSpace:
             or self.pin_memory is None
             or self.batched_fetch is None
             or self.worker_threads == "auto"
+            or self.worker_kind is None
         ):
             raise InvalidInputError(
                 "SearchSpace.resolve() must be called before drawing settings from it."
@@ -257,6 +307,7 @@ class SearchSpace:
             batched_fetch=self.batched_fetch,  # type: ignore[arg-type]
             worker_threads=self.worker_threads,  # type: ignore[arg-type]
             in_order=self.in_order,  # type: ignore[arg-type]
+            worker_kind=self.worker_kind,  # type: ignore[arg-type]
         )
 
     def suggest(self, trial: optuna.Trial) -> Params:
@@ -265,21 +316,30 @@ class SearchSpace:
         num_workers = trial.suggest_int("num_workers", *choices.num_workers)
         params: Params = {"num_workers": num_workers}
         if num_workers > 0:
+            kind = trial.suggest_categorical("worker_kind", choices.worker_kind)
+            params["worker_kind"] = kind
             params["prefetch_factor"] = trial.suggest_int(
                 "prefetch_factor", *choices.prefetch_factor
             )
-            params["persistent_workers"] = trial.suggest_categorical(
-                "persistent_workers", choices.persistent_workers
-            )
-            params["worker_threads"] = trial.suggest_categorical(
-                "worker_threads", choices.worker_threads
-            )
+            if kind == "processes":  # threads start in microseconds and share the pools
+                params["persistent_workers"] = trial.suggest_categorical(
+                    "persistent_workers", choices.persistent_workers
+                )
+                params["worker_threads"] = trial.suggest_categorical(
+                    "worker_threads", choices.worker_threads
+                )
             params["in_order"] = trial.suggest_categorical("in_order", choices.in_order)
         params["pin_memory"] = trial.suggest_categorical("pin_memory", choices.pin_memory)
         params["batched_fetch"] = trial.suggest_categorical("batched_fetch", choices.batched_fetch)
         return normalize_params(params)
 
-    def ladder(self, first: Sequence[int] = (), *, limit_threads: bool = False) -> list[Params]:
+    def ladder(
+        self,
+        first: Sequence[int] = (),
+        *,
+        limit_threads: bool = False,
+        first_threads: Sequence[int] = (),
+    ) -> list[Params]:
         """Starting points: worker counts doubling across the range, other options typical.
 
         The throughput of a loader is mostly a function of ``num_workers``; a doubling
@@ -288,7 +348,8 @@ class SearchSpace:
         space allows, the ladder fetches whole batches (they were checked to be the same
         batches, and one indexing beats many), lets batches come out of order, and with
         ``limit_threads`` (loading was seen to use several threads) gives each worker's
-        thread pools one thread.
+        thread pools one thread. Thread workers at the counts of ``first_threads`` (where
+        the space has them) come between ``first`` and the doubling ladder.
         """
         choices = self._bounds()
         low, high = choices.num_workers
@@ -297,6 +358,7 @@ class SearchSpace:
         if batched and low == 0:
             # A whole batch by one indexing is often quicker than a worker's hand-over.
             counts.insert(0, 0)
+        guessed = len(counts)
         count = 1
         while count <= high:
             if count >= low and count not in counts:
@@ -306,6 +368,13 @@ class SearchSpace:
             counts.append(high)
         pf_low, pf_high = choices.prefetch_factor
         threads = choices.worker_threads
+        kinds = [("processes", n) for n in counts]
+        if "threads" in choices.worker_kind:
+            with_threads = [("threads", n) for n in first_threads if low <= n <= high and n > 0]
+            kinds[guessed:guessed] = with_threads
+        if "processes" not in choices.worker_kind:
+            kinds = [("threads", n) if n > 0 else (kind, n) for kind, n in kinds]
+        kinds = list(dict.fromkeys(kinds))
         return [
             normalize_params(
                 {
@@ -316,9 +385,10 @@ class SearchSpace:
                     "batched_fetch": batched,
                     "worker_threads": 1 if limit_threads and 1 in threads else threads[0],
                     "in_order": False not in choices.in_order,
+                    "worker_kind": kind,
                 }
             )
-            for n in counts
+            for kind, n in kinds
         ]
 
 
@@ -333,6 +403,7 @@ class _Choices:
     batched_fetch: tuple[bool, ...]
     worker_threads: tuple[int | None, ...]
     in_order: tuple[bool, ...]
+    worker_kind: tuple[str, ...]
 
 
 def normalize_params(params: Mapping[str, Any]) -> Params:
@@ -341,26 +412,42 @@ def normalize_params(params: Mapping[str, Any]) -> Params:
     num_workers = int(params.get("num_workers", 0))
     workers = num_workers > 0
     threads = params.get("worker_threads")
+    # Thread workers start in microseconds and share this process's native thread pools.
+    processes = params.get("worker_kind", "processes") != "threads"
     return {
         "num_workers": num_workers,
         "prefetch_factor": int(params.get("prefetch_factor") or 2) if workers else None,
-        "persistent_workers": bool(params.get("persistent_workers", False)) and workers,
+        "persistent_workers": bool(params.get("persistent_workers", False))
+        and workers
+        and processes,
         "pin_memory": bool(params.get("pin_memory", False)),
         "batched_fetch": bool(params.get("batched_fetch", False)),
-        "worker_threads": int(threads) if workers and threads is not None else None,
+        "worker_threads": int(threads) if workers and processes and threads is not None else None,
         "in_order": bool(params.get("in_order", True)) or not workers,
+        "worker_kind": "processes" if processes or not workers else "threads",
     }
 
 
-_WORKER_ONLY = ("prefetch_factor", "persistent_workers", "worker_threads", "in_order")
+_WORKER_ONLY = (
+    "prefetch_factor",
+    "persistent_workers",
+    "worker_threads",
+    "in_order",
+    "worker_kind",
+)
 
 
 def trial_params(params: Mapping[str, Any]) -> Params:
     """The values :meth:`SearchSpace.suggest` draws for ``params``: what a queued trial
     (``study.enqueue_trial``) must fix. Worker options are not drawn without workers."""
-    if params["num_workers"] > 0:
-        return dict(params)
-    return {k: v for k, v in params.items() if k not in _WORKER_ONLY}
+    if params["num_workers"] == 0:
+        return {k: v for k, v in params.items() if k not in _WORKER_ONLY}
+    if params["worker_kind"] == "threads":
+        return {k: v for k, v in params.items() if k not in _PROCESS_ONLY}
+    return dict(params)
 
+
+# Options drawn for worker processes only.
+_PROCESS_ONLY = ("persistent_workers", "worker_threads")
 
 BASELINE_PARAMS: Params = normalize_params({"num_workers": 0})

@@ -296,6 +296,9 @@ def _tune(
             batched_fetch_problem=(
                 checks.batched_fetch_problem() if space.batched_fetch != (False,) else None
             ),
+            threads_problem=(
+                checks.threads_problem() if space.worker_kind != ("processes",) else None
+            ),
         )
         facts = checks.facts(dataset_length, start_method=method)
         if ranks is not None:

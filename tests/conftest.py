@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
+import threading
 import time
 from collections.abc import Iterator
 
@@ -36,3 +37,19 @@ def _describe(process: psutil.Process) -> str:
         return f"{process.pid} {' '.join(process.cmdline())[:200]}"
     except psutil.Error:
         return str(process.pid)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_thread_workers() -> Iterator[None]:
+    """Fail any test that leaves a ThreadLoader's worker thread running."""
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        left = [t.name for t in threading.enumerate() if t.name.startswith(_THREAD_WORKER)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"test left thread workers running: {left}"
+
+
+_THREAD_WORKER = "autoloader-thread-worker-"

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+import autoloader._cost_model
 from autoloader._cost_model import (
+    guess_threads,
     guess_workers,
     loads_on_several_threads,
     step_competes_with_workers,
@@ -85,3 +87,25 @@ def test_a_step_competes_with_workers_only_where_the_cpus_bound_the_loop(
         )
         is competes
     ), case
+
+
+@pytest.mark.parametrize(
+    ("load", "cpu", "gil", "expected"),
+    [
+        # Waiting 40 ms a batch for a 10 ms step: 4 keep up; threads cost little, so
+        # the guesses reach twice that.
+        (0.040, 0.001, True, [5, 8]),
+        # Python work under the GIL: threads would take turns, no guess.
+        (0.040, 0.039, True, []),
+        # The same work without a GIL (free-threaded CPython) runs in parallel.
+        (0.040, 0.039, False, [5, 8]),
+        (0.0, 0.0, True, []),
+    ],
+    ids=["waiting", "cpu-under-gil", "cpu-free-threaded", "nothing-loaded"],
+)
+def test_thread_guesses_only_where_threads_overlap_loading(
+    load: float, cpu: float, gil: bool, expected: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(autoloader._cost_model, "gil_enabled", lambda: gil)
+    baseline = {"load_seconds": load, "load_cpu_seconds": cpu, "step_seconds": 0.010}
+    assert guess_threads(baseline) == expected

@@ -138,3 +138,14 @@ def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> N
     diagnosis = autoloader.diagnose(loader, sleep_10ms_step, seconds=2)
     assert diagnosis.verdict != "CPU-bound (step and loader)", str(diagnosis)
     assert diagnosis.step_cpus is not None and diagnosis.step_cpus < 0.3, str(diagnosis)
+
+
+def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() -> None:
+    dataset = SleepDataset(1 << 17, latency=0.0, width=4)
+    diagnosis = autoloader.diagnose(DataLoader(dataset, batch_size=64, num_workers=2), noop_step)
+    assert "Thread workers (autoloader.ThreadLoader) hand batches over" in diagnosis.reason
+    # A ThreadLoader receives nothing from other processes: no such advice.
+    threads = autoloader.ThreadLoader(dataset, batch_size=64, num_workers=2)
+    diagnosis = autoloader.diagnose(threads, noop_step, seconds=2)
+    assert diagnosis.num_workers == 2
+    assert "receiving" not in diagnosis.reason and "ThreadLoader" not in diagnosis.reason

@@ -634,3 +634,81 @@ def test_a_baseline_too_short_to_trust_is_said_to_be_so() -> None:
         s.startswith("the baseline (num_workers=0) timed 1 batches")
         for s in driver.policy.shortcomings(driver.history, search_seconds=20)
     )
+
+
+# Thread workers -----------------------------------------------------------------------
+
+
+def _threads(workers: int, *, prefetch: int = 2) -> dict[str, Any]:
+    return normalize_params(
+        {"num_workers": workers, "prefetch_factor": prefetch, "worker_kind": "threads"}
+    )
+
+
+def _both_kinds_policy() -> Policy:
+    space, _ = SearchSpace(num_workers=(0, 16)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, threads_problem=None
+    )
+    return Policy(space=space, time_budget=30.0, batch_size=8, usable_cpus=2)
+
+
+def test_once_thread_workers_failed_no_thread_setting_is_run_again() -> None:
+    """A dataset that passed the threads check but then raised (or hung) under threads:
+    every thread setting is recorded failed without running; processes still run."""
+    policy = _both_kinds_policy()
+    history = [_baseline(), _failed(1, _threads(4), FaultKind.ERROR)]
+    known = policy.known_failure(_threads(8, prefetch=4), history)
+    assert isinstance(known, Failed) and known.same_as == 1
+    assert "thread workers failed in trial 1" in known.reason
+    assert policy.known_failure(_params(4), history) is None
+    interrupted = [_baseline(), _failed(1, _threads(4), FaultKind.INTERRUPTED)]
+    assert policy.known_failure(_threads(8), interrupted) is None
+
+
+def test_thread_failures_mark_no_worker_count_boundary() -> None:
+    policy = _both_kinds_policy()
+    history = [
+        _baseline(),
+        _done(1, _params(2), 300.0),
+        _failed(2, _threads(8), FaultKind.TIMEOUT),
+        _failed(3, _threads(16), FaultKind.TIMEOUT),
+    ]
+    assert policy.boundary(history) is None
+    assert policy.known_failure(_params(12), history) is None
+
+
+def test_memory_over_budget_with_processes_says_nothing_of_threads() -> None:
+    """Worker processes copy what thread workers share: a process setting over the budget
+    does not rule out as many threads."""
+    over = Trial(1, Phase.SEARCH, _params(4), Pruned(PruneKind.MEMORY, "memory: over"))
+    assert _both_kinds_policy().known_failure(_threads(8), [_baseline(), over]) is None
+
+
+def test_the_guessed_thread_counts_follow_the_process_guesses_where_loading_waits() -> None:
+    baseline = _baseline()
+    assert baseline.measurement is not None
+    waits = dataclasses.replace(
+        baseline.measurement, load_seconds=0.05, step_seconds=0.01, load_cpu_seconds=0.005
+    )
+    measured = dataclasses.replace(baseline, outcome=Completed(waits, 100.0))
+    points = [
+        (p["worker_kind"], p["num_workers"])
+        for p in _both_kinds_policy().starting_points([measured])
+    ]
+    assert points[:4] == [("processes", 5), ("processes", 6), ("threads", 6), ("threads", 10)]
+    # Loading that is Python work under the GIL: no thread guess (the sampler may try).
+    busy = dataclasses.replace(waits, load_cpu_seconds=0.045)
+    on_cpu = dataclasses.replace(baseline, outcome=Completed(busy, 100.0))
+    kinds = {p["worker_kind"] for p in _both_kinds_policy().starting_points([on_cpu])}
+    assert kinds == {"processes"}
+
+
+def test_within_two_percent_threads_are_chosen_over_worker_processes() -> None:
+    """Processes cost a copy of what they read and a start-up; threads neither."""
+    history = [
+        _baseline(100.0),
+        _done(1, _params(4), 700.0),
+        _done(2, _threads(8), 695.0),
+        _done(3, _threads(12), 690.0),
+    ]
+    assert _policy().choose(history).params == _threads(8)

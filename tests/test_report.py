@@ -228,3 +228,27 @@ def test_the_steps_cpu_comes_from_trials_with_workers_where_loading_runs_elsewhe
     two_cpus = dataclasses.replace(Environment.current(), usable_cpus=2)
     text = " ".join(report(_result([spun, clean], tuned, environment=two_cpus)).split())
     assert "bottleneck loading: with the defaults a batch took 15.0 ms" in text
+
+
+def test_thread_workers_tuned_show_the_memory_saved_and_no_copy_on_read_advice() -> None:
+    processes = {"num_workers": 6, "prefetch_factor": 2}
+    threads = {"num_workers": 8, "prefetch_factor": 2, "worker_kind": "threads"}
+    trials = [
+        BASELINE,
+        _trial(1, "search", processes, 1100.0, peak_memory=1900 * MiB),
+        _trial(2, "search", threads, 1180.0, peak_memory=400 * MiB),
+    ]
+    facts = {"dataset_length": 100_000, "copy_on_read": 8 * 1024, "process_bytes": 2 << 30}
+    result = _result(trials, threads, facts=facts)
+    text = " ".join(report(result).split())
+    assert "worker_kind threads processes <" in text
+    assert (
+        "400.0 MiB (process tree, tuned), budget 8.0 GiB; 1.5 GiB less than the fastest "
+        "setting with worker processes (6 processes: 1.9 GiB, 1,100 samples/s)"
+    ) in text
+    # Threads share the dataset: nothing is copied on read.
+    assert not any(line.startswith("Workers copy") for line in advise(result))
+    # With processes tuned, the same trials give neither.
+    with_processes = _result(trials, processes, facts=facts)
+    assert "less than the fastest" not in report(with_processes)
+    assert any(line.startswith("Workers copy") for line in advise(with_processes))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 import autoloader
 import autoloader._loader
@@ -31,6 +31,7 @@ def _result(**changes: Any) -> TuneResult:
             "batched_fetch": False,
             "worker_threads": None,
             "in_order": True,
+            "worker_kind": "processes",
         },
         "throughput": 700.0,
         "baseline": 150.0,
@@ -70,7 +71,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # same machine: no warning
         again = autoloader.load(path)
     assert again == result
-    assert json.loads(path.read_text())["schema_version"] == 3
+    assert json.loads(path.read_text())["schema_version"] == 4
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
 
 
@@ -267,3 +268,27 @@ def test_environment_differences_tolerate_small_memory_changes() -> None:
         here.differences(dataclasses.replace(here, memory_total=int(here.memory_total * 1.01)))
         == []
     )
+
+
+def test_thread_settings_round_trip_and_load_as_a_thread_loader(tmp_path: Path) -> None:
+    params = normalize_params({"num_workers": 4, "prefetch_factor": 3, "worker_kind": "threads"})
+    path = _result(params=params).save(tmp_path / "threads.json")
+    again = autoloader.load(path)
+    assert again.params == params
+    dataset = SleepDataset(length=40, latency=0.0)
+    loader = again.make_loader(dataset)
+    assert isinstance(loader, autoloader.ThreadLoader)
+    assert (loader.num_workers, loader.prefetch_factor, loader.batch_size) == (4, 3, 8)
+    assert sorted(int(x) for batch in loader for x in batch[:, 0]) == list(range(40))
+    # An override back to processes gives DataLoader's own workers.
+    plain = again.make_loader(dataset, worker_kind="processes")
+    assert type(plain) is DataLoader and plain.num_workers == 4
+
+
+def test_a_version_3_file_loads_with_worker_processes(tmp_path: Path) -> None:
+    path = _result().save(tmp_path / "v3.json")
+    data = json.loads(path.read_text())
+    data["schema_version"] = 3
+    del data["params"]["worker_kind"]
+    path.write_text(json.dumps(data))
+    assert autoloader.load(path).params["worker_kind"] == "processes"

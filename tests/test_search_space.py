@@ -126,7 +126,62 @@ def test_normalize_params() -> None:
         "batched_fetch": False,
         "worker_threads": None,
         "in_order": True,
+        "worker_kind": "processes",
     }
+    # Thread workers start in microseconds and share the process's native pools.
+    threads = normalize_params(
+        {
+            "num_workers": 3,
+            "persistent_workers": True,
+            "worker_threads": 1,
+            "worker_kind": "threads",
+        }
+    )
+    assert (threads["persistent_workers"], threads["worker_threads"]) == (False, None)
+    assert threads["worker_kind"] == "threads"
+    assert (
+        normalize_params({"num_workers": 0, "worker_kind": "threads"})["worker_kind"] == "processes"
+    )
+
+
+def test_worker_kind_is_searched_only_where_threads_were_checked() -> None:
+    resolve = {"usable_cpus": 2, "has_accelerator": False, "batches_per_epoch": None}
+    space, notes = SearchSpace().resolve(**resolve, threads_problem=None)
+    assert space.worker_kind == ("processes", "threads")
+    assert any("worker_kind searched" in note for note in notes)
+    unchecked, _ = SearchSpace().resolve(**resolve)
+    assert unchecked.worker_kind == ("processes",)
+    with pytest.raises(InvalidInputError, match='"threads" was asked for, but it keeps state'):
+        SearchSpace(worker_kind="threads").resolve(**resolve, threads_problem="it keeps state")
+    with pytest.raises(InvalidInputError, match="worker_kind must be"):
+        SearchSpace(worker_kind="fibres")
+
+
+def test_thread_settings_draw_no_process_options() -> None:
+    space, _ = SearchSpace(worker_kind="threads", num_workers=(1, 8)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, threads_problem=None
+    )
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(10):
+        trial = study.ask()
+        params = space.suggest(trial)
+        assert params["worker_kind"] == "threads"
+        assert "persistent_workers" not in trial.params and "worker_threads" not in trial.params
+        assert trial_params(params) == trial.params | {"pin_memory": False, "batched_fetch": False}
+
+
+def test_the_ladder_measures_the_guessed_thread_counts_after_the_process_guesses() -> None:
+    space, _ = SearchSpace(num_workers=(0, 16)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, threads_problem=None
+    )
+    ladder = space.ladder(first=[5], first_threads=[5, 8])
+    kinds = [(p["worker_kind"], p["num_workers"]) for p in ladder]
+    assert kinds[:3] == [("processes", 5), ("threads", 5), ("threads", 8)]
+    assert [n for kind, n in kinds[3:]] == [1, 2, 4, 8, 16]
+    only, _ = SearchSpace(num_workers=(0, 4), worker_kind="threads").resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, threads_problem=None
+    )
+    assert {p["worker_kind"] for p in only.ladder() if p["num_workers"]} == {"threads"}
 
 
 def test_new_options_resolve_to_what_applies() -> None:

@@ -28,10 +28,12 @@ from .workloads import (
     NoLenDataset,
     OutOfMemoryInWorkersDataset,
     ShardedStream,
+    SharedBufferDataset,
     SleepDataset,
     Stream,
     failing_step,
     noop_step,
+    sleep_10ms_step,
     sleep_step,
     slow_step,
 )
@@ -502,3 +504,35 @@ def test_a_stored_study_is_shared_only_by_the_same_problem() -> None:
         study_name(SleepDataset(512), sleep_step, **{**problem, "device": torch.device("meta")}),
     ]
     assert name not in changed and len(set(changed)) == len(changed)
+
+
+# Thread workers ---------------------------------------------------------------------
+
+
+def test_thread_workers_are_measured_and_a_tuned_thread_loader_holds_every_sample_once(
+    tmp_path: Path,
+) -> None:
+    """Items that wait 5 ms on "storage" for a 10 ms step: both kinds are measured, and
+    whichever is chosen loads one epoch as the dataset holds it."""
+    dataset = SleepDataset(512, latency=0.005)
+    result = _tune(dataset, sleep_10ms_step, batch_size=8, time_budget=8.0)
+    kinds = {t.params["worker_kind"] for t in result.trials if t.params["num_workers"]}
+    assert kinds == {"processes", "threads"}, [t.params for t in result.trials]
+    assert any("worker_kind searched" in note for note in result.notes)
+    threads = autoloader.load(result.save(tmp_path / "best.json")).make_loader(
+        dataset, worker_kind="threads", num_workers=4, shuffle=True
+    )
+    assert isinstance(threads, autoloader.ThreadLoader)
+    ids = [int(x) for batch in threads for x in batch[:, 0]]
+    assert sorted(ids) == list(range(512)) and ids != sorted(ids)
+
+
+def test_a_dataset_that_reads_otherwise_from_threads_is_tuned_with_processes_only() -> None:
+    result = _tune(SharedBufferDataset(256), noop_step, time_budget=4.0)
+    assert all(t.params["worker_kind"] == "processes" for t in result.trials)
+    assert any(
+        note.startswith("worker_kind fixed to processes: reading it from 2 threads gave other")
+        for note in result.notes
+    ), result.notes
+    with pytest.raises(InvalidInputError, match='"threads" was asked for, but reading it'):
+        _tune(SharedBufferDataset(256), noop_step, search_space={"worker_kind": "threads"})

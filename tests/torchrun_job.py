@@ -79,7 +79,10 @@ def main(out: Path, scenario: str) -> int:
             batch_size=16,
             time_budget=120.0 if scenario == "long" else 10.0,
             memory_budget="1GiB" if scenario == "faults-on-rank-1" else None,
-            search_space={"num_workers": (0, 4)},
+            # The faults come with a worker process's index: thread workers have none.
+            search_space={"num_workers": (0, 4)}
+            if scenario in ("plain", "long")
+            else {"num_workers": (0, 4), "worker_kind": "processes"},
             loader_kwargs={"sampler": DistributedSampler(dataset)},
             show_progress=False,
         )

@@ -419,3 +419,40 @@ class TorchOpsDataset(Dataset[torch.Tensor]):
     def __getitem__(self, index: int) -> torch.Tensor:
         image = torch.full((3, 112, 112), index / self.length)
         return ((image - self.mean) / self.std).mean(dim=(1, 2))
+
+
+class SharedBufferDataset(SleepDataset):
+    """Fills one buffer of its own for each read, waits, then copies it out: read from
+    several threads at once, one read's item comes out with another's values."""
+
+    def __init__(self, length: int = 256) -> None:
+        super().__init__(length, latency=0.0)
+        self.buffer = torch.zeros(8)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.buffer.fill_(float(index))
+        time.sleep(0.002)  # a read: other threads run meanwhile
+        return self.buffer.clone()
+
+
+class FailsInThreadsDataset(SleepDataset):
+    """Works in the main thread; raises in any other, like a handle bound to a thread."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("this handle was opened in another thread")
+        return super().__getitem__(index)
+
+
+class GetItemsDataset(SleepDataset):
+    """Loads a batch's items with one ``__getitems__`` call, as HF datasets do."""
+
+    def __init__(self, length: int = 64) -> None:
+        super().__init__(length, latency=0.0)
+        self.calls = 0
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        self.calls += 1
+        return [self[i] for i in indices]

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._cost_model import guess_workers, loads_on_several_threads
+from autoloader._cost_model import guess_threads, guess_workers, loads_on_several_threads
 from autoloader._deadlines import Deadlines
 from autoloader._exceptions import AllSettingsFailedError
 from autoloader._measure import Measurement
@@ -250,11 +250,15 @@ class Policy:
         return Plan(Phase.SEARCH, None, seconds, "the sampler's proposal")
 
     def starting_points(self, history: Sequence[Trial]) -> list[Params]:
-        """The cost model's guesses, then the doubling ladder (see ``SearchSpace.ladder``)."""
+        """The cost model's guesses (with processes, then with threads), then the
+        doubling ladder (see ``SearchSpace.ladder``)."""
         measured = baseline_measurement(history)
         facts = measured.as_dict() if measured is not None else {}
-        guesses = guess_workers(facts, usable_cpus=self.usable_cpus)
-        return self.space.ladder(first=guesses, limit_threads=loads_on_several_threads(facts))
+        return self.space.ladder(
+            first=guess_workers(facts, usable_cpus=self.usable_cpus),
+            limit_threads=loads_on_several_threads(facts),
+            first_threads=guess_threads(facts),
+        )
 
     # NOTE [ Failure boundary ]
     # Some faults come with the worker count: a WebDataset with k shards fails every
@@ -267,7 +271,9 @@ class Policy:
     # budget above the boundary.
     def boundary(self, history: Sequence[Trial]) -> tuple[int, int] | None:
         """``(largest count that worked, smallest count that failed above it)``, when
-        failures of a worker-count kind lie above every success; else ``None``."""
+        failures of a worker-count kind lie above every success; else ``None``. Thread
+        workers have no such faults: only worker processes count."""
+        history = [t for t in history if t.params.get("worker_kind") != "threads"]
         largest = max((t.workers for t in history if _ran(t.outcome)), default=0)
         failed = [t.workers for t in _worker_count_failures(history) if t.workers > largest]
         if not failed:
@@ -436,8 +442,11 @@ class Policy:
         luck, and measuring a hang again costs its whole deadline). Memory only grows
         with workers, prefetch and pinning, so a setting that asks at least as much as
         one that passed the memory budget (or was OOM-killed) would pass it too. Past a
-        failure boundary (``NOTE [ Failure boundary ]``) every count fails.
+        failure boundary (``NOTE [ Failure boundary ]``) every count fails. Once thread
+        workers failed (the dataset raised or hung when read from several threads, see
+        ``NOTE [ Thread workers ]``), no thread setting is run again.
         """
+        threads = params.get("worker_kind") == "threads"
         for trial in history:
             outcome = trial.outcome
             if _over_memory(outcome) and _asks_at_least(params, trial.params):
@@ -447,7 +456,11 @@ class Policy:
             same = params_key(params) == params_key(trial.params)
             if same and isinstance(outcome, Failed) and outcome.kind is not FaultKind.INTERRUPTED:
                 return Failed(outcome.kind, outcome.reason, same_as=trial.number)
-        return self._beyond_boundary(params, history)
+            if threads and _threads_failed(trial):
+                assert isinstance(outcome, Failed)
+                note = f" (not run: thread workers failed in trial {trial.number})"
+                return Failed(outcome.kind, outcome.reason + note, same_as=trial.number)
+        return None if threads else self._beyond_boundary(params, history)
 
     def failing_from(self, history: Sequence[Trial]) -> int | None:
         """The worker count from which every count is known to fail (``NOTE [ Failure
@@ -564,6 +577,16 @@ def _worker_count_failures(history: Sequence[Trial]) -> list[Trial]:
     ]  # fmt: skip
 
 
+def _threads_failed(trial: Trial) -> bool:
+    """Whether ``trial`` ran thread workers and failed for the setting's sake."""
+    outcome = trial.outcome
+    return (
+        trial.params.get("worker_kind") == "threads"
+        and isinstance(outcome, Failed)
+        and outcome.kind is not FaultKind.INTERRUPTED
+    )
+
+
 def _over_memory(outcome: Outcome) -> bool:
     return isinstance(outcome, Pruned) and outcome.kind in (PruneKind.MEMORY, PruneKind.KILLED)
 
@@ -622,19 +645,24 @@ def _too_short_reason(measurement: Measurement) -> str:
 
 
 def _asks_at_least(params: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
-    """Whether ``params`` holds at least as many batches, as pinned, as ``other``."""
+    """Whether ``params`` holds at least as many batches, as pinned, as ``other``, with
+    workers of the same kind (worker processes copy what thread workers share)."""
     return (
-        params["num_workers"] >= other["num_workers"] > 0
+        params.get("worker_kind") == other.get("worker_kind")
+        and params["num_workers"] >= other["num_workers"] > 0
         and (params["prefetch_factor"] or 0) >= (other["prefetch_factor"] or 0)
         and params["pin_memory"] >= other["pin_memory"]
     )
 
 
-def _cost(params: Mapping[str, Any]) -> tuple[int, int, bool, bool, bool]:
-    """Fewest workers, smallest prefetch, no pinning; then one indexing per batch (less
+def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
+    """Fewest worker processes (each a copy of what it reads, and a start-up), then
+    fewest threads, smallest prefetch, no pinning; then one indexing per batch (less
     CPU), then batches in order (reproducible)."""
+    threads = params.get("worker_kind") == "threads"
     return (
-        params["num_workers"],
+        0 if threads else params["num_workers"],
+        params["num_workers"] if threads else 0,
         params["prefetch_factor"] or 0,
         params["pin_memory"],
         not params.get("batched_fetch", False),
