@@ -4,7 +4,9 @@ With items that load instantly, the loop's time per batch is the step plus the
 DataLoader's own per-batch cost (receiving the batch from a worker: a pipe read, a file
 descriptor passed over a socket, unpickling, profiler hooks). That sum, not
 batch_size / step_time, is the ceiling a tuner can reach on this machine. Also shows the
-same loop with the workers sharing tensors through the "file_system" strategy.
+same loop with the workers sharing tensors through the "file_system" strategy, and
+with thread workers (``autoloader.ThreadLoader``), which hand a batch over as a
+reference, and the step alone (``time.sleep`` oversleeps: the step's real ceiling).
 
     python benchmarks/dataloader_overhead.py [--batch-size 8] [--step 0.010] [--rounds 3]
 """
@@ -20,6 +22,8 @@ import torch
 import torch.multiprocessing
 from torch.utils.data import DataLoader, Dataset
 
+from autoloader import ThreadLoader
+
 
 class Instant(Dataset[torch.Tensor]):
     def __len__(self) -> int:
@@ -34,18 +38,25 @@ def _file_system_sharing(worker_id: int) -> None:
 
 
 def loop_rate(
-    workers: int, batch_size: int, step: float, batches: int, **kwargs: object
+    workers: int | None, batch_size: int, step: float, batches: int, **kwargs: object
 ) -> tuple[float, float]:
-    """Samples/s of next()+step, and milliseconds per batch spent in next()."""
-    loader = DataLoader(
+    """Samples/s of next()+step, and milliseconds per batch spent in next(). A negative
+    ``workers`` count means that many thread workers; ``None`` the step alone."""
+    if workers is None:
+        started = time.perf_counter()
+        for _ in range(batches):
+            time.sleep(step)
+        return batch_size * batches / (time.perf_counter() - started), 0.0
+    kind = ThreadLoader if workers < 0 else DataLoader
+    loader = kind(
         Instant(),
         batch_size=batch_size,
-        num_workers=workers,
+        num_workers=abs(workers),
         persistent_workers=workers > 0,
         **kwargs,  # type: ignore[arg-type]
     )
     iterator = iter(loader)
-    for _ in range(max(20, 4 * workers)):
+    for _ in range(max(20, 4 * abs(workers))):
         next(iterator)
         time.sleep(step)
     waited = 0.0
@@ -69,12 +80,15 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     ceiling = args.batch_size / args.step
-    configs: list[tuple[str, int, dict[str, object]]] = [
+    configs: list[tuple[str, int | None, dict[str, object]]] = [
+        ("the step alone", None, {}),
         ("num_workers=0", 0, {}),
         ("num_workers=2", 2, {}),
         ("num_workers=6", 6, {}),
         ("num_workers=12", 12, {}),
         ("num_workers=6, file_system sharing", 6, {"worker_init_fn": _file_system_sharing}),
+        ("ThreadLoader, 2 threads", -2, {}),
+        ("ThreadLoader, 6 threads", -6, {}),
     ]
     results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in configs}
     for _ in range(args.rounds):  # interleaved: A B C ... A B C ...
