@@ -1,7 +1,8 @@
 """``TuneResult.plot()``: what the trials measured, as a picture (matplotlib, optional).
 
 Left: steady samples/s against ``num_workers``, one line per ``prefetch_factor``
-(and per fetch mode where batched fetch was searched), the best of each setting's other
+(and per fetch mode where batched fetch was searched, per worker kind where threads
+and processes were both measured), the best of each setting's other
 options at each point; the step's ceiling and the baseline as horizontal lines; the
 tuned setting starred; pruned trials as crosses at the rate they had when stopped,
 failed ones, and those too short to measure, as triangles on the axis. Right: the
@@ -57,6 +58,7 @@ def _rate(record: TrialRecord) -> float | None:
 def _draw_by_workers(axes: Any, result: TuneResult) -> None:
     complete = [t for t in result.trials if t.state == "complete" and _rate(t)]
     batched_searched = len({bool(t.params.get("batched_fetch")) for t in complete}) > 1
+    kinds = {t.params.get("worker_kind", "processes") for t in complete if t.params["num_workers"]}
     lines: dict[str, dict[int, float]] = defaultdict(dict)
     for trial in complete:
         workers = trial.params["num_workers"]
@@ -64,6 +66,8 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
             label = "num_workers=0"
         else:
             label = f"prefetch {trial.params.get('prefetch_factor')}"
+            if len(kinds) > 1:
+                label = f"{trial.params.get('worker_kind', 'processes')}, {label}"
         if batched_searched:
             label += ", batched" if trial.params.get("batched_fetch") else ", per item"
         best = lines[label]

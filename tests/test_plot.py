@@ -49,3 +49,13 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch: pytest.Monk
     result = _result(_trials(), {"num_workers": 4, "prefetch_factor": 2})
     with pytest.raises(ImportError, match=r"pip install 'autoloader\[plot\]'"):
         result.plot()
+
+
+def test_plot_draws_threads_and_processes_apart_where_both_were_measured() -> None:
+    threads = {"num_workers": 4, "prefetch_factor": 2, "worker_kind": "threads"}
+    trials = [*_trials(), _trial(7, "search", threads, 1300.0)]
+    figure = _result(trials, threads).plot()
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines["processes, prefetch 2"].get_ydata()) == [700.0, 1210.0]
+    assert list(lines["threads, prefetch 2"].get_ydata()) == [1300.0]
+    assert "prefetch 2" not in lines
