@@ -428,10 +428,13 @@ class MemoryWatch:
         _logger.info("%s; stopping the trial", why)
         workers = self.new_children()
         kill(workers)
-        if not workers:
+        main = threading.main_thread().ident
+        if not workers and main is not None:
             # Thread workers: no process dies to wake a main thread waiting for a batch,
-            # so it is sent the signal a worker's death would send.
-            os.kill(os.getpid(), signal.SIGCHLD)
+            # so it is sent the signal a worker's death would send (the trial's handler
+            # raises the overrun there), to that thread: sent to the process, the
+            # signal may be taken by another thread and leave the main one asleep.
+            signal.pthread_kill(main, signal.SIGCHLD)
 
     def _calibrate(self, rss: int) -> int:
         started = time.monotonic()
