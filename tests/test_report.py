@@ -238,7 +238,12 @@ def test_thread_workers_tuned_show_the_memory_saved_and_no_copy_on_read_advice()
         _trial(1, "search", processes, 1100.0, peak_memory=1900 * MiB),
         _trial(2, "search", threads, 1180.0, peak_memory=400 * MiB),
     ]
-    facts = {"dataset_length": 100_000, "copy_on_read": 8 * 1024, "process_bytes": 2 << 30}
+    facts = {
+        "dataset_length": 100_000,
+        "copy_on_read": 8 * 1024,
+        "copy_on_read_items": 500,
+        "process_bytes": 2 << 30,
+    }
     result = _result(trials, threads, facts=facts)
     text = " ".join(report(result).split())
     assert "worker_kind threads processes <" in text

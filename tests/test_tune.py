@@ -515,7 +515,7 @@ def test_thread_workers_are_measured_and_a_tuned_thread_loader_holds_every_sampl
     """Items that wait 5 ms on "storage" for a 10 ms step: both kinds are measured, and
     whichever is chosen loads one epoch as the dataset holds it."""
     dataset = SleepDataset(512, latency=0.005)
-    result = _tune(dataset, sleep_10ms_step, batch_size=8, time_budget=8.0)
+    result = _tune(dataset, sleep_10ms_step, batch_size=8, time_budget=10.0)
     kinds = {t.params["worker_kind"] for t in result.trials if t.params["num_workers"]}
     assert kinds == {"processes", "threads"}, [t.params for t in result.trials]
     assert any("worker_kind searched" in note for note in result.notes)
