@@ -435,6 +435,8 @@ _WORKER_ONLY = (
     "in_order",
     "worker_kind",
 )
+# Options drawn for worker processes only.
+_PROCESS_ONLY = ("persistent_workers", "worker_threads")
 
 
 def trial_params(params: Mapping[str, Any]) -> Params:
@@ -446,8 +448,5 @@ def trial_params(params: Mapping[str, Any]) -> Params:
         return {k: v for k, v in params.items() if k not in _PROCESS_ONLY}
     return dict(params)
 
-
-# Options drawn for worker processes only.
-_PROCESS_ONLY = ("persistent_workers", "worker_threads")
 
 BASELINE_PARAMS: Params = normalize_params({"num_workers": 0})

@@ -173,26 +173,33 @@ def interleaved(
     return values
 
 
-def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    cpus = len(psutil.Process().cpu_affinity() or []) or os.cpu_count() or 1
-    dataset = workload.make_dataset(workload.length)
-    step = workload.step()
-    budget = None if workload.memory_budget is None else tree_memory() + workload.memory_budget
+def tune_workload(
+    workload: Workload, dataset: Any, step: Any, time_budget: float, budget: int | None = None
+) -> tuple[autoloader.TuneResult, float]:
+    """Print the workload's heading, then tune it with the default search space: the
+    result and the seconds it took."""
     print(f"\n== {workload.name}: {workload.describe}; batch {workload.batch_size}, "
           f"step {workload.step_seconds * 1000:.0f} ms, ceiling {workload.ceiling:.0f} samples/s"
           + (f", memory budget {format_bytes(budget)}" if budget else ""), flush=True)  # fmt: skip
-
     started = time.perf_counter()
     result = autoloader.tune(
         dataset,
         step,
         batch_size=workload.batch_size,
-        time_budget=args.time_budget,
+        time_budget=time_budget,
         memory_budget=budget,
         search_space=workload.search_space,
         show_progress=False,
     )
-    tune_seconds = time.perf_counter() - started
+    return result, time.perf_counter() - started
+
+
+def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    cpus = len(psutil.Process().cpu_affinity() or []) or os.cpu_count() or 1
+    dataset = workload.make_dataset(workload.length)
+    step = workload.step()
+    budget = None if workload.memory_budget is None else tree_memory() + workload.memory_budget
+    result, tune_seconds = tune_workload(workload, dataset, step, args.time_budget, budget)
     print(f"tuned in {tune_seconds:.1f} s ({len(result.trials)} trials): {result.params}")
 
     batches_per_epoch = len(dataset) // workload.batch_size  # type: ignore[arg-type]

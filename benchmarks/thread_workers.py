@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-import autoloader
 from autoloader._loader import build_loader, merge_loader_kwargs
 from autoloader._measure import TrialRunner
 from autoloader._memory import MemoryWatch, format_bytes, tree_memory
@@ -45,7 +44,7 @@ from autoloader.search._policy import params_key
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from copy_on_read import Records
-from search_quality import Context
+from search_quality import Context, tune_workload
 from workloads import WORKLOADS, Latency, Workload
 
 GRID_COUNTS = (1, 2, 4, 8, 12, 16)
@@ -146,19 +145,7 @@ def _show(params: dict[str, Any]) -> str:
 def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     dataset = workload.make_dataset(workload.length)
     step = workload.step()
-    print(f"\n== {workload.name}: {workload.describe}; batch {workload.batch_size}, "
-          f"step {workload.step_seconds * 1000:.0f} ms, ceiling {workload.ceiling:.0f} "
-          "samples/s", flush=True)  # fmt: skip
-    started = time.perf_counter()
-    result = autoloader.tune(
-        dataset,
-        step,
-        batch_size=workload.batch_size,
-        time_budget=args.time_budget,
-        search_space=workload.search_space,
-        show_progress=False,
-    )
-    tune_seconds = time.perf_counter() - started
+    result, tune_seconds = tune_workload(workload, dataset, step, args.time_budget)
     kinds = {t.params.get("worker_kind") for t in result.trials if t.params["num_workers"]}
     print(f"tuned in {tune_seconds:.1f} s ({len(result.trials)} trials, kinds measured: "
           f"{sorted(k for k in kinds if k)}): {_show(result.params)}", flush=True)  # fmt: skip
