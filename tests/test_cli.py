@@ -59,7 +59,7 @@ def test_demo_tunes_prints_the_report_and_saves(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     for text in ("num_workers", "with the defaults", "bottleneck", "trials", str(out)):
         assert text in done.stdout
-    assert json.loads(out.read_text())["schema_version"] == 3
+    assert json.loads(out.read_text())["schema_version"] == 4
     assert autoloader.load(out).params["num_workers"] >= 0
 
 

@@ -142,7 +142,8 @@ def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> N
 
 def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() -> None:
     dataset = SleepDataset(1 << 17, latency=0.0, width=4)
-    diagnosis = autoloader.diagnose(DataLoader(dataset, batch_size=64, num_workers=2), noop_step)
+    loader = DataLoader(dataset, batch_size=64, num_workers=2)
+    diagnosis = autoloader.diagnose(loader, noop_step, seconds=2)
     assert "Thread workers (autoloader.ThreadLoader) hand batches over" in diagnosis.reason
     # A ThreadLoader receives nothing from other processes: no such advice.
     threads = autoloader.ThreadLoader(dataset, batch_size=64, num_workers=2)

@@ -134,7 +134,8 @@ def _tune_where_a_second_worker_meets(
         noop_step,
         batch_size=2,
         time_budget=time_budget,
-        search_space={"num_workers": (0, max_workers)},
+        # The fault comes with a worker process's index: thread workers do not meet it.
+        search_space={"num_workers": (0, max_workers), "worker_kind": "processes"},
         show_progress=False,
     )
     assert _open_fds() == before
@@ -179,7 +180,8 @@ def test_when_every_setting_fails_the_run_stops_early() -> None:
             noop_step,
             batch_size=2,
             time_budget=120.0,
-            search_space=SearchSpace(num_workers=(1, 3)),
+            # The crash comes with a worker process: thread workers would not meet it.
+            search_space=SearchSpace(num_workers=(1, 3), worker_kind="processes"),
             show_progress=False,
         )
     assert time.monotonic() - started < 60, "the run went on after every setting failed"

@@ -314,7 +314,10 @@ def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
         noop_step,
         memory_budget=budget,
         time_budget=12.0,
-        search_space=SearchSpace(num_workers=(0, 4), persistent_workers=True),
+        # Each worker process holds the memory: threads hold none (get_worker_info()).
+        search_space=SearchSpace(
+            num_workers=(0, 4), persistent_workers=True, worker_kind="processes"
+        ),
     )
     pruned = [t for t in result.trials if t.state == "pruned"]
     assert pruned, [(t.params, t.state, t.reason) for t in result.trials]
@@ -333,7 +336,8 @@ def test_out_of_memory_errors_prune_the_setting() -> None:
         OutOfMemoryInWorkersDataset(256),
         noop_step,
         time_budget=4.0,
-        search_space={"num_workers": (0, 2)},
+        # The error is raised in worker processes only (get_worker_info()).
+        search_space={"num_workers": (0, 2), "worker_kind": "processes"},
     )
     pruned = [t for t in result.trials if t.state == "pruned"]
     assert pruned
@@ -345,7 +349,11 @@ def test_out_of_memory_errors_prune_the_setting() -> None:
 
 def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:
     result = _tune(
-        FailsInWorkersDataset(256), noop_step, time_budget=4.0, search_space={"num_workers": (0, 2)}
+        FailsInWorkersDataset(256),
+        noop_step,
+        time_budget=4.0,
+        # It fails in worker processes only (get_worker_info()).
+        search_space={"num_workers": (0, 2), "worker_kind": "processes"},
     )
     failed = [t for t in result.trials if t.state == "failed"]
     assert failed
