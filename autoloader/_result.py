@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from autoloader._environment import Environment
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader._loader import dataloader_kwargs, merge_loader_kwargs, new_loader
+from autoloader._loader import build_loader, dataloader_kwargs, merge_loader_kwargs
 from autoloader._ranks import world
 from autoloader._search_space import TUNED_KEYS, normalize_params
 
@@ -191,9 +191,7 @@ class TuneResult:
         With thread workers tuned (``params["worker_kind"] == "threads"``), a
         :class:`~autoloader.ThreadLoader`: a ``DataLoader`` whose workers are threads
         of this process (see ``NOTE [ Thread workers ]``)."""
-        options = self._options(overrides)
-        threads = options["worker_kind"] == "threads"
-        return new_loader(dataset, dataloader_kwargs(dataset, options), threads=threads)
+        return build_loader(dataset, self._options(overrides))
 
     def report(self) -> str:
         """A readable report: the settings against the defaults, the speedup, the
