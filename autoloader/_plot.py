@@ -29,7 +29,7 @@ def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figu
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError(
-            "TuneResult.plot() needs matplotlib: pip install 'autoloader[plot]' "
+            "TuneResult.plot() needs matplotlib: pip install 'torch-autoloader[plot]' "
             "(or pip install matplotlib)."
         ) from None
     # A Figure made directly, not through pyplot: no GUI backend, no global state.

@@ -204,7 +204,7 @@ class TuneResult:
         """Draw the trials: samples/s against ``num_workers``, one line per
         ``prefetch_factor``, the step's ceiling and the baseline, pruned and failed
         trials marked; and the search's history. Needs matplotlib
-        (``pip install autoloader[plot]``).
+        (``pip install torch-autoloader[plot]``).
 
         Args:
             path: where to save the figure (PNG, SVG, PDF by the suffix); ``None``

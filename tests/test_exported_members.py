@@ -53,3 +53,15 @@ def test_the_torch_floor_covers_the_apis_the_package_uses() -> None:
     source = "".join(p.read_text() for p in package.rglob("*.py"))
     needs = (2, 6) if "torch.accelerator" in source or "in_order" in source else (2, 0)
     assert (int(floor[1]), int(floor[2])) >= needs
+
+
+def test_the_version_is_kept_in_one_place() -> None:
+    """The installed distribution's version is read from ``autoloader.__version__``
+    (``dynamic`` in pyproject.toml), under the distribution's own name."""
+    from importlib.metadata import version
+    from pathlib import Path
+
+    pyproject = (Path(autoloader.__file__).parent.parent / "pyproject.toml").read_text()
+    assert 'name = "torch-autoloader"' in pyproject
+    assert 'dynamic = ["version"]' in pyproject
+    assert version("torch-autoloader") == autoloader.__version__

@@ -47,7 +47,7 @@ def test_plot_draws_each_prefetch_line_the_limits_and_every_trial(tmp_path: Path
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     result = _result(_trials(), {"num_workers": 4, "prefetch_factor": 2})
-    with pytest.raises(ImportError, match=r"pip install 'autoloader\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'torch-autoloader\[plot\]'"):
         result.plot()
 
 
