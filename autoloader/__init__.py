@@ -10,7 +10,6 @@ Example::
 """
 
 from autoloader._diagnose import Diagnosis, diagnose
-from autoloader._environment import Environment
 from autoloader._exceptions import (
     AllSettingsFailedError,
     AutoloaderError,
@@ -23,10 +22,11 @@ from autoloader._exceptions import (
     ResultFileError,
     UnpicklableError,
 )
-from autoloader._result import TrialRecord, TuneResult, load
-from autoloader._search_space import SearchSpace
-from autoloader._thread_workers import ThreadLoader
 from autoloader._tune import tune
+from autoloader.checks._environment import Environment
+from autoloader.loader._thread_loader import ThreadLoader
+from autoloader.results._result import TrialRecord, TuneResult, load
+from autoloader.search._space import SearchSpace
 
 __version__ = "0.1.0"
 

@@ -61,14 +61,14 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from autoloader._result import load
+    from autoloader.results._result import load
 
     print(load(args.result).report())
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from autoloader._result import load
+    from autoloader.results._result import load
 
     result = load(args.result)
     try:

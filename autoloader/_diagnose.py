@@ -38,16 +38,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader._cost_model import cpu_bound_seconds, step_competes_with_workers
-from autoloader._deadlines import Deadlines, TrialTimeout, time_limit
-from autoloader._device import resolve_device
-from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError, LoopError
-from autoloader._facts import Checks, copied_per_worker
-from autoloader._measure import Measurement, TrialError, TrialRunner
-from autoloader._memory import MemoryBudgetExceeded, format_bytes, resolve_memory_budget
-from autoloader._report import format_seconds as _ms
-from autoloader._validation import check_positive_number, check_step_fn, start_method
+from autoloader.checks._environment import Environment
+from autoloader.checks._facts import Checks, copied_per_worker
+from autoloader.checks._validation import check_positive_number, check_step_fn, start_method
+from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
+from autoloader.measure._device import resolve_device
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded, resolve_memory_budget
+from autoloader.measure._runner import TrialRunner
+from autoloader.measure._units import format_bytes
+from autoloader.measure._units import format_seconds as _ms
+from autoloader.search._cost_model import cpu_bound_seconds, step_competes_with_workers
 
 # Share of the loop's time waiting for data under which it is step-bound.
 _STEP_BOUND_WAIT = 0.05

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import signal
-import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -20,27 +18,10 @@ import optuna
 import torch
 from torch.utils.data import Dataset
 
-from autoloader._device import resolve_device
-from autoloader._environment import Environment
 from autoloader._exceptions import InvalidInputError, RankError
-from autoloader._facts import Checks, checks_seconds
-from autoloader._isolation import SubprocessRunner
-from autoloader._joint import (
-    JointRunner,
-    agree_on_arguments,
-    follow,
-    node_memory_budget,
-    spare_batch,
-)
-from autoloader._loader import build_loader, merge_loader_kwargs
-from autoloader._measure import Runner, TrialRunner
-from autoloader._memory import format_bytes, resolve_memory_budget
-from autoloader._progress import Progress
-from autoloader._ranks import Ranks
-from autoloader._report import describe
-from autoloader._result import TuneResult, split_loader_kwargs
-from autoloader._search_space import BASELINE_PARAMS, SearchSpace
-from autoloader._validation import (
+from autoloader.checks._environment import Environment
+from autoloader.checks._facts import Checks, checks_seconds
+from autoloader.checks._validation import (
     check_batch_size,
     check_dataset,
     check_isolation,
@@ -48,13 +29,31 @@ from autoloader._validation import (
     check_n_trials,
     check_picklable,
     check_positive_number,
-    check_search_space,
     check_step_fn,
     count_batches,
-    open_storage,
     start_method,
 )
+from autoloader.distributed._joint import (
+    JointRunner,
+    agree_on_arguments,
+    follow,
+    node_memory_budget,
+    spare_batch,
+)
+from autoloader.distributed._ranks import Ranks
+from autoloader.loader._factory import build_loader, merge_loader_kwargs
+from autoloader.loader._params import BASELINE_PARAMS
+from autoloader.measure._device import resolve_device
+from autoloader.measure._isolation import SubprocessRunner
+from autoloader.measure._memory import resolve_memory_budget
+from autoloader.measure._runner import Runner, TrialRunner
+from autoloader.measure._units import format_bytes
+from autoloader.results._progress import Progress
+from autoloader.results._report import describe
+from autoloader.results._result import TuneResult, record_of, split_loader_kwargs
 from autoloader.search import Driver, Policy, Trial
+from autoloader.search._space import SearchSpace, check_search_space
+from autoloader.search._study import open_storage, study_name
 
 _logger = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ def tune(
         loader = result.make_loader(dataset)
     """
     started = perf_counter()
-    # Under torchrun every rank calls tune(): they tune together (see _joint.py).
+    # Under torchrun every rank calls tune(): they tune together (see distributed/_joint.py).
     ranks = Ranks.join()
     try:
         with _stopped_by_sigterm(ranks):
@@ -345,7 +344,7 @@ def _tune(
             )
 
             def on_trial(trial: Trial) -> None:
-                record = trial.record()
+                record = record_of(trial)
                 _logger.info(describe(record))
                 progress.trial_done(record)
 
@@ -396,7 +395,7 @@ def _tune(
                     f"resumed from storage: {resumed} trials of earlier runs on the same problem "
                     "were counted in the choice"
                 )
-            records = [trial.record() for trial in driver.history]
+            records = [record_of(trial) for trial in driver.history]
             choice = policy.choose(driver.history)
         saved, unsaved = split_loader_kwargs(fixed)
         result = TuneResult(
@@ -431,63 +430,6 @@ def _in_memory(fixed: Mapping[str, Any]) -> dict[str, Any]:
     this process's own, also under torchrun where each rank has its own sampler."""
     _, unsaved = split_loader_kwargs(fixed)
     return {name: fixed[name] for name in unsaved}
-
-
-def study_name(
-    dataset: Dataset[Any],
-    step_fn: Callable[[Any], object],
-    *,
-    length: int | None,
-    batch_size: int,
-    space: SearchSpace,
-    memory_budget: int | None,
-    fixed_loader_kwargs: Mapping[str, Any],
-    environment: Environment,
-    device: torch.device | None,
-) -> str:
-    """A name that is the same for the same tuning problem, so a stored study resumes,
-    and differs wherever a trial's outcome could: the dataset, the step, the batch size,
-    the space, the memory budget (a setting pruned under 4 GiB may fit in 64), the
-    fixed loader options, the device and the machine. A study shared by different
-    problems would choose among trials that do not compare."""
-    machine = (
-        environment.cpu_count,
-        environment.usable_cpus,
-        environment.memory_total,
-        environment.torch_version,
-        environment.accelerator,
-        socket.gethostname(),
-        environment.world_size,
-        environment.local_world_size,
-    )
-    fixed = sorted((name, _identity(value)) for name, value in fixed_loader_kwargs.items())
-    problem = "|".join(
-        map(
-            str,
-            (
-                _identity(dataset),
-                length,
-                _identity(step_fn),
-                batch_size,
-                space.as_dict(),
-                memory_budget,
-                fixed,
-                device,
-                machine,
-            ),
-        )
-    )
-    digest = hashlib.sha256(problem.encode()).hexdigest()[:12]
-    return f"autoloader-{type(dataset).__name__}-{digest}"
-
-
-def _identity(value: object) -> str:
-    """What names a value across runs: a scalar itself, else its type or function name
-    (a repr holds addresses that change with every process)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    target = value if callable(value) and hasattr(value, "__qualname__") else type(value)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
 
 
 @contextlib.contextmanager

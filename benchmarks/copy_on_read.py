@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
-from autoloader._facts import Checks, copied_per_worker
-from autoloader._memory import format_bytes
+from autoloader.checks._facts import Checks, copied_per_worker
+from autoloader.measure._units import format_bytes
 
 
 class Records(Dataset[torch.Tensor]):

@@ -43,7 +43,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 import autoloader
-from autoloader._measure import describe_error
+from autoloader.measure._errors import describe_error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipelines import NAMES, Pipeline, build, epoch_ids

@@ -45,12 +45,16 @@ from typing import Any
 import psutil
 
 import autoloader
-from autoloader._batching import batched_fetch_problem
-from autoloader._deadlines import Deadlines
-from autoloader._measure import Measurement, TrialError, TrialRunner
-from autoloader._memory import MemoryBudgetExceeded, format_bytes, tree_memory
-from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
+from autoloader.checks._batched_fetch import batched_fetch_problem
+from autoloader.loader._params import BASELINE_PARAMS, normalize_params
+from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
+from autoloader.measure._runner import TrialRunner
+from autoloader.measure._units import format_bytes
 from autoloader.search._policy import epoch_samples_per_second, params_key
+from autoloader.search._space import SearchSpace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import WORKLOADS, Workload

@@ -21,7 +21,8 @@ import warnings
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader._memory import MemoryWatch, format_bytes
+from autoloader.measure._memory import MemoryWatch
+from autoloader.measure._units import format_bytes
 
 
 class Records(Dataset[torch.Tensor]):

@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
-from autoloader._loader import build_loader, merge_loader_kwargs
-from autoloader._measure import TrialRunner
-from autoloader._memory import MemoryWatch, format_bytes, tree_memory
-from autoloader._search_space import BASELINE_PARAMS, normalize_params
+from autoloader.loader._factory import build_loader, merge_loader_kwargs
+from autoloader.loader._params import BASELINE_PARAMS, normalize_params
+from autoloader.measure._memory import MemoryWatch, tree_memory
+from autoloader.measure._runner import TrialRunner
+from autoloader.measure._units import format_bytes
 from autoloader.search._policy import params_key
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -113,7 +113,7 @@ def _tune(out: Path, budget: float) -> None:
 
 def _measure(settings_file: Path, out: Path, rounds: int, epochs: int) -> None:
     """Measure each setting on every rank at once, interleaved; rank 0 writes."""
-    from autoloader._loader import build_loader, merge_loader_kwargs
+    from autoloader.loader._factory import build_loader, merge_loader_kwargs
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()

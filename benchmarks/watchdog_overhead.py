@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader._memory import MemoryWatch
+from autoloader.measure._memory import MemoryWatch
 
 
 class Sleep(Dataset[torch.Tensor]):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from autoloader._batching import batched_fetch_problem, same_batch
-from autoloader._loader import build_loader, merge_loader_kwargs
-from autoloader._search_space import normalize_params
+from autoloader.checks._batched_fetch import batched_fetch_problem, same_batch
+from autoloader.loader._factory import build_loader, merge_loader_kwargs
+from autoloader.loader._params import normalize_params
 
 from .workloads import (
     ArrayDataset,

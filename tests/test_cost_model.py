@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-import autoloader._cost_model
-from autoloader._cost_model import (
+import autoloader.search._cost_model
+from autoloader.search._cost_model import (
     guess_threads,
     guess_workers,
     loads_on_several_threads,
     step_competes_with_workers,
 )
-from autoloader._search_space import SearchSpace
+from autoloader.search._space import SearchSpace
 
 
 @pytest.mark.parametrize(
@@ -106,6 +106,6 @@ def test_a_step_competes_with_workers_only_where_the_cpus_bound_the_loop(
 def test_thread_guesses_only_where_threads_overlap_loading(
     load: float, cpu: float, gil: bool, expected: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(autoloader._cost_model, "gil_enabled", lambda: gil)
+    monkeypatch.setattr(autoloader.search._cost_model, "gil_enabled", lambda: gil)
     baseline = {"load_seconds": load, "load_cpu_seconds": cpu, "step_seconds": 0.010}
     assert guess_threads(baseline) == expected

@@ -52,7 +52,7 @@ def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> 
 
 
 def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
-    from autoloader._memory import tree_memory
+    from autoloader.measure._memory import tree_memory
 
     loader = DataLoader(MemoryHogDataset(hog_bytes=400 << 20), batch_size=4, num_workers=2)
     budget = tree_memory() + (300 << 20)
@@ -63,7 +63,7 @@ def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
 
 
 def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -> None:
-    from autoloader._memory import tree_memory
+    from autoloader.measure._memory import tree_memory
 
     # 60,000 dicts: each forked worker copies ~120 MiB of them over an epoch, while a
     # short run barely grows the tree.

@@ -12,10 +12,11 @@ import pytest
 
 import autoloader
 from autoloader import AllSettingsFailedError, SearchSpace
-from autoloader._deadlines import Deadlines, TrialTimeout
-from autoloader._measure import TrialError, TrialRunner
-from autoloader._memory import tree_memory
-from autoloader._search_space import normalize_params
+from autoloader.loader._params import normalize_params
+from autoloader.measure._deadlines import Deadlines, TrialTimeout
+from autoloader.measure._errors import TrialError
+from autoloader.measure._memory import tree_memory
+from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from autoloader.search._outcome import state_of
 
@@ -188,11 +189,11 @@ def test_when_every_setting_fails_the_run_stops_early() -> None:
 
 
 def test_an_exit_code_only_torch_saw_is_read_from_its_message() -> None:
-    from autoloader._measure import _worker_exits
+    from autoloader.measure._supervision import worker_exits
 
     error = RuntimeError(
         "DataLoader worker (pid 32512) exited unexpectedly with exit code 3. Details are "
         "lost due to multiprocessing. Rerunning with num_workers=0 may give better error trace."
     )
-    assert _worker_exits(None, error) == ((), (3,))
-    assert _worker_exits(None, RuntimeError("worker exited unexpectedly")) == ((), ())
+    assert worker_exits(None, error) == ((), (3,))
+    assert worker_exits(None, RuntimeError("worker exited unexpectedly")) == ((), ())

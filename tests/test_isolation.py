@@ -13,18 +13,14 @@ from torch.utils.data import TensorDataset
 
 import autoloader
 from autoloader import InvalidInputError, IsolationError, UnpicklableError
-from autoloader._environment import default_start_method
-from autoloader._isolation import SubprocessRunner
-from autoloader._measure import (
-    Deadlines,
-    Measurement,
-    TrialError,
-    TrialProcessDied,
-    TrialRunner,
-    TrialTimeout,
-)
-from autoloader._memory import MemoryBudgetExceeded, process_memory, tree_memory
-from autoloader._search_space import normalize_params
+from autoloader.loader._factory import default_start_method
+from autoloader.loader._params import normalize_params
+from autoloader.measure._deadlines import Deadlines, TrialTimeout
+from autoloader.measure._errors import TrialError, TrialProcessDied
+from autoloader.measure._isolation import SubprocessRunner
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded, process_memory, tree_memory
+from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from autoloader.search._outcome import state_of
 

@@ -17,18 +17,21 @@ import torch
 
 import autoloader
 from autoloader import Environment, EnvironmentMismatchWarning, RankError
-from autoloader._deadlines import TrialTimeout
-from autoloader._environment import usable_cpus
-from autoloader._joint import (
+from autoloader.checks._environment import usable_cpus
+from autoloader.distributed._joint import (
     agree_on_arguments,
     job_measurement,
     job_outcome,
     next_stride,
     node_memory_budget,
 )
-from autoloader._measure import Checkpoint, Measurement, PeerFailed, TrialError, TrialRunner
-from autoloader._memory import MemoryBudgetExceeded
-from autoloader._ranks import Ranks
+from autoloader.distributed._ranks import Ranks
+from autoloader.measure._deadlines import TrialTimeout
+from autoloader.measure._errors import TrialError
+from autoloader.measure._lockstep import Checkpoint, PeerFailed
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from tests.workloads import FailingDataset, SleepDataset
 
@@ -207,25 +210,25 @@ def test_alone_a_failure_is_raised_at_once() -> None:
 
 
 def test_each_rank_gets_its_share_of_the_nodes_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("autoloader._environment._affinity", lambda: 32)
-    monkeypatch.setattr("autoloader._environment.cgroup_cpus", lambda: None)
+    monkeypatch.setattr("autoloader.checks._environment._affinity", lambda: 32)
+    monkeypatch.setattr("autoloader.checks._environment.cgroup_cpus", lambda: None)
     assert usable_cpus() == 32
     assert usable_cpus(local_world_size=8, node_cpus=32) == 4
     assert usable_cpus(local_world_size=64, node_cpus=32) == 1
-    monkeypatch.setattr("autoloader._environment.cgroup_cpus", lambda: 12.5)  # a quota
+    monkeypatch.setattr("autoloader.checks._environment.cgroup_cpus", lambda: 12.5)  # a quota
     assert usable_cpus() == 13
     assert usable_cpus(local_world_size=4, node_cpus=32) == 3
     # Ranks bound to CPUs of their own (numactl, torchrun --numa-binding): 2 each of 8.
-    monkeypatch.setattr("autoloader._environment.cgroup_cpus", lambda: None)
-    monkeypatch.setattr("autoloader._environment._affinity", lambda: 2)
+    monkeypatch.setattr("autoloader.checks._environment.cgroup_cpus", lambda: None)
+    monkeypatch.setattr("autoloader.checks._environment._affinity", lambda: 2)
     assert usable_cpus(local_world_size=4, node_cpus=8) == 2
     # Every rank of the job held to the same 8 CPUs (taskset): they share them.
-    monkeypatch.setattr("autoloader._environment._affinity", lambda: 8)
+    monkeypatch.setattr("autoloader.checks._environment._affinity", lambda: 8)
     assert usable_cpus(local_world_size=4, node_cpus=8) == 2
 
 
 def test_a_cgroup_cpu_quota_is_read(tmp_path: Path) -> None:
-    from autoloader._environment import cgroup_cpus
+    from autoloader.checks._environment import cgroup_cpus
 
     (tmp_path / "cpu.max").write_text("250000 100000\n")
     assert cgroup_cpus(cgroup_root=tmp_path) == 2.5

@@ -16,10 +16,13 @@ import psutil
 import pytest
 import torch
 
-from autoloader._deadlines import Deadlines, TrialTimeout
-from autoloader._measure import Measurement, TrialError, TrialRunner, _Epochs
-from autoloader._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
-from autoloader._search_space import normalize_params
+from autoloader.loader._params import normalize_params
+from autoloader.measure._deadlines import Deadlines, TrialTimeout
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
+from autoloader.measure._runner import TrialRunner
+from autoloader.measure._timing_loop import Epochs
 
 from .workloads import (
     FailingDataset,
@@ -96,7 +99,7 @@ def test_a_trial_that_starts_timing_before_the_start_up_burst_drains_is_too_shor
 def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later() -> None:
     """An epoch of 4 batches; warm-up ends at the second; each batch takes 1 s and each
     restart (drain, new workers, refill) 3 s more."""
-    epochs, now = _Epochs(length=4, in_flight=1), 0.0  # the first stepped at 0 s
+    epochs, now = Epochs(length=4, in_flight=1), 0.0  # the first stepped at 0 s
     for epoch in range(3):
         if epoch:
             epochs.restarted()
@@ -112,8 +115,8 @@ def test_whole_epochs_are_timed_from_a_batch_to_the_same_batch_one_epoch_later()
     assert epochs.measured == [(40, 7.0), (40, 7.0)]
     assert epochs.rate() == pytest.approx(40 / 7)
     assert not epochs.due(now, 1.0, deadline=now + 100)  # an epoch is timed: no need
-    assert _Epochs(length=None).rate() is None
-    few_in_flight = _Epochs(length=21, in_flight=1)
+    assert Epochs(length=None).rate() is None
+    few_in_flight = Epochs(length=21, in_flight=1)
     few_in_flight.start(0.0)
     assert not few_in_flight.due(0.0, 1.0, deadline=100.0)  # the edges cost little
 
@@ -164,8 +167,8 @@ def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> No
 def test_a_measured_trial_is_kept_when_its_workers_are_slow_to_stop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("autoloader._measure._STOP_TIMEOUT", 0.5)
-    monkeypatch.setattr("autoloader._measure._shutdown", _stuck_shutdown)
+    monkeypatch.setattr("autoloader.measure._supervision._STOP_TIMEOUT", 0.5)
+    monkeypatch.setattr("autoloader.measure._supervision.shutdown_workers", _stuck_shutdown)
     before = _children()
     m = _runner(SleepDataset(2048)).measure(_params(2), max_seconds=2)
     assert m.samples_per_second > 0
@@ -175,8 +178,8 @@ def test_a_measured_trial_is_kept_when_its_workers_are_slow_to_stop(
 def test_a_memory_overrun_is_not_turned_into_a_timeout_by_a_stuck_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("autoloader._measure._STOP_TIMEOUT", 0.5)
-    monkeypatch.setattr("autoloader._measure._shutdown", _stuck_shutdown)
+    monkeypatch.setattr("autoloader.measure._supervision._STOP_TIMEOUT", 0.5)
+    monkeypatch.setattr("autoloader.measure._supervision.shutdown_workers", _stuck_shutdown)
     runner = _runner(MemoryHogDataset(300 * 1024**2), memory_budget=tree_memory() + 200 * 1024**2)
     with pytest.raises(MemoryBudgetExceeded):
         runner.measure(_params(2), max_seconds=20)
@@ -246,7 +249,7 @@ def test_batches_go_to_the_device_and_it_is_synchronised_at_window_edges() -> No
     def step(batch: torch.Tensor) -> None:
         seen.append(batch.device)
 
-    with mock.patch("autoloader._measure.synchronize") as synchronize:
+    with mock.patch("autoloader.measure._runner.synchronize") as synchronize:
         m = _runner(SleepDataset(512, latency=0.0005), step, device=torch.device("meta")).measure(
             _params(0), max_seconds=1
         )
@@ -264,7 +267,7 @@ def test_pinned_batches_move_non_blocking() -> None:
         calls.append(non_blocking)
         return batch
 
-    with mock.patch("autoloader._measure.move_to_device", fake_move):
+    with mock.patch("autoloader.measure._runner.move_to_device", fake_move):
         _runner(SleepDataset(64, latency=0.0), noop_step, device=torch.device("meta")).measure(
             _params(1, pin_memory=True), max_seconds=0.5
         )
@@ -281,9 +284,9 @@ def test_worker_errors_are_summarised_with_their_origin() -> None:
 _STARTS_THE_TRACKER = """
 import multiprocessing, psutil
 from multiprocessing import resource_tracker
-from autoloader._measure import TrialRunner
-from autoloader._memory import tree_memory
-from autoloader._search_space import normalize_params
+from autoloader.measure._runner import TrialRunner
+from autoloader.measure._memory import tree_memory
+from autoloader.loader._params import normalize_params
 from tests.workloads import SleepDataset, noop_step
 
 if __name__ == "__main__":

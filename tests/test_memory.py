@@ -10,17 +10,16 @@ import pytest
 import torch
 
 from autoloader import InvalidInputError
-from autoloader._memory import (
+from autoloader.measure._memory import (
     Growth,
     MemoryBudgetExceeded,
     MemoryWatch,
     available_memory,
-    format_bytes,
     is_oom_error,
-    parse_bytes,
     total_memory,
     tree_memory,
 )
+from autoloader.measure._units import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(

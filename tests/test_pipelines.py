@@ -18,10 +18,11 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader
 
 import autoloader
-from autoloader._measure import TrialError, TrialRunner
-from autoloader._memory import tree_memory
-from autoloader._report import advise
-from autoloader._search_space import normalize_params
+from autoloader.loader._params import normalize_params
+from autoloader.measure._errors import TrialError
+from autoloader.measure._memory import tree_memory
+from autoloader.measure._runner import TrialRunner
+from autoloader.results._report import advise
 from benchmarks.pipelines import NAMES, SMALL, Pipeline, build, epoch_ids
 
 GiB = 1024**3
@@ -153,7 +154,7 @@ def test_the_report_names_each_failure_with_the_settings_that_met_it(
 
 
 def test_hdf5_caches_are_not_taken_for_copy_on_read(corpus: Callable[[str], Pipeline]) -> None:
-    from autoloader._facts import Checks, copied_per_worker
+    from autoloader.checks._facts import Checks, copied_per_worker
 
     for name in ("hdf5", "hdf5-open-in-init"):
         pipeline = corpus(name)

@@ -13,8 +13,10 @@ import optuna
 import pytest
 
 from autoloader import AllSettingsFailedError
-from autoloader._measure import Measurement, TrialError
-from autoloader._search_space import BASELINE_PARAMS, SearchSpace, normalize_params
+from autoloader.loader._params import BASELINE_PARAMS, normalize_params
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement
+from autoloader.results._result import record_of
 from autoloader.search import (
     Completed,
     Driver,
@@ -29,6 +31,7 @@ from autoloader.search import (
     Trial,
 )
 from autoloader.search._policy import _asks_at_least, epoch_samples_per_second, trial_seconds
+from autoloader.search._space import SearchSpace
 
 
 def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
@@ -604,7 +607,7 @@ def test_a_measurement_too_short_to_trust_is_pruned_and_never_chosen() -> None:
     driver = _driver(runner, n_trials=6)
     driver.run()
     assert driver.policy.choose(driver.history).params["num_workers"] < 16
-    short = [t.record() for t in driver.history if t.workers >= 16]
+    short = [record_of(t) for t in driver.history if t.workers >= 16]
     assert short and all(r.state == "pruned" and r.too_short for r in short)
     assert driver.policy.shortcomings(driver.history, search_seconds=20) == []
 

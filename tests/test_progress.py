@@ -5,7 +5,7 @@ import io
 import pytest
 
 from autoloader import TrialRecord
-from autoloader._progress import Progress
+from autoloader.results._progress import Progress
 
 
 class Terminal(io.StringIO):

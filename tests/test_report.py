@@ -7,9 +7,9 @@ import dataclasses
 from typing import Any
 
 from autoloader import TrialRecord, TuneResult
-from autoloader._environment import Environment
-from autoloader._report import advise, report
-from autoloader._search_space import normalize_params
+from autoloader.checks._environment import Environment
+from autoloader.loader._params import normalize_params
+from autoloader.results._report import advise, report
 
 MiB = 1 << 20
 

@@ -11,12 +11,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 import autoloader
-import autoloader._loader
+import autoloader.loader._factory
 from autoloader import EnvironmentMismatchWarning, ResultFileError, TrialRecord, TuneResult
-from autoloader._batching import same_batch
-from autoloader._environment import Environment
-from autoloader._search_space import normalize_params
-from autoloader._threads import LimitThreads
+from autoloader.checks._batched_fetch import same_batch
+from autoloader.checks._environment import Environment
+from autoloader.loader._params import normalize_params
+from autoloader.loader._worker_threads import LimitThreads
 
 from .workloads import SleepDataset
 

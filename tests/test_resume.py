@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 
 import autoloader
 from autoloader import SearchSpace
-from autoloader._search_space import trial_params
+from autoloader.search._space import trial_params
 
 from .workloads import SleepDataset, sleep_step
 
@@ -127,7 +127,7 @@ def test_a_trial_of_another_machine_is_failed_once_its_heartbeat_stops(
         trial = study.ask()
     trial.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 0.0})
     elsewhere.record_heartbeat(trial._trial_id)
-    monkeypatch.setattr("autoloader._validation._HEARTBEAT_GRACE", 1)
+    monkeypatch.setattr("autoloader.search._study._HEARTBEAT_GRACE", 1)
     time.sleep(2.5)  # older than the grace period
 
     autoloader.tune(

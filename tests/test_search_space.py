@@ -4,7 +4,8 @@ import optuna
 import pytest
 
 from autoloader import InvalidInputError, SearchSpace
-from autoloader._search_space import normalize_params, trial_params
+from autoloader.loader._params import normalize_params
+from autoloader.search._space import trial_params
 
 
 def test_defaults_resolve_for_the_machine() -> None:

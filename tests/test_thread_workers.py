@@ -19,11 +19,12 @@ from torch.utils.data import (
 )
 
 import autoloader
-from autoloader._deadlines import Deadlines, TrialTimeout
-from autoloader._facts import Checks
-from autoloader._measure import TrialError, TrialRunner
-from autoloader._memory import MemoryBudgetExceeded, tree_memory
-from autoloader._search_space import normalize_params
+from autoloader.checks._facts import Checks
+from autoloader.loader._params import normalize_params
+from autoloader.measure._deadlines import Deadlines, TrialTimeout
+from autoloader.measure._errors import TrialError
+from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
+from autoloader.measure._runner import TrialRunner
 from tests.workloads import (
     AugmentedDataset,
     FailingDataset,
@@ -177,7 +178,7 @@ def test_each_thread_pins_the_batch_it_loaded(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
-    monkeypatch.setattr("autoloader._thread_workers._pin", fake_pin)
+    monkeypatch.setattr("autoloader.loader._thread_loader._pin", fake_pin)
     loader = ThreadLoader(
         SleepDataset(length=32, latency=0.0), batch_size=8, num_workers=2, pin_memory=True
     )

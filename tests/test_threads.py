@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from autoloader._loader import build_loader, merge_loader_kwargs
-from autoloader._search_space import normalize_params
-from autoloader._threads import LimitThreads
+from autoloader.loader._factory import build_loader, merge_loader_kwargs
+from autoloader.loader._params import normalize_params
+from autoloader.loader._worker_threads import LimitThreads
 
 from .workloads import ThreadsInWorker, WorkerMarks, mark_worker
 

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autoloader
 from autoloader import BaselineError, InvalidInputError, SearchSpace, UnpicklableError
-from autoloader._memory import tree_memory
-from autoloader._search_space import BASELINE_PARAMS
+from autoloader.loader._params import BASELINE_PARAMS
+from autoloader.measure._memory import tree_memory
 
 from .workloads import (
     CountingDataset,
@@ -211,7 +211,7 @@ def test_tune_returns_measured_settings(tmp_path: Path) -> None:
     assert result.trials[0].phase == "baseline"
     assert result.trials[0].params["num_workers"] == 0
     assert {t.phase for t in result.trials} >= {"baseline", "search"}
-    assert result.params == autoloader._search_space.normalize_params(result.params)
+    assert result.params == autoloader.loader._params.normalize_params(result.params)
     assert 0 <= result.params["num_workers"] <= 16
     assert result.params["pin_memory"] is False
     assert result.throughput > 0 and result.baseline > 0
@@ -466,9 +466,11 @@ def test_device_batches_reach_the_step_on_that_device() -> None:
 
 def test_with_an_accelerator_pin_memory_is_searched() -> None:
     with (
-        mock.patch("autoloader._environment.accelerator", return_value=torch.device("cuda")),
-        mock.patch("autoloader._environment.torch.accelerator.device_count", return_value=1),
-        mock.patch("autoloader._environment.torch.cuda.get_device_name", return_value="Fake GPU"),
+        mock.patch("autoloader.checks._environment.accelerator", return_value=torch.device("cuda")),
+        mock.patch("autoloader.checks._environment.torch.accelerator.device_count", return_value=1),
+        mock.patch(
+            "autoloader.checks._environment.torch.cuda.get_device_name", return_value="Fake GPU"
+        ),
     ):
         result = _tune(time_budget=4.0, search_space={"num_workers": (0, 2)})
     assert result.environment.accelerator == "cuda: Fake GPU x1"
@@ -481,8 +483,8 @@ def test_a_stored_study_is_shared_only_by_the_same_problem() -> None:
     options, a device or a machine that differ make trials that do not compare."""
     import dataclasses
 
-    from autoloader._environment import Environment
-    from autoloader._tune import study_name
+    from autoloader.checks._environment import Environment
+    from autoloader.search._study import study_name
 
     environment = Environment.current()
     problem: dict[str, Any] = {

@@ -24,9 +24,11 @@ from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._exceptions import BaselineError
-from autoloader._measure import Measurement, Runner, TrialError
-from autoloader._memory import MemoryBudgetExceeded
-from autoloader._search_space import normalize_params
+from autoloader.loader._params import normalize_params
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._runner import Runner
 from autoloader.search._faults import classify
 from autoloader.search._outcome import (
     Completed,

@@ -12,14 +12,12 @@ The kinds are enums, so no rule reads a reason's words back. Reasons are for peo
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._deadlines import Deadlines
-from autoloader._measure import Measurement
-from autoloader._result import TrialRecord
-from autoloader._search_space import Params
+from autoloader.loader._params import Params
+from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._measurement import Measurement
 
 
 class Phase(str, enum.Enum):
@@ -146,35 +144,6 @@ class Trial:
     def skipped(self) -> bool:
         """Recorded without being run: known to fail from an earlier trial."""
         return not isinstance(self.outcome, Completed) and self.outcome.same_as is not None
-
-    def record(self) -> TrialRecord:
-        """The trial as the result reports it."""
-        outcome = self.outcome
-        m = self.measurement
-        value = outcome.value if isinstance(outcome, Completed) else None
-        peak = m.peak_memory if m is not None else None
-        if not isinstance(outcome, Completed) and outcome.peak_memory is not None:
-            peak = outcome.peak_memory
-        return TrialRecord(
-            number=self.number,
-            phase=self.phase.value,
-            params=dict(self.params),
-            state=state_of(outcome),
-            samples_per_second=m.samples_per_second if m else None,
-            epoch_samples_per_second=value,
-            data_wait_fraction=m.data_wait_fraction if m else None,
-            time_to_first_batch=m.time_to_first_batch if m else None,
-            peak_memory=peak,
-            relative_error=m.relative_error if m and math.isfinite(m.relative_error) else None,
-            duration=m.duration if m else None,
-            reason=None if isinstance(outcome, Completed) else outcome.reason,
-            load_seconds=m.load_seconds if m else None,
-            step_seconds=m.step_seconds if m else None,
-            load_cpu_seconds=m.load_cpu_seconds if m else None,
-            batch_bytes=m.batch_bytes if m else None,
-            step_cpu_seconds=m.step_cpu_seconds if m else None,
-            kind=None if isinstance(outcome, Completed) else outcome.kind.value,
-        )
 
 
 def outcome_attrs(outcome: Outcome) -> dict[str, Any]:

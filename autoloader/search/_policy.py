@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._cost_model import guess_threads, guess_workers, loads_on_several_threads
-from autoloader._deadlines import Deadlines
 from autoloader._exceptions import AllSettingsFailedError
-from autoloader._measure import Measurement
-from autoloader._search_space import BASELINE_PARAMS, Params, SearchSpace
+from autoloader.loader._params import BASELINE_PARAMS, Params
+from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._measurement import Measurement
+from autoloader.search._cost_model import guess_threads, guess_workers, loads_on_several_threads
 from autoloader.search._outcome import (
     WORKER_COUNT_FAULTS,
     Completed,
@@ -42,6 +42,7 @@ from autoloader.search._outcome import (
     PruneKind,
     Trial,
 )
+from autoloader.search._space import SearchSpace
 
 # Share of the time budget kept for the runoff, and how it is spent.
 _RUNOFF_SHARE = 0.2
@@ -61,7 +62,7 @@ _MAX_TRIAL_SECONDS = 15.0
 # first batch of an epoch also waits for workers to start (Deadlines.per_batch).
 # Before the baseline there is nothing to derive from: the baseline gets the whole
 # budget, at least _BASELINE_TIMEOUT. Within a trial, its own pace tightens the
-# deadline (NOTE [ Pace deadline ] in _measure.py).
+# deadline (NOTE [ Pace deadline ] in measure/_timing_loop.py).
 _TIMEOUT_FACTOR = 20.0
 _MIN_BATCH_TIMEOUT = 3.0
 _BASELINE_TIMEOUT = 60.0

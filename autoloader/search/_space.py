@@ -9,30 +9,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from autoloader._exceptions import InvalidInputError
+from autoloader.loader._params import WORKER_KINDS, Params, normalize_params
 
 if TYPE_CHECKING:
     import optuna
-
-TUNED_KEYS = (
-    "num_workers",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory",
-    "batched_fetch",
-    "worker_threads",
-    "in_order",
-    "worker_kind",
-)
-
-# The kinds of worker a setting may use (see NOTE [ Thread workers ]).
-WORKER_KINDS = ("processes", "threads")
 
 # Latency-bound datasets (network or disk waits) want far more workers than cores: a
 # 2-core machine reading items that each sleep 5 ms is fastest near 12-16 workers.
 _MIN_DEFAULT_MAX_WORKERS = 16
 _WORKERS_PER_CPU = 2
-
-Params = dict[str, Any]
 
 
 def _int_range(name: str, value: object) -> tuple[int, int]:
@@ -210,10 +195,10 @@ class SearchSpace:
             has_accelerator: whether pinning memory can do anything here.
             batches_per_epoch: ``len(loader)``, or ``None`` if unknown.
             batched_fetch_problem: why the dataset cannot be fetched a batch at a time
-                (see :func:`autoloader._batching.batched_fetch_problem`), or ``None``
+                (see :func:`autoloader.checks._batched_fetch.batched_fetch_problem`), or ``None``
                 once it was checked that it can.
             threads_problem: why thread workers cannot load the dataset (see
-                :meth:`autoloader._facts.Checks.threads_problem`), or ``None`` once it
+                :meth:`autoloader.checks._facts.Checks.threads_problem`), or ``None`` once it
                 was checked that they can.
 
         Returns:
@@ -406,28 +391,6 @@ class _Choices:
     worker_kind: tuple[str, ...]
 
 
-def normalize_params(params: Mapping[str, Any]) -> Params:
-    """Settings in canonical form: worker options are ``None``/``False``/``True`` (their
-    DataLoader defaults) without workers."""
-    num_workers = int(params.get("num_workers", 0))
-    workers = num_workers > 0
-    threads = params.get("worker_threads")
-    # Thread workers start in microseconds and share this process's native thread pools.
-    processes = params.get("worker_kind", "processes") != "threads"
-    return {
-        "num_workers": num_workers,
-        "prefetch_factor": int(params.get("prefetch_factor") or 2) if workers else None,
-        "persistent_workers": bool(params.get("persistent_workers", False))
-        and workers
-        and processes,
-        "pin_memory": bool(params.get("pin_memory", False)),
-        "batched_fetch": bool(params.get("batched_fetch", False)),
-        "worker_threads": int(threads) if workers and processes and threads is not None else None,
-        "in_order": bool(params.get("in_order", True)) or not workers,
-        "worker_kind": "processes" if processes or not workers else "threads",
-    }
-
-
 _WORKER_ONLY = (
     "prefetch_factor",
     "persistent_workers",
@@ -449,4 +412,20 @@ def trial_params(params: Mapping[str, Any]) -> Params:
     return dict(params)
 
 
-BASELINE_PARAMS: Params = normalize_params({"num_workers": 0})
+def check_search_space(search_space: object) -> SearchSpace:
+    """``search_space`` as tune() takes it (``None``, a SearchSpace or a dict), as a
+    SearchSpace.
+
+    Raises:
+        InvalidInputError: it is none of those, or the dict is not a valid space.
+    """
+    if search_space is None:
+        return SearchSpace()
+    if isinstance(search_space, SearchSpace):
+        return search_space
+    if isinstance(search_space, Mapping):
+        return SearchSpace.from_dict(search_space)
+    raise InvalidInputError(
+        f"search_space must be an autoloader.SearchSpace or a dict of its fields, but got "
+        f"{type(search_space).__name__}."
+    )

@@ -2,7 +2,7 @@
 
 The tuning process spawns one process per trial. That process loads the dataset,
 step_fn and loader options from their pickles, measures the one setting with a
-:class:`~autoloader._measure.TrialRunner` (its own memory watch and deadlines included)
+:class:`~autoloader.measure._runner.TrialRunner` (its own memory watch and deadlines included)
 and sends the outcome back through a pipe. Whatever the trial does to its process
 (a crash in native code, the OOM killer, a hang that signals cannot break), the tuning
 process sees only a pipe that closes or stays silent, records why, and goes on.
@@ -28,20 +28,14 @@ from typing import Any
 
 import psutil
 
-from autoloader._deadlines import Deadlines, TrialTimeout
-from autoloader._environment import default_start_method
 from autoloader._exceptions import IsolationError, UnpicklableError
-from autoloader._measure import (
-    Measurement,
-    TrialError,
-    TrialProcessDied,
-    TrialRunner,
-    WindowCallback,
-    portable_chain,
-    restore_chain,
-)
-from autoloader._memory import MemoryBudgetExceeded, process_memory
-from autoloader._validation import describe_unpicklable
+from autoloader.loader._factory import default_start_method
+from autoloader.measure._deadlines import Deadlines, TrialTimeout
+from autoloader.measure._errors import TrialError, TrialProcessDied, portable_chain, restore_chain
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded, process_memory
+from autoloader.measure._pickling import describe_unpicklable
+from autoloader.measure._runner import TrialRunner, WindowCallback
 
 # Seconds a new trial process may take to import torch and load the dataset (about 2 s
 # on a 2-core machine, mostly importing torch).

@@ -14,11 +14,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader._environment import Environment
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader._loader import build_loader, dataloader_kwargs, merge_loader_kwargs
-from autoloader._ranks import world
-from autoloader._search_space import TUNED_KEYS, normalize_params
+from autoloader.checks._environment import Environment, world
+from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
+from autoloader.loader._params import TUNED_KEYS, normalize_params
+from autoloader.search._outcome import Completed, Trial, state_of
 
 SCHEMA_VERSION = 4
 # Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
@@ -96,6 +96,36 @@ class TrialRecord:
         return asdict(self)
 
 
+def record_of(trial: Trial) -> TrialRecord:
+    """A finished trial of the search, as the result reports it."""
+    outcome = trial.outcome
+    m = trial.measurement
+    value = outcome.value if isinstance(outcome, Completed) else None
+    peak = m.peak_memory if m is not None else None
+    if not isinstance(outcome, Completed) and outcome.peak_memory is not None:
+        peak = outcome.peak_memory
+    return TrialRecord(
+        number=trial.number,
+        phase=trial.phase.value,
+        params=dict(trial.params),
+        state=state_of(outcome),
+        samples_per_second=m.samples_per_second if m else None,
+        epoch_samples_per_second=value,
+        data_wait_fraction=m.data_wait_fraction if m else None,
+        time_to_first_batch=m.time_to_first_batch if m else None,
+        peak_memory=peak,
+        relative_error=m.relative_error if m and math.isfinite(m.relative_error) else None,
+        duration=m.duration if m else None,
+        reason=None if isinstance(outcome, Completed) else outcome.reason,
+        load_seconds=m.load_seconds if m else None,
+        step_seconds=m.step_seconds if m else None,
+        load_cpu_seconds=m.load_cpu_seconds if m else None,
+        batch_bytes=m.batch_bytes if m else None,
+        step_cpu_seconds=m.step_cpu_seconds if m else None,
+        kind=None if isinstance(outcome, Completed) else outcome.kind.value,
+    )
+
+
 @dataclass(frozen=True)
 class TuneResult:
     """Tuned DataLoader settings and how they were measured.
@@ -119,7 +149,7 @@ class TuneResult:
             collate_fn, a sampler...): pass them to :meth:`make_loader` after
             :func:`autoloader.load`.
         facts: what was checked of the dataset and machine before the search (see
-            ``autoloader._facts``), for the report's advice.
+            ``autoloader.checks._facts``), for the report's advice.
 
     Example::
 
@@ -196,7 +226,7 @@ class TuneResult:
     def report(self) -> str:
         """A readable report: the settings against the defaults, the speedup, the
         bottleneck, and advice, each line backed by a figure measured in this run."""
-        from autoloader._report import report
+        from autoloader.results._report import report
 
         return report(self)
 
@@ -213,7 +243,7 @@ class TuneResult:
         Returns:
             The ``matplotlib.figure.Figure``.
         """
-        from autoloader._plot import plot
+        from autoloader.results._plot import plot
 
         return plot(self, path)
 

@@ -29,11 +29,11 @@ import statistics
 import textwrap
 from collections.abc import Iterator
 
-from autoloader._cost_model import step_competes_with_workers
-from autoloader._facts import copied_per_worker
-from autoloader._memory import format_bytes
-from autoloader._result import TrialRecord, TuneResult
-from autoloader._search_space import BASELINE_PARAMS, TUNED_KEYS
+from autoloader.checks._facts import copied_per_worker
+from autoloader.loader._params import BASELINE_PARAMS, TUNED_KEYS
+from autoloader.measure._units import format_bytes, format_seconds
+from autoloader.results._result import TrialRecord, TuneResult
+from autoloader.search._cost_model import step_competes_with_workers
 
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
 _SHM_SHARE = 0.25
@@ -393,11 +393,6 @@ def _rate(record: TrialRecord) -> float:
 
 def _show(value: object) -> str:
     return "-" if value is None else str(value)
-
-
-def format_seconds(seconds: float) -> str:
-    """``0.0123`` as ``"12.3 ms"``; 10 s and more in seconds."""
-    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
 _ms = format_seconds

@@ -4,7 +4,7 @@ Rank 0 runs the search as alone, with a :class:`JointRunner` in place of its run
 each setting it measures is first broadcast, and every other rank, in :func:`follow`,
 measures it at the same time, so that the ranks compete for cores, memory and /dev/shm
 as they will in training. The loops keep in step (``NOTE [ Joint trials ]`` in
-``_measure.py``) through a :class:`JointLockstep`; the job's figures are its slowest
+``measure/_runner.py``) through a :class:`JointLockstep`; the job's figures are its slowest
 rank's (:func:`job_measurement`), and a trial failed on any rank failed for all
 (:func:`job_outcome`). When the search ends, rank 0 sends what it found, the result or
 the error, and every rank returns or raises the same.
@@ -18,25 +18,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._deadlines import Deadlines
 from autoloader._exceptions import BaselineError, InvalidInputError, RankError
-from autoloader._measure import (
-    Checkpoint,
-    Measurement,
-    PeerFailed,
-    TrialError,
-    TrialRunner,
-    WindowCallback,
-)
-from autoloader._memory import (
+from autoloader.distributed._ranks import Ranks
+from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._errors import TrialError
+from autoloader.measure._lockstep import Checkpoint, PeerFailed
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import (
     DEFAULT_BUDGET_SHARE,
     MemoryBudgetExceeded,
     available_memory,
-    format_bytes,
-    parse_bytes,
     tree_memory,
 )
-from autoloader._ranks import Ranks
+from autoloader.measure._runner import TrialRunner, WindowCallback
+from autoloader.measure._units import format_bytes, parse_bytes
 
 # Seconds between checkpoints: each costs a small all-reduce (about 0.2 ms between two
 # local ranks), under 1% of the loop's time at this spacing.

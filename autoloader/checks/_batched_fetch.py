@@ -1,21 +1,4 @@
-"""Fetching a whole batch with one indexing of the dataset.
-
-NOTE [ Batched fetch ]
-DataLoader loads a batch item by item, ``collate_fn([dataset[i] for i in indices])``.
-A dataset backed by tensors or arrays (``TensorDataset``, a dataset over a numpy array)
-answers ``dataset[indices]`` with the whole batch in one vectorised indexing, 10x or
-more faster than per-item calls and a collate. DataLoader does that when it is given
-``batch_size=None`` and a ``BatchSampler`` as its sampler: each "index" it fetches is
-then a list of indices, and the result is only converted (numpy arrays to tensors),
-not collated.
-
-The batch must be the same either way. A dataset may accept a list where it expects an
-int and still do something else (a pandas frame returns rows in another type; a list
-of items raises), so batched fetch is offered only after one sequential and one
-scattered batch came out equal, tensor for tensor, to the per-item path. A dataset
-whose items are random (augmentations) cannot be compared this way; its batches
-differ between two loads either way, and batched fetch is not offered.
-"""
+"""Whether a dataset can be fetched a whole batch at a time (``NOTE [ Batched fetch ]``)."""
 
 from __future__ import annotations
 
@@ -25,19 +8,13 @@ from typing import Any
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
     Dataset,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from autoloader._deadlines import TrialTimeout
-from autoloader._exceptions import InvalidInputError
-
-# Options that take part in forming batches item by item; batched fetch replaces them.
-_PER_ITEM_OPTIONS = ("collate_fn", "batch_sampler")
+from autoloader.loader._batched import PER_ITEM_OPTIONS
+from autoloader.measure._deadlines import TrialTimeout
 
 
 def batched_fetch_problem(
@@ -46,11 +23,11 @@ def batched_fetch_problem(
     """Why ``dataset`` cannot be fetched a batch at a time, or ``None`` if it can.
 
     Loads two batches both ways in this process (see ``NOTE [ Batched fetch ]``). A
-    :class:`~autoloader._deadlines.TrialTimeout` (the check's deadline) goes through.
+    :class:`~autoloader.measure._deadlines.TrialTimeout` (the check's deadline) goes through.
     """
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset yields items, it is not indexed"
-    for option in _PER_ITEM_OPTIONS:
+    for option in PER_ITEM_OPTIONS:
         if fixed.get(option) is not None:
             return f"loader_kwargs sets {option}, which works on items one by one"
     try:
@@ -109,35 +86,3 @@ def same_batch(a: Any, b: Any, *, values: bool = True) -> bool:
             same_batch(x, y, values=values) for x, y in zip(a, b, strict=True)
         )
     return bool(a == b) if values else True
-
-
-def batched_loader_kwargs(dataset: Dataset[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """DataLoader options that fetch the same batches as ``kwargs``, a batch at a time.
-
-    The batch size, ``shuffle``, ``sampler`` and ``drop_last`` move into a
-    ``BatchSampler``; ``generator`` stays, as it also seeds the workers.
-
-    Raises:
-        InvalidInputError: ``kwargs`` has a ``collate_fn`` or ``batch_sampler``, which work on
-            items one by one.
-    """
-    options = dict(kwargs)
-    for option in _PER_ITEM_OPTIONS:
-        if options.get(option) is not None:
-            raise InvalidInputError(
-                f"batched_fetch=True fetches whole batches, without a {option}; pass "
-                "batched_fetch=False to use one."
-            )
-    batch_size = options.pop("batch_size")
-    drop_last = bool(options.pop("drop_last", False))
-    shuffle = bool(options.pop("shuffle", False))
-    sampler = options.pop("sampler", None)
-    if sampler is None:
-        sampler = (
-            RandomSampler(dataset, generator=options.get("generator"))  # type: ignore[arg-type]
-            if shuffle
-            else SequentialSampler(dataset)  # type: ignore[arg-type]
-        )
-    options["batch_size"] = None
-    options["sampler"] = BatchSampler(sampler, batch_size, drop_last)
-    return options

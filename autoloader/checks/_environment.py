@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
 import os
 import platform
 from dataclasses import dataclass
@@ -12,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from autoloader._device import accelerator
-from autoloader._memory import format_bytes, total_memory
+from autoloader.loader._factory import default_start_method
+from autoloader.measure._device import accelerator
+from autoloader.measure._memory import total_memory
+from autoloader.measure._units import format_bytes
 
 # Memory sizes that differ by less than this are the same machine (kernels and
 # firmware reserve slightly different amounts).
@@ -165,13 +167,19 @@ def _ranks(environment: Environment) -> str:
     return f"{environment.world_size} ranks, {environment.local_world_size} per node"
 
 
-def default_start_method() -> str:
-    """The start method workers get when ``multiprocessing_context`` is not given.
+def world() -> tuple[int, int, int]:
+    """(global rank, world size, local world size) of this process: from the default
+    process group where one is initialised, else torchrun's environment, else a world of
+    one. The local world size is the ranks on this node."""
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    return rank, size, max(1, min(size, _env_int("LOCAL_WORLD_SIZE", 1)))
 
-    Reads it without fixing it: ``multiprocessing.get_start_method()`` would set the
-    process-wide default as a side effect.
-    """
-    return (
-        multiprocessing.get_start_method(allow_none=True)
-        or (multiprocessing.get_all_start_methods()[0])
-    )
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default

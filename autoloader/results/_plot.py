@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoloader._result import TrialRecord, TuneResult
+from autoloader.results._result import TrialRecord, TuneResult
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader._batching import batched_loader_kwargs
 from autoloader._exceptions import InvalidInputError
-from autoloader._search_space import normalize_params
-from autoloader._thread_workers import ThreadLoader
-from autoloader._threads import LimitThreads
+from autoloader.loader._batched import batched_loader_kwargs
+from autoloader.loader._params import normalize_params
+from autoloader.loader._thread_loader import ThreadLoader
+from autoloader.loader._worker_threads import LimitThreads
 
 # Tuned settings that are not DataLoader options but change how the loader is built.
 _BUILD_OPTIONS = ("batched_fetch", "worker_threads")
@@ -96,3 +97,15 @@ def dataloader_kwargs(dataset: Dataset[Any] | None, options: Mapping[str, Any]) 
             )
         kwargs = batched_loader_kwargs(dataset, kwargs)
     return kwargs
+
+
+def default_start_method() -> str:
+    """The start method workers get when ``multiprocessing_context`` is not given.
+
+    Reads it without fixing it: ``multiprocessing.get_start_method()`` would set the
+    process-wide default as a side effect.
+    """
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or (multiprocessing.get_all_start_methods()[0])
+    )

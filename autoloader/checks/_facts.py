@@ -26,8 +26,8 @@ NOTE [ Checks before the search ]
 The checks read items and start processes, out of the run's time budget: together they
 get ``checks_seconds(time_budget)``, a small share of it, and each check a fixed share of
 that (``_SHARES``). Each is held to its time: in this process by the trial's alarm
-(:func:`~autoloader._measure.time_limit`), with workers through
-:meth:`TrialRunner.first_batches <autoloader._measure.TrialRunner.first_batches>` (the
+(:func:`~autoloader.measure._deadlines.time_limit`), with workers through
+:meth:`TrialRunner.first_batches <autoloader.measure._runner.TrialRunner.first_batches>` (the
 trial's watchdog, deadline and clean-up), in the forked probe by waiting for it no
 longer and killing it. A check that overruns costs its share and no more; its fact is
 recorded missing with the reason, the run goes on, and the report says what was not
@@ -77,12 +77,13 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from autoloader._batching import batched_fetch_problem, same_batch
-from autoloader._deadlines import TrialTimeout, time_limit
 from autoloader._exceptions import InvalidInputError
-from autoloader._loader import build_loader, merge_loader_kwargs, new_loader
-from autoloader._measure import TrialError, TrialRunner, describe_error
-from autoloader._memory import default_memory_budget
+from autoloader.checks._batched_fetch import batched_fetch_problem, same_batch
+from autoloader.loader._factory import build_loader, merge_loader_kwargs, new_loader
+from autoloader.measure._deadlines import TrialTimeout, time_limit
+from autoloader.measure._errors import TrialError, describe_error
+from autoloader.measure._memory import default_memory_budget
+from autoloader.measure._runner import TrialRunner
 
 _T = TypeVar("_T")
 
@@ -199,7 +200,7 @@ class Checks:
 
     def batched_fetch_problem(self) -> str | None:
         """Why the dataset cannot be fetched a batch at a time, or ``None`` if it can (see
-        :func:`~autoloader._batching.batched_fetch_problem`)."""
+        :func:`~autoloader.checks._batched_fetch.batched_fetch_problem`)."""
 
         def check(seconds: float) -> str | None:
             with time_limit(seconds, "checking batched fetch"):

@@ -27,7 +27,7 @@ accelerator exists, each thread pins the batch it loaded.
 The dataset is read from several threads at once: it must allow that (most do: reading
 files, decoding images, indexing tensors or arrays). One that keeps per-read state in
 ``self`` (a shared buffer, a file position) does not; the tuner checks a few batches
-before it offers threads (``autoloader._facts``). ``get_worker_info()`` is ``None`` in
+before it offers threads (``autoloader.checks._facts``). ``get_worker_info()`` is ``None`` in
 the threads, there is no ``worker_init_fn`` to run, and an ``IterableDataset`` is not
 split among threads: those need processes.
 """

@@ -2,8 +2,8 @@
 
 A job whose ranks each call :func:`autoloader.tune` after
 ``torch.distributed.init_process_group()`` tunes jointly (see ``NOTE [ Joint trials ]``
-in ``_joint.py``). Everything the ranks say to each other goes through a gloo group made
-here, on the CPU, whatever the default group's backend (NCCL for GPUs), and with its own
+in ``measure/_lockstep.py``). Everything the ranks say to each other goes through a gloo
+group made here, on the CPU, whatever the default group's backend (NCCL for GPUs), and with its own
 timeout: a rank that stops answering is an error within that time, never a hang.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoloader._environment import affinity
 from autoloader._exceptions import RankError
+from autoloader.checks._environment import affinity
 
 _logger = logging.getLogger(__name__)
 
@@ -30,24 +30,6 @@ _logger = logging.getLogger(__name__)
 # (the timeout covers a rank that stops answering, not a slow trial: trials end by
 # their own deadlines first).
 DEFAULT_TIMEOUT = 120.0
-
-
-def world() -> tuple[int, int, int]:
-    """(global rank, world size, local world size) of this process: from the default
-    process group where one is initialised, else torchrun's environment, else a world of
-    one. The local world size is the ranks on this node."""
-    if dist.is_available() and dist.is_initialized():
-        rank, size = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    return rank, size, max(1, min(size, _env_int("LOCAL_WORLD_SIZE", 1)))
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Tuning every rank of a torchrun job together."""

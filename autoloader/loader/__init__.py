@@ -1,0 +1,1 @@
+"""Building the DataLoader a setting names: the factory, batched fetch, thread workers."""

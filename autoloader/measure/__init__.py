@@ -1,0 +1,1 @@
+"""Timing one setting safely: the timing loop, its supervision, memory and deadlines."""

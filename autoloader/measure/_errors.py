@@ -1,0 +1,148 @@
+"""What went wrong in a trial, as exceptions that survive being sent between processes."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import re
+import signal
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class TrialError(Exception):
+    """User code raised during a trial.
+
+    Attributes:
+        stage: what the loop was doing: "loading a batch" or "running step_fn".
+        error: the exception user code raised (re-raised by DataLoader for workers).
+        summary: one line, ``"ValueError: corrupt record 3"``, with the worker's
+            traceback that DataLoader folds into the message left out.
+        where: ``"file:line in function"`` where it was raised, or ``""``.
+        peak_memory: bytes, the tree's peak before the error.
+        worker_signals: signals that killed the trial's workers, if any.
+        worker_exit_codes: non-zero exit codes of the trial's workers, if any.
+        rank: under torchrun, the rank it happened on (set by the rank that gathered it).
+    """
+
+    def __init__(self, stage: str, error: BaseException, peak_memory: int) -> None:
+        self.stage = stage
+        self.error = error
+        self.summary, self.where = describe_error(error)
+        self.peak_memory = peak_memory
+        self.worker_signals: tuple[int, ...] = ()
+        self.worker_exit_codes: tuple[int, ...] = ()
+        self.rank: int | None = None
+        super().__init__(f"{self.summary} while {stage}")
+
+    def __reduce__(self) -> tuple[Callable[..., TrialError], tuple[Any, ...]]:
+        # Sent from a trial's own process (isolation="subprocess"): pickling keeps
+        # neither tracebacks nor causes, so the summary and the chain of causes, which
+        # the fault classifier reads, are sent as they are.
+        return _restore_trial_error, (
+            self.stage,
+            portable_chain(self.error),
+            self.peak_memory,
+            self.summary,
+            self.where,
+            self.worker_signals,
+            self.worker_exit_codes,
+        )
+
+
+class RemoteError(Exception):
+    """Stands for an exception from a trial's process that could not be sent as itself."""
+
+
+def portable_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes, each as itself if it survives pickling, else a stand-in."""
+    links: list[BaseException] = []
+    for link in exception_chain(error):
+        try:
+            links.append(pickle.loads(pickle.dumps(link)))
+        except Exception:  # an exception whose __init__ does not take its own args
+            links.append(RemoteError(f"{type(link).__qualname__}: {link}"))
+    return links
+
+
+def restore_chain(links: list[BaseException]) -> BaseException:
+    """The first of ``links``, with each one the ``__cause__`` of the one before."""
+    for link, cause in itertools.pairwise(links):
+        link.__cause__ = cause
+    return links[0]
+
+
+def _restore_trial_error(
+    stage: str,
+    chain: list[BaseException],
+    peak_memory: int,
+    summary: str,
+    where: str,
+    worker_signals: tuple[int, ...],
+    worker_exit_codes: tuple[int, ...],
+) -> TrialError:
+    error = TrialError(stage, restore_chain(chain), peak_memory)
+    error.summary, error.where = summary, where
+    error.worker_signals, error.worker_exit_codes = worker_signals, worker_exit_codes
+    return error
+
+
+class TrialProcessDied(Exception):
+    """The process running the trial died (``isolation="subprocess"``).
+
+    Attributes:
+        exit_code: its exit code; negative for the signal that killed it.
+    """
+
+    def __init__(self, exit_code: int) -> None:
+        how = (
+            f"was killed by {signal.Signals(-exit_code).name}"
+            if exit_code < 0
+            else f"exited with code {exit_code}"
+        )
+        super().__init__(f"the trial's process {how}")
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[type[TrialProcessDied], tuple[int]]:
+        return type(self), (self.exit_code,)
+
+
+_WORKER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
+
+
+def describe_error(error: BaseException) -> tuple[str, str]:
+    """One line naming the exception, and where it was raised: the exception's type and
+    the first line of its message (``"ValueError: No samples found ..."``).
+
+    DataLoader re-raises a worker's exception with a message that embeds the worker's
+    traceback ("Caught ValueError in DataLoader worker process 0. Original Traceback
+    ..."). Its last frame is the origin; the exception's own line is the first line
+    after that frame that is not indented (source lines and ``^^^`` markers are). The
+    message's later lines are often advice on silencing a check, not what went wrong.
+    """
+    message = str(error)
+    lines = [line for line in message.splitlines() if line.strip()]
+    if message.startswith("Caught ") and "Original Traceback" in message and lines:
+        worker = lines[0].removeprefix("Caught ").split(" in ", 1)[-1].rstrip(".")
+        frames = [(n, m) for n, m in enumerate(map(_WORKER_FRAME.match, lines)) if m]
+        if not frames:
+            return f"{lines[-1].strip()} (in {worker})", ""
+        last, frame = frames[-1]
+        after = [line for line in lines[last + 1 :] if not line[0].isspace()]
+        raised = after[0].strip() if after else lines[-1].strip()
+        return f"{raised} (in {worker})", f"{frame['file']}:{frame['line']} in {frame['name']}"
+    stack = traceback.extract_tb(error.__traceback__)
+    where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+    first = lines[0].strip() if lines else ""
+    return f"{type(error).__name__}: {first}".rstrip(": "), where
+
+
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what caused it (``__cause__``, else ``__context__``), and so on."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__

@@ -1,0 +1,78 @@
+"""How the processes measuring one setting together take the timing loop's decisions
+at the same batch; alone, nothing is exchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from autoloader.measure._measurement import Measurement
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """What one process measuring a setting saw since the last checkpoint; agreed, what
+    any of the processes saw (for ``seconds``, the longest)."""
+
+    time_up: bool = False  # the trial's time has run out
+    warming: bool = False  # still in the warm-up
+    not_ready: bool = False  # its timing window is not yet long enough to close
+    restarted: bool = False  # it began a new epoch
+    failed: bool = False  # its loader or step failed; it steps the spare batch
+    seconds: float = 0.0  # since the last checkpoint
+
+
+class Lockstep(Protocol):
+    """How the processes that measure one setting together (every rank of a torchrun
+    job) take the loop's decisions at the same batch (``NOTE [ Joint trials ]``)."""
+
+    joint: bool
+    # The last batch stepped well: a joint trial steps it in place of one it failed to load.
+    spare: Any
+
+    def begin(self) -> None:
+        """A trial starts."""
+
+    def every(self) -> int:
+        """Batches from one checkpoint to the next."""
+
+    def agree(self, mine: Checkpoint) -> Checkpoint:
+        """What any process saw."""
+
+    def combine(self, estimate: Measurement) -> Measurement:
+        """The job's estimate from each process's."""
+
+    def decide(self, stop: bool) -> bool:
+        """The driving process's decision to stop, on every process."""
+
+
+class Alone:
+    """A process measuring on its own: every batch a checkpoint, nothing exchanged."""
+
+    joint = False
+    spare = None
+
+    def begin(self) -> None:
+        return None
+
+    def every(self) -> int:
+        return 1
+
+    def agree(self, mine: Checkpoint) -> Checkpoint:
+        return mine
+
+    def combine(self, estimate: Measurement) -> Measurement:
+        return estimate
+
+    def decide(self, stop: bool) -> bool:
+        return stop
+
+
+class PeerFailed(Exception):
+    """Another process of a joint trial failed; this one stopped with it (internal)."""
+
+    def __init__(self) -> None:
+        super().__init__("the trial failed on another rank")
+
+    def __reduce__(self) -> tuple[type[PeerFailed], tuple[()]]:
+        return type(self), ()

@@ -1,0 +1,248 @@
+"""Watching over a trial's worker processes: their deaths, their shutdown, their reaping."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import psutil
+from torch._C import _error_if_any_worker_fails
+from torch.utils.data import (
+    DataLoader,
+)
+from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
+
+from autoloader.measure._deadlines import Alarm, TrialTimeout
+from autoloader.measure._errors import exception_chain
+from autoloader.measure._memory import MemoryWatch, kill
+
+_logger = logging.getLogger(__name__)
+
+
+# Seconds to wait for the trial's workers to exit before killing them.
+_REAP_TIMEOUT = 5.0
+# Seconds the shutdown of a trial's loader may take before its workers are killed.
+_STOP_TIMEOUT = 60.0
+
+
+class WorkerDeaths:
+    """Decides what the death of a trial's worker means while the trial runs.
+
+    DataLoader's SIGCHLD handler raises "worker killed by signal" in the main thread,
+    once per death, wherever the main thread is, even in the middle of handling the
+    first such error. Blocking the signal does not help: the kernel hands it to another
+    thread, and Python runs the handler in the main thread all the same. So during a
+    trial this handler stands in front of DataLoader's:
+
+    - the memory watch killed the workers: raise MemoryBudgetExceeded once, which wakes
+      a main thread blocked in next(), and ignore the other deaths;
+    - the trial is being torn down (``expected``): its workers are being killed on
+      purpose, ignore;
+    - otherwise a worker really died: DataLoader's handler reports it, once; the
+      deaths that follow are part of the same failure.
+    - in a joint trial (``defer``), a death while the main thread is not fetching is
+      held back until the next fetch begins (:meth:`fetching`): raised in a step, it
+      could cut short a step whose collectives are half done (``NOTE [ Joint trials ]``).
+
+    DataLoader installs its handler once per process, when workers first start; it is
+    installed first here so that it is the one this handler passes deaths on to.
+    """
+
+    def __init__(self, watch: MemoryWatch, *, defer: bool = False) -> None:
+        self.watch = watch
+        self.defer = defer
+        self._fetching = False
+        self.expected = False
+        self._deferring = False
+        self._deferred = False
+        self._previous: Any = None
+
+    def start(self, loader: DataLoader[Any]) -> Iterator[Any]:
+        """``iter(loader)``, with a worker's death reported after it, not in the middle.
+
+        Starting an iterator puts work on the workers' queues; an error raised there by
+        the handler can leave a queue's lock held, and the next put then waits forever.
+        So a death while the iterator starts is held back and reported once ``iter()``
+        has returned, by DataLoader's own check, which raises its usual error.
+        """
+        self._deferring, self._deferred = True, False
+        try:
+            iterator = iter(loader)
+        finally:
+            self._deferring = False
+        if self._deferred:
+            self._deferred = False
+            try:
+                _error_if_any_worker_fails()
+            finally:
+                shutdown_workers(iterator, loader, abandon=True)
+        return iterator
+
+    @contextlib.contextmanager
+    def handled(self) -> Iterator[WorkerDeaths]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set, and only run, in the main thread
+            return
+        _set_SIGCHLD_handler()
+        self._previous = signal.signal(signal.SIGCHLD, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGCHLD, self._previous)
+
+    @contextlib.contextmanager
+    def fetching(self) -> Iterator[None]:
+        """A fetch is under way: a death held back outside one (``defer``) is reported
+        as it starts, and a death during it at once."""
+        self._fetching = True
+        try:
+            if self._deferred and not self._deferring:
+                self._deferred = False
+                self.watch.check()
+                _error_if_any_worker_fails()
+            yield
+        finally:
+            self._fetching = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._deferring or (self.defer and not self._fetching):
+            self._deferred = True
+            return
+        if self.watch.exceeded:
+            error = self.watch.claim()
+            if error is not None:
+                raise error
+            return
+        if not self.expected and callable(self._previous):
+            try:
+                self._previous(signum, frame)
+            except BaseException:
+                self.expected = True  # the trial fails with this error; later deaths follow
+                raise
+
+
+@dataclass(slots=True)
+class Guard:
+    """What watches over one run of a loader, and what to clean up after it: the
+    loader and its current iterator (a new one each epoch)."""
+
+    watch: MemoryWatch
+    deaths: WorkerDeaths
+    alarm: Alarm
+    started: float
+    loader: DataLoader[Any] | None = None
+    iterator: Iterator[Any] | None = None
+
+
+# Errors that mean the other end of a worker's pipe or socket went away.
+_PEER_GONE = (ConnectionError, EOFError)
+_WORKER_DIED = ("exited unexpectedly", "is killed by signal")
+# How long a worker that is dying gets to finish, so its exit status can be read.
+_DEATH_GRACE = 1.0
+
+
+def worker_died(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says a worker died or its pipe went away."""
+    return any(
+        isinstance(link, _PEER_GONE) or any(text in str(link) for text in _WORKER_DIED)
+        for link in exception_chain(error)
+    )
+
+
+def worker_exits(iterator: object, error: BaseException) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Signals that killed the iterator's workers, and their non-zero exit codes.
+
+    A worker that dies while handing over a batch can make the main process fail
+    first (a connection reset, an EOF) while the worker is still dying; for such errors
+    the workers get a moment to finish, or the signal would be missed.
+    """
+    workers = list(getattr(iterator, "_workers", None) or ())
+    if workers and worker_died(error):
+        give_up = time.monotonic() + _DEATH_GRACE
+        while time.monotonic() < give_up and all(w.exitcode is None for w in workers):
+            time.sleep(0.02)
+    signals, codes = [], []
+    for worker in workers:
+        code = worker.exitcode
+        if code is not None and code < 0:
+            signals.append(-code)
+        elif code:
+            codes.append(code)
+    if not signals and not codes:
+        # The worker was already reaped elsewhere (rarely seen in the test suite): torch's
+        # own message still names the exit code.
+        found = _TORCH_EXIT_CODE.search(str(error))
+        if found:
+            code = int(found["code"])
+            (signals if code < 0 else codes).append(abs(code))
+    return tuple(signals), tuple(codes)
+
+
+# DataLoader's message for a worker that exited: "DataLoader worker (pid 32512) exited
+# unexpectedly with exit code 3. Details are lost due to multiprocessing. ..."
+_TORCH_EXIT_CODE = re.compile(r"exited unexpectedly with exit code (?P<code>-?\d+)")
+
+
+def shutdown_workers(
+    iterator: object, loader: DataLoader[Any] | None, *, abandon: bool = False
+) -> None:
+    """Stop the workers of a trial's iterator (and of a persistent loader's own).
+
+    With ``abandon`` (the trial failed and its workers were killed), the shutdown
+    touches nothing a killed worker may have left locked: it skips telling each worker
+    to stop through its queue (a put interrupted by a worker-death error may have left
+    that queue's lock held) and the shared "done" event. The workers are dead; joining
+    them and closing the queues is enough.
+    """
+    for it in (iterator, getattr(loader, "_iterator", None)):
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is None:
+            continue
+        if abandon and hasattr(it, "_workers_status"):
+            it._workers_status = [False] * len(it._workers_status)
+            it._persistent_workers = False  # type: ignore[union-attr]
+            # Workers check this event in their loop, under a lock they share with this
+            # process: one killed while it held the lock would make setting the event
+            # wait forever. The workers are dead; nobody is left to see it set.
+            it._workers_done_event = threading.Event()  # type: ignore[union-attr]
+        shutdown()
+    if loader is not None:
+        loader._iterator = None
+
+
+def stop_workers(guard: Guard, *, abandon: bool) -> None:
+    """Shut the trial's loader down, under a deadline like every other wait.
+
+    A shutdown that overruns it (a lock a dead worker left held, in a way not foreseen
+    in :func:`shutdown_workers`, or workers slow to exit) has its workers killed. It changes
+    nothing about the trial: a measurement taken to the end is kept, and a trial that
+    failed keeps its own error (a memory overrun is not turned into a timeout).
+    """
+    guard.alarm.arm("stopping the trial's workers", _STOP_TIMEOUT)
+    try:
+        shutdown_workers(guard.iterator, guard.loader, abandon=abandon)
+    except TrialTimeout:
+        _logger.warning(
+            "the trial's workers did not stop within %.0f s; they were killed", _STOP_TIMEOUT
+        )
+        kill(guard.watch.new_children())
+    finally:
+        guard.alarm.disarm()
+        reap(guard.watch.new_children())
+
+
+def reap(children: list[psutil.Process]) -> None:
+    """Wait for the trial's leftover processes to exit; kill those that do not."""
+    _, alive = psutil.wait_procs(children, timeout=_REAP_TIMEOUT)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=_REAP_TIMEOUT)
