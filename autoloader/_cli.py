@@ -147,7 +147,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every trial")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_tune(commands)
+    _add_show(commands)
+    _add_plot(commands)
+    _add_demo(commands)
+    return parser
 
+
+def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tune = commands.add_parser(
         "tune",
         help="tune the DataLoader settings for your dataset and step",
@@ -210,6 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     tune.set_defaults(handler=_tune)
 
+
+def _add_show(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show = commands.add_parser(
         "show",
         help="print the report of a saved result",
@@ -219,6 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("result", metavar="RESULT.json")
     show.set_defaults(handler=_show)
 
+
+def _add_plot(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plot = commands.add_parser(
         "plot",
         help="draw a saved result's trials to an image",
@@ -235,6 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     plot.set_defaults(handler=_plot)
 
+
+def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = commands.add_parser(
         "demo",
         help="tune a built-in synthetic workload and print the result",
@@ -276,7 +289,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(handler=_demo)
-    return parser
 
 
 def _warning_line(

@@ -270,51 +270,14 @@ def diagnose(
     budget = resolve_memory_budget(memory_budget)
     batch_size = loader.batch_size or 1
     usable_cpus = Environment.current().usable_cpus
-
-    def runner(step: Callable[[Any], object], on: torch.device | None) -> TrialRunner:
-        return TrialRunner(
-            loader.dataset, step, batch_size=batch_size, memory_budget=budget, device=on
-        )
-
     workers = loader.num_workers
     # Thread workers (a ThreadLoader) run in this process: nothing is forked or received.
     threads = getattr(loader, "worker_kind", "processes") == "threads"
-    options = {
-        "collate_fn": loader.collate_fn,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-    }
-    method = start_method(options, Environment.current().start_method)
-    checks = Checks(
-        loader.dataset,
-        {name: value for name, value in options.items() if value is not None},
-        batch_size=batch_size,
-        seconds=max(_MIN_CHECKS_SECONDS, _CHECKS_SHARE * seconds),
-        memory_budget=budget,
-    )
-    if workers > 1:
-        checks.repeated_samples()
-    facts = checks.copy_on_read(
-        _length(loader.dataset), start_method=method if workers and not threads else "none"
-    )
-    copied = copied_per_worker(facts)
-    deadlines = Deadlines.per_batch(_HANG_FACTOR * seconds, workers=workers)
-    children_before = _children_cpu()
+    checks, copied = _checks(loader, seconds=seconds, memory_budget=budget, threads=threads)
     try:
-        loop = runner(step_fn, resolved_device).measure_loader(
-            loader, max_seconds=_LOOP_SHARE * seconds, deadlines=deadlines
+        loops = _Loops.measure(
+            loader, step_fn, device=resolved_device, seconds=seconds, memory_budget=budget
         )
-        children_cpu = _children_cpu() - children_before
-        alone = runner(_no_step, None).measure_loader(
-            loader, max_seconds=(1 - _LOOP_SHARE) * seconds, deadlines=deadlines
-        )
-        step_alone = loop
-        if not workers and _step_cpus(loop) >= _SPINNING_CPUS:
-            step_alone = runner(step_fn, resolved_device).measure_loader(
-                _one_batch_again(loader, deadlines.first),
-                max_seconds=_STEP_ALONE_SHARE * seconds,
-                deadlines=deadlines,
-            )
     except MemoryBudgetExceeded as error:
         return _memory_bound(error, workers, batch_size, budget, usable_cpus)
     except TrialTimeout as timeout:
@@ -327,23 +290,11 @@ def diagnose(
             + (f" at {error.where}" if error.where else "")
             + ". Fix it and run the loop once by hand before diagnosing it."
         ) from error.error
-
-    if workers and threads:
-        # This process's CPU time while it waited on the loader alone is the threads'.
-        rate = alone.load_cpu_seconds / alone.load_seconds if alone.load_seconds else 0.0
-        cpu_share = rate / min(workers, usable_cpus)
-        load_cpu = alone.load_cpu_seconds
-    elif workers:
-        cpu_share = children_cpu / (loop.duration * min(workers, usable_cpus))
-        # The workers' CPU seconds per second, over the loop's seconds per batch.
-        load_cpu = children_cpu / loop.duration * (loop.load_seconds + loop.step_seconds)
-    else:
-        cpu_share = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
-        load_cpu = loop.load_cpu_seconds
-    cpu_share = min(1.0, cpu_share)
+    loop, alone = loops.loop, loops.alone
+    cpu_share, load_cpu = loops.loading_cpu(workers, threads=threads, usable_cpus=usable_cpus)
     verdict, reason = _verdict(
-        loop, alone, step_alone, cpu_share, load_cpu, workers, budget, usable_cpus, copied,
-        receiving=workers > 0 and not threads,
+        loop, alone, loops.step_alone, cpu_share, load_cpu, workers, budget, usable_cpus,
+        copied, receiving=workers > 0 and not threads,
     )  # fmt: skip
     return Diagnosis(
         verdict=verdict,
@@ -362,8 +313,102 @@ def diagnose(
         usable_cpus=usable_cpus,
         copied_per_worker=copied,
         missing=dict(checks.missing),
-        step_cpus=_step_cpus(step_alone),
+        step_cpus=_step_cpus(loops.step_alone),
     )
+
+
+def _checks(
+    loader: DataLoader[Any], *, seconds: float, memory_budget: int, threads: bool
+) -> tuple[Checks, float | None]:
+    """The checks diagnose() makes before measuring: repeated samples (several workers)
+    and copy-on-read (forked workers); the bytes each worker copies, if measured."""
+    options = {
+        "collate_fn": loader.collate_fn,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+    }
+    workers = loader.num_workers
+    method = start_method(options, Environment.current().start_method)
+    checks = Checks(
+        loader.dataset,
+        {name: value for name, value in options.items() if value is not None},
+        batch_size=loader.batch_size or 1,
+        seconds=max(_MIN_CHECKS_SECONDS, _CHECKS_SHARE * seconds),
+        memory_budget=memory_budget,
+    )
+    if workers > 1:
+        checks.repeated_samples()
+    facts = checks.copy_on_read(
+        _length(loader.dataset), start_method=method if workers and not threads else "none"
+    )
+    return checks, copied_per_worker(facts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loops:
+    """What diagnose() measured: the loop, the loader alone, the step alone (the loop
+    itself unless the step was timed on one batch again), and the CPU seconds the
+    workers' processes spent during the loop."""
+
+    loop: Measurement
+    alone: Measurement
+    step_alone: Measurement
+    children_cpu: float
+
+    @classmethod
+    def measure(
+        cls,
+        loader: DataLoader[Any],
+        step_fn: Callable[[Any], object],
+        *,
+        device: torch.device | None,
+        seconds: float,
+        memory_budget: int,
+    ) -> _Loops:
+        def runner(step: Callable[[Any], object], on: torch.device | None) -> TrialRunner:
+            return TrialRunner(
+                loader.dataset,
+                step,
+                batch_size=loader.batch_size or 1,
+                memory_budget=memory_budget,
+                device=on,
+            )
+
+        deadlines = Deadlines.per_batch(_HANG_FACTOR * seconds, workers=loader.num_workers)
+        children_before = _children_cpu()
+        loop = runner(step_fn, device).measure_loader(
+            loader, max_seconds=_LOOP_SHARE * seconds, deadlines=deadlines
+        )
+        children_cpu = _children_cpu() - children_before
+        alone = runner(_no_step, None).measure_loader(
+            loader, max_seconds=(1 - _LOOP_SHARE) * seconds, deadlines=deadlines
+        )
+        step_alone = loop
+        if not loader.num_workers and _step_cpus(loop) >= _SPINNING_CPUS:
+            step_alone = runner(step_fn, device).measure_loader(
+                _one_batch_again(loader, deadlines.first),
+                max_seconds=_STEP_ALONE_SHARE * seconds,
+                deadlines=deadlines,
+            )
+        return cls(loop, alone, step_alone, children_cpu)
+
+    def loading_cpu(self, workers: int, *, threads: bool, usable_cpus: int) -> tuple[float, float]:
+        """The share of the loading workers' CPUs busy loading, and loading's CPU seconds
+        per batch."""
+        loop, alone = self.loop, self.alone
+        if workers and threads:
+            # This process's CPU time while it waited on the loader alone is the threads'.
+            rate = alone.load_cpu_seconds / alone.load_seconds if alone.load_seconds else 0.0
+            cpu_share = rate / min(workers, usable_cpus)
+            load_cpu = alone.load_cpu_seconds
+        elif workers:
+            cpu_share = self.children_cpu / (loop.duration * min(workers, usable_cpus))
+            # The workers' CPU seconds per second, over the loop's seconds per batch.
+            load_cpu = self.children_cpu / loop.duration * (loop.load_seconds + loop.step_seconds)
+        else:
+            cpu_share = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
+            load_cpu = loop.load_cpu_seconds
+        return min(1.0, cpu_share), load_cpu
 
 
 def _verdict(
