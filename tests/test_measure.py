@@ -249,7 +249,7 @@ def test_batches_go_to_the_device_and_it_is_synchronised_at_window_edges() -> No
     def step(batch: torch.Tensor) -> None:
         seen.append(batch.device)
 
-    with mock.patch("autoloader.measure._runner.synchronize") as synchronize:
+    with mock.patch("autoloader.measure._timing_loop.synchronize") as synchronize:
         m = _runner(SleepDataset(512, latency=0.0005), step, device=torch.device("meta")).measure(
             _params(0), max_seconds=1
         )
@@ -267,7 +267,7 @@ def test_pinned_batches_move_non_blocking() -> None:
         calls.append(non_blocking)
         return batch
 
-    with mock.patch("autoloader.measure._runner.move_to_device", fake_move):
+    with mock.patch("autoloader.measure._timing_loop.move_to_device", fake_move):
         _runner(SleepDataset(64, latency=0.0), noop_step, device=torch.device("meta")).measure(
             _params(1, pin_memory=True), max_seconds=0.5
         )

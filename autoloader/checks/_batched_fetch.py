@@ -7,11 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import (
-    Dataset,
-    IterableDataset,
-)
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import Dataset, IterableDataset, default_collate, default_convert
 
 from autoloader.loader._batched import PER_ITEM_OPTIONS
 from autoloader.measure._deadlines import TrialTimeout
@@ -54,7 +50,7 @@ def batched_fetch_problem(
             raise
         except Exception:  # a fault of the dataset itself: the baseline reports it
             return "loading its items one by one failed"
-        per_item = default_collate(items)  # type: ignore[no-untyped-call]
+        per_item = default_collate(items)
         if not same_batch(batched, per_item):
             return (
                 "dataset[list of indices] gives a different batch from loading the items "

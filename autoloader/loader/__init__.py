@@ -1,1 +1,46 @@
-"""Building the DataLoader a setting names: the factory, batched fetch, thread workers."""
+"""Building the DataLoader a setting names: the factory, batched fetch, thread workers.
+
+Modules, from the top down, one job each::
+
+    _factory         build_loader(): a DataLoader or ThreadLoader from a setting
+    _batched         a whole batch fetched with one indexing (NOTE [ Batched fetch ])
+    _thread_loader   ThreadLoader: a DataLoader whose workers are threads
+    _worker_threads  LimitThreads: native thread pools held to one thread per worker
+    _params          the settings autoloader tunes, in their canonical form
+    _torch_compat    every private torch API autoloader touches, in one place
+
+``_torch_compat`` is not re-exported: ``loader`` and ``measure`` import it by its name,
+so that every use of torch's private API is found by searching for that name.
+"""
+
+from autoloader.loader._batched import PER_ITEM_OPTIONS
+from autoloader.loader._factory import (
+    build_loader,
+    dataloader_kwargs,
+    default_start_method,
+    merge_loader_kwargs,
+    new_loader,
+)
+from autoloader.loader._params import (
+    BASELINE_PARAMS,
+    TUNED_KEYS,
+    WORKER_KINDS,
+    Params,
+    normalize_params,
+)
+from autoloader.loader._thread_loader import ThreadLoader
+
+__all__ = [
+    "BASELINE_PARAMS",
+    "PER_ITEM_OPTIONS",
+    "TUNED_KEYS",
+    "WORKER_KINDS",
+    "Params",
+    "ThreadLoader",
+    "build_loader",
+    "dataloader_kwargs",
+    "default_start_method",
+    "merge_loader_kwargs",
+    "new_loader",
+    "normalize_params",
+]

@@ -1,1 +1,74 @@
-"""Timing one setting safely: the timing loop, its supervision, memory and deadlines."""
+"""Timing one setting safely: one trial's loop, watched for memory, hangs and dead workers.
+
+Modules, from the top down, one job each::
+
+    _isolation     SubprocessRunner: each trial in a fresh process of its own
+    _runner        TrialRunner: builds a setting's loader and times it under guard
+    _timing_loop   TimingLoop: one trial's loop (warm-up, windows, checkpoints), its parts
+    _supervision   the trial's worker processes: their deaths, shutdown and reaping
+    _lockstep      Checkpoint, Lockstep: the processes of a joint trial decide together
+    _memory        the memory budget, and the watch that stops a trial passing it
+    _deadlines     Deadlines, and the alarm that breaks a batch that overruns them
+    _measurement   Measurement: what one trial measured
+    _errors        TrialError: what failed and where, sendable between processes
+    _device        the device batches go to, and the accelerator on this machine
+    _pickling      which part of an object does not pickle, and why
+    _units         bytes and seconds, parsed and shown
+"""
+
+from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
+from autoloader.measure._device import accelerator, resolve_device
+from autoloader.measure._errors import (
+    TrialError,
+    TrialProcessDied,
+    describe_error,
+    exception_chain,
+)
+from autoloader.measure._isolation import SubprocessRunner
+from autoloader.measure._lockstep import Checkpoint, Lockstep, PeerFailed
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import (
+    DEFAULT_BUDGET_SHARE,
+    MemoryBudgetExceeded,
+    available_memory,
+    default_memory_budget,
+    is_oom_error,
+    resolve_memory_budget,
+    total_memory,
+    tree_memory,
+)
+from autoloader.measure._pickling import describe_unpicklable
+from autoloader.measure._runner import Runner, TrialRunner, WindowCallback
+from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
+
+__all__ = [
+    "DEFAULT_BUDGET_SHARE",
+    "Checkpoint",
+    "Deadlines",
+    "Lockstep",
+    "Measurement",
+    "MemoryBudgetExceeded",
+    "PeerFailed",
+    "Runner",
+    "SubprocessRunner",
+    "TrialError",
+    "TrialProcessDied",
+    "TrialRunner",
+    "TrialTimeout",
+    "WindowCallback",
+    "accelerator",
+    "available_memory",
+    "default_memory_budget",
+    "describe_error",
+    "describe_unpicklable",
+    "exception_chain",
+    "format_bytes",
+    "format_seconds",
+    "is_oom_error",
+    "parse_bytes",
+    "resolve_device",
+    "resolve_memory_budget",
+    "time_limit",
+    "total_memory",
+    "tree_memory",
+]

@@ -8,6 +8,19 @@ from typing import Any, Protocol
 
 from autoloader.measure._measurement import Measurement
 
+# NOTE [ Joint trials ]
+# Under torchrun every rank measures the same setting at once (see distributed/_joint.py), and a
+# step_fn that runs DDP collectives blocks until every rank has called it as often. So
+# the ranks take every decision of the loop (warm-up over, a window closed, stop, time
+# up, a failure) at the same batch: at checkpoints every few batches (as many as take
+# about _CHECKPOINT_SECONDS, the same count on every rank), where each says what it saw
+# and all act on what any saw. A rank whose loader fails or hangs (found by its own
+# deadline) does not leave the loop at once: it steps a spare batch (the last good one)
+# until the next checkpoint, so that the others' collectives are matched, and there
+# every rank abandons the trial together. A worker's death is reported at the next
+# fetch, never in the middle of a step (whose collectives might be half done). Alone,
+# every batch is a checkpoint and nothing is exchanged: the loop is what it always was.
+
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:

@@ -6,14 +6,10 @@ in, so the same measurement can run in another process or on every rank of a job
 
 from __future__ import annotations
 
-import contextlib
-import math
-import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import fields
-from time import perf_counter, process_time
+from collections.abc import Callable, Mapping, Sequence
+from time import perf_counter
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -21,10 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from autoloader.loader._factory import build_loader, merge_loader_kwargs
 from autoloader.measure._deadlines import Alarm, Deadlines
-from autoloader.measure._device import move_to_device, synchronize
 from autoloader.measure._errors import TrialError
-from autoloader.measure._lockstep import Alone, Checkpoint, Lockstep, PeerFailed
-from autoloader.measure._measurement import Measurement, t95
+from autoloader.measure._lockstep import Alone, Lockstep
+from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch, kill
 from autoloader.measure._supervision import (
     Guard,
@@ -33,15 +28,7 @@ from autoloader.measure._supervision import (
     worker_died,
     worker_exits,
 )
-from autoloader.measure._timing_loop import (
-    WARMUP_SHARE,
-    Epochs,
-    Totals,
-    batch_length,
-    loader_length,
-    pace_limit,
-    tensor_bytes,
-)
+from autoloader.measure._timing_loop import TimingLoop
 
 _T = TypeVar("_T")
 
@@ -50,20 +37,6 @@ _T = TypeVar("_T")
 # returns True to stop the trial there (a vote, not an exception: the runner returns
 # the estimate as measured, and every process of a trial can stop at the same window).
 WindowCallback = Callable[[int, Measurement], bool]
-
-
-# NOTE [ Joint trials ]
-# Under torchrun every rank measures the same setting at once (see distributed/_joint.py), and a
-# step_fn that runs DDP collectives blocks until every rank has called it as often. So
-# the ranks take every decision of the loop (warm-up over, a window closed, stop, time
-# up, a failure) at the same batch: at checkpoints every few batches (as many as take
-# about _CHECKPOINT_SECONDS, the same count on every rank), where each says what it saw
-# and all act on what any saw. A rank whose loader fails or hangs (found by its own
-# deadline) does not leave the loop at once: it steps a spare batch (the last good one)
-# until the next checkpoint, so that the others' collectives are matched, and there
-# every rank abandons the trial together. A worker's death is reported at the next
-# fetch, never in the middle of a step (whose collectives might be half done). Alone,
-# every batch is a checkpoint and nothing is exchanged: the loop is what it always was.
 
 
 class Runner(Protocol):
@@ -310,248 +283,20 @@ class TrialRunner:
         max_batches: int | None,
         lockstep: Lockstep,
     ) -> Measurement:
-        deaths, watch, alarm, started = guard.deaths, guard.watch, guard.alarm, guard.started
-        iterator = guard.iterator = deaths.start(loader)
-        deadline = started + max_seconds
-        workers = int(params["num_workers"])
-        non_blocking = bool(params.get("pin_memory"))
-        # NOTE [ Warm-up ]
-        # At start-up every worker loads prefetch_factor batches at once, so the first
-        # workers * prefetch_factor batches arrive faster than the steady rate. They are
-        # excluded, or an under-provisioned setting would look fast in a short trial. The
-        # exclusion is capped at WARMUP_SHARE of the trial's time, so a slow loader
-        # still leaves time to measure.
-        warmup = workers * int(params.get("prefetch_factor") or 0)
-        warmup_deadline = started + WARMUP_SHARE * max_seconds
-        window_batches = max(2, workers)
-        first_limit = deadlines.first if deadlines else None
-        each_limit = deadlines.each if deadlines else None
-        # A joint trial's failure waits for the next checkpoint (NOTE [ Joint trials ]).
-        failure: TrialError | MemoryBudgetExceeded | None = None
-
-        def fetch(it: Iterator[Any], limit: float | None) -> Any:
-            if failure is not None:
-                return lockstep.spare
-            alarm.arm("loading a batch", limit)
-            try:
-                with deaths.fetching():
-                    return next(it)
-            except StopIteration:
-                raise
-            except Exception as error:
-                return failed(TrialError("loading a batch", error, watch.peak), error)
-            finally:
-                alarm.disarm()
-
-        def step(batch: Any) -> None:
-            if failure is not None:
-                # Only to keep the step's collectives matched with the other ranks'.
-                with contextlib.suppress(Exception):
-                    self._step(batch, non_blocking)
-                return
-            alarm.arm("running step_fn", each_limit)
-            try:
-                self._step(batch, non_blocking)
-                watch.check()
-            except MemoryBudgetExceeded as error:
-                failed(error, None)
-            except Exception as error:
-                failed(TrialError("running step_fn", error, watch.peak), error)
-            else:
-                if lockstep.joint:
-                    lockstep.spare = batch
-            finally:
-                alarm.disarm()
-
-        def failed(error: TrialError | MemoryBudgetExceeded, cause: BaseException | None) -> Any:
-            """Alone, raise ``error``; in a joint trial keep it for the next checkpoint
-            and hand back the spare batch to step in the meantime."""
-            nonlocal failure
-            if not lockstep.joint or lockstep.spare is None:
-                raise error from cause
-            failure = error
-            return lockstep.spare
-
-        def restart() -> Iterator[Any]:
-            try:
-                return deaths.start(loader)
-            except Exception as error:
-                failed(TrialError("loading a batch", error, watch.peak), error)
-                return iterator
-
-        lockstep.begin()
-        batch = fetch(iterator, first_limit)
-        time_to_first_batch = perf_counter() - started
-        batch_bytes = tensor_bytes(batch)
-        step(batch)
-        epochs = Epochs(loader_length(loader), in_flight=warmup)
-        restarts: list[float] = []
-        windows: list[Totals] = []
-        total = Totals()
-        window: Totals | None = None
-        window_start = 0.0
-        to_skip = warmup
-        warming = True
-        burst_left = 0
-        since_checkpoint = 0
-        restarted_since = False
-        checkpoint_at = perf_counter()
-
-        def estimate_so_far() -> Measurement:
-            return self._estimate(
-                windows, total, time_to_first_batch, restarts, started, watch, batch_bytes,
-                epochs, burst_left,
-            )  # fmt: skip
-
-        def checkpoint(**said: bool) -> Checkpoint:
-            nonlocal checkpoint_at, since_checkpoint, restarted_since
-            now = perf_counter()
-            agreed = lockstep.agree(
-                Checkpoint(
-                    time_up=now >= deadline,
-                    failed=failure is not None,
-                    seconds=now - checkpoint_at,
-                    **said,
-                )
-            )
-            checkpoint_at, since_checkpoint, restarted_since = now, 0, False
-            if agreed.failed:
-                raise failure if failure is not None else PeerFailed()
-            return agreed
-
-        agreed = checkpoint()
-        while not agreed.time_up:
-            t0, cpu0 = perf_counter(), process_time()
-            restarted = False
-            try:
-                batch = fetch(iterator, each_limit)
-            except StopIteration:
-                # A new epoch: workers restart unless persistent; time it, warm up again.
-                iterator = guard.iterator = restart()
-                batch = fetch(iterator, first_limit)
-                restarts.append(perf_counter() - t0)
-                restarted = True
-            t1, cpu1 = perf_counter(), process_time()
-            step(batch)
-            t2, cpu2 = perf_counter(), process_time()
-            if restarted:
-                epochs.restarted()
-                restarted_since = True
-            epochs.add(batch_length(batch, self.batch_size), t2)
-            ready = last = False
-            if restarted:
-                window, to_skip = None, warmup
-            elif window is None:
-                warming = to_skip > 0 and t2 < warmup_deadline
-                to_skip -= warming
-            else:
-                window.samples += batch_length(batch, self.batch_size)
-                window.batches += 1
-                window.wait += t1 - t0
-                window.wait_cpu += cpu1 - cpu0
-                window.step_cpu += cpu2 - cpu1
-                window.step += t2 - t1
-                elapsed = t2 - window_start
-                last = max_batches is not None and total.batches + window.batches >= max_batches
-                ready = window.batches >= window_batches and elapsed >= self.min_window_seconds
-            since_checkpoint += 1
-            if since_checkpoint < lockstep.every():
-                continue
-            agreed = checkpoint(
-                restarted=restarted_since,
-                warming=window is None and warming,
-                not_ready=window is not None and not (ready or last),
-            )
-            if agreed.restarted:
-                window, to_skip = None, warmup
-                continue
-            if window is None:
-                if agreed.warming:
-                    continue
-                if not restarts and not windows:
-                    burst_left = to_skip  # the first window starts: what the cap left queued
-                if epochs.mark is None:
-                    epochs.start(t2)
-                synchronize(self.device)
-                window, window_start = Totals(), perf_counter()
-                continue
-            if agreed.not_ready:
-                continue
-            synchronize(self.device)
-            end = perf_counter()
-            window.seconds = end - window_start
-            windows.append(window)
-            for name in (f.name for f in fields(Totals)):
-                setattr(total, name, getattr(total, name) + getattr(window, name))
-            mine = estimate_so_far()
-            estimate = lockstep.combine(mine)
-            stop = (
-                (on_window is not None and on_window(len(windows), estimate))
-                or last
-                or (
-                    len(windows) >= self.min_windows
-                    and estimate.relative_error <= self.target_relative_error
-                    and not epochs.due(end, total.seconds / total.batches, deadline)
-                )
-            )
-            if lockstep.decide(stop):
-                return mine
-            if each_limit is not None and workers > 0:
-                each_limit = min(each_limit, pace_limit(total, workers))
-            window, window_start = Totals(), end
-
-        if not windows and window is not None and window.batches > 0:
-            # The cap came before a full window: keep the partial one, flagged uncertain.
-            window.seconds = perf_counter() - window_start
-            windows.append(window)
-            total = window
-        if not windows:
-            # Not one batch after warm-up: fall back to the first batch alone.
-            total = Totals(
-                samples=batch_length(batch, self.batch_size),
-                batches=1,
-                seconds=time_to_first_batch,
-                wait=time_to_first_batch,
-            )
-        return estimate_so_far()
-
-    def _step(self, batch: Any, non_blocking: bool) -> None:
-        if self.device is not None:
-            batch = move_to_device(batch, self.device, non_blocking=non_blocking)
-        self.step_fn(batch)
-
-    def _estimate(
-        self,
-        windows: list[Totals],
-        total: Totals,
-        time_to_first_batch: float,
-        restarts: list[float],
-        started: float,
-        watch: MemoryWatch,
-        batch_bytes: int,
-        epochs: Epochs,
-        burst_left: int,
-    ) -> Measurement:
-        rate = total.samples / total.seconds if total.seconds > 0 else 0.0
-        relative_error = math.inf
-        if len(windows) >= 2 and rate > 0:
-            rates = [w.samples / w.seconds for w in windows]
-            spread = statistics.stdev(rates) / math.sqrt(len(rates))
-            relative_error = t95(len(rates) - 1) * spread / statistics.fmean(rates)
-        return Measurement(
-            samples_per_second=rate,
-            relative_error=relative_error,
-            data_wait_fraction=min(1.0, total.wait / total.seconds) if total.seconds else 1.0,
-            load_seconds=total.wait / total.batches,
-            step_seconds=total.step / total.batches,
-            time_to_first_batch=time_to_first_batch,
-            epoch_restart_seconds=statistics.median(restarts) if restarts else None,
-            batches=total.batches,
-            duration=perf_counter() - started,
-            peak_memory=watch.peak,
-            batch_bytes=batch_bytes,
-            load_cpu_seconds=total.wait_cpu / total.batches,
-            step_cpu_seconds=total.step_cpu / total.batches,
-            epochs_samples_per_second=epochs.rate(),
-            burst_left=burst_left,
+        loop = TimingLoop(
+            loader,
+            guard,
+            params,
+            step_fn=self.step_fn,
+            device=self.device,
+            batch_size=self.batch_size,
+            max_seconds=max_seconds,
+            deadlines=deadlines,
+            max_batches=max_batches,
+            min_windows=self.min_windows,
+            min_window_seconds=self.min_window_seconds,
+            target_relative_error=self.target_relative_error,
+            on_window=on_window,
+            lockstep=lockstep,
         )
+        return loop.run()

@@ -14,12 +14,14 @@ from types import FrameType
 from typing import Any
 
 import psutil
-from torch._C import _error_if_any_worker_fails
-from torch.utils.data import (
-    DataLoader,
-)
-from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
+from torch.utils.data import DataLoader
 
+from autoloader.loader._torch_compat import (
+    install_sigchld_handler,
+    raise_if_any_worker_failed,
+    shutdown_workers,
+    worker_processes,
+)
 from autoloader.measure._deadlines import Alarm, TrialTimeout
 from autoloader.measure._errors import exception_chain
 from autoloader.measure._memory import MemoryWatch, kill
@@ -81,7 +83,7 @@ class WorkerDeaths:
         if self._deferred:
             self._deferred = False
             try:
-                _error_if_any_worker_fails()
+                raise_if_any_worker_failed()
             finally:
                 shutdown_workers(iterator, loader, abandon=True)
         return iterator
@@ -91,7 +93,7 @@ class WorkerDeaths:
         if threading.current_thread() is not threading.main_thread():
             yield self  # signal handlers can only be set, and only run, in the main thread
             return
-        _set_SIGCHLD_handler()
+        install_sigchld_handler()
         self._previous = signal.signal(signal.SIGCHLD, self._handle)
         try:
             yield self
@@ -107,7 +109,7 @@ class WorkerDeaths:
             if self._deferred and not self._deferring:
                 self._deferred = False
                 self.watch.check()
-                _error_if_any_worker_fails()
+                raise_if_any_worker_failed()
             yield
         finally:
             self._fetching = False
@@ -164,7 +166,7 @@ def worker_exits(iterator: object, error: BaseException) -> tuple[tuple[int, ...
     first (a connection reset, an EOF) while the worker is still dying; for such errors
     the workers get a moment to finish, or the signal would be missed.
     """
-    workers = list(getattr(iterator, "_workers", None) or ())
+    workers = worker_processes(iterator)
     if workers and worker_died(error):
         give_up = time.monotonic() + _DEATH_GRACE
         while time.monotonic() < give_up and all(w.exitcode is None for w in workers):
@@ -189,33 +191,6 @@ def worker_exits(iterator: object, error: BaseException) -> tuple[tuple[int, ...
 # DataLoader's message for a worker that exited: "DataLoader worker (pid 32512) exited
 # unexpectedly with exit code 3. Details are lost due to multiprocessing. ..."
 _TORCH_EXIT_CODE = re.compile(r"exited unexpectedly with exit code (?P<code>-?\d+)")
-
-
-def shutdown_workers(
-    iterator: object, loader: DataLoader[Any] | None, *, abandon: bool = False
-) -> None:
-    """Stop the workers of a trial's iterator (and of a persistent loader's own).
-
-    With ``abandon`` (the trial failed and its workers were killed), the shutdown
-    touches nothing a killed worker may have left locked: it skips telling each worker
-    to stop through its queue (a put interrupted by a worker-death error may have left
-    that queue's lock held) and the shared "done" event. The workers are dead; joining
-    them and closing the queues is enough.
-    """
-    for it in (iterator, getattr(loader, "_iterator", None)):
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is None:
-            continue
-        if abandon and hasattr(it, "_workers_status"):
-            it._workers_status = [False] * len(it._workers_status)
-            it._persistent_workers = False  # type: ignore[union-attr]
-            # Workers check this event in their loop, under a lock they share with this
-            # process: one killed while it held the lock would make setting the event
-            # wait forever. The workers are dead; nobody is left to see it set.
-            it._workers_done_event = threading.Event()  # type: ignore[union-attr]
-        shutdown()
-    if loader is not None:
-        loader._iterator = None
 
 
 def stop_workers(guard: Guard, *, abandon: bool) -> None:

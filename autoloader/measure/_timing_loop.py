@@ -1,16 +1,30 @@
-"""The timing loop's parts: sums over batches, whole epochs, the pace deadline."""
+"""The timing loop of one trial, and its parts: sums over batches, whole epochs, the
+pace deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import statistics
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from time import perf_counter, process_time
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import (
-    DataLoader,
-)
+from torch.utils.data import DataLoader
+
+from autoloader.measure._device import move_to_device, synchronize
+from autoloader.measure._errors import TrialError
+from autoloader.measure._lockstep import Checkpoint, PeerFailed
+from autoloader.measure._measurement import Measurement, t95
+from autoloader.measure._memory import MemoryBudgetExceeded
+
+if TYPE_CHECKING:
+    from autoloader.measure._deadlines import Deadlines
+    from autoloader.measure._lockstep import Lockstep
+    from autoloader.measure._runner import WindowCallback
+    from autoloader.measure._supervision import Guard
 
 # The most of a trial's time its warm-up may take (NOTE [ Warm-up ]). Each rank of a
 # torchrun job has a share of the cores and drains its burst slower: with 2 ranks on 2
@@ -148,3 +162,350 @@ def batch_length(batch: Any, default: int) -> int:
             if isinstance(item, torch.Tensor | Mapping | list | tuple):
                 return batch_length(item, default)
     return default
+
+
+class TimingLoop:
+    """Times the training loop ``next(loader)`` then ``step_fn`` for one trial.
+
+    The first batch is timed alone (``time_to_first_batch``). After the warm-up
+    (``NOTE [ Warm-up ]``) the batches are timed in windows of at least
+    ``max(2, num_workers)`` batches and ``min_window_seconds``, until the rate is known
+    to ``target_relative_error`` from ``min_windows`` windows (and a first whole epoch
+    is timed where its edges matter, ``NOTE [ Whole epochs ]``), ``on_window`` stops
+    the trial, ``max_batches`` are timed, or the trial's time runs out. Each decision
+    is taken at a checkpoint, at the same batch in every process that measures the
+    setting (``NOTE [ Joint trials ]``). Built for one trial, and :meth:`run` once.
+
+    Args:
+        loader (DataLoader): the trial's loader.
+        guard (Guard): what watches over the trial; ``guard.iterator`` follows the
+            loop's iterator, and ``guard.started`` is when the trial began.
+        params (dict): the setting measured (``num_workers``, ``prefetch_factor``,
+            ``pin_memory``).
+        step_fn, device, batch_size, min_windows, min_window_seconds,
+            target_relative_error: as :class:`TrialRunner`'s.
+        max_seconds, deadlines, max_batches, on_window, lockstep: as
+            :meth:`TrialRunner.measure`'s.
+    """
+
+    # Set as the loop begins (_begin): the loader's iterator (a new one each epoch),
+    # the batch last fetched, and what the first batch showed.
+    iterator: Iterator[Any]
+    batch: Any
+    time_to_first_batch: float
+    batch_bytes: int
+    epochs: Epochs
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        guard: Guard,
+        params: Mapping[str, Any],
+        *,
+        step_fn: Callable[[Any], object],
+        device: torch.device | None,
+        batch_size: int,
+        max_seconds: float,
+        deadlines: Deadlines | None,
+        max_batches: int | None,
+        min_windows: int,
+        min_window_seconds: float,
+        target_relative_error: float,
+        on_window: WindowCallback | None,
+        lockstep: Lockstep,
+    ) -> None:
+        self.loader = loader
+        self.guard = guard
+        self.step_fn = step_fn
+        self.device = device
+        self.batch_size = batch_size
+        self.on_window = on_window
+        self.lockstep = lockstep
+        self.workers = int(params["num_workers"])
+        self.non_blocking = bool(params.get("pin_memory"))
+        # The limits: when the trial ends, and how long one batch may take.
+        self.deadline = guard.started + max_seconds
+        self.max_batches = max_batches
+        self.min_windows = min_windows
+        self.min_window_seconds = min_window_seconds
+        self.target_relative_error = target_relative_error
+        self.window_batches = max(2, self.workers)
+        self.first_limit = deadlines.first if deadlines else None
+        self.each_limit = deadlines.each if deadlines else None  # tightened by the pace
+        # NOTE [ Warm-up ]
+        # At start-up every worker loads prefetch_factor batches at once, so the first
+        # workers * prefetch_factor batches arrive faster than the steady rate. They are
+        # excluded, or an under-provisioned setting would look fast in a short trial. The
+        # exclusion is capped at WARMUP_SHARE of the trial's time, so a slow loader
+        # still leaves time to measure.
+        self.warmup = self.workers * int(params.get("prefetch_factor") or 0)
+        self.warmup_deadline = guard.started + WARMUP_SHARE * max_seconds
+        self.to_skip = self.warmup  # batches of the warm-up still to skip
+        self.warming = True  # the warm-up went on at the last batch counted
+        self.burst_left = 0  # what the warm-up's cap left queued (Measurement.burst_left)
+        # The open timing window (None during a warm-up), the closed ones, their sums,
+        # and the seconds each new epoch took to its first batch.
+        self.window: Totals | None = None
+        self.window_start = 0.0
+        self.windows: list[Totals] = []
+        self.total = Totals()
+        self.restarts: list[float] = []
+        # A joint trial's failure waits for the next checkpoint (NOTE [ Joint trials ]).
+        self.failure: TrialError | MemoryBudgetExceeded | None = None
+        # Since the last checkpoint: when it was, batches, whether a new epoch began.
+        self.checkpoint_at = 0.0
+        self.since_checkpoint = 0
+        self.restarted_since = False
+
+    def run(self) -> Measurement:
+        """Time the loop until the trial stops; this process's measurement.
+
+        Raises:
+            MemoryBudgetExceeded: the process tree passed the memory budget.
+            TrialError: the dataset, collate_fn or step_fn raised or hung.
+            PeerFailed: another process of a joint trial failed.
+        """
+        self._begin()
+        agreed = self._checkpoint()
+        while not agreed.time_up:
+            now, ready, last = self._next_batch()
+            self.since_checkpoint += 1
+            if self.since_checkpoint < self.lockstep.every():
+                continue
+            agreed = self._checkpoint(
+                restarted=self.restarted_since,
+                warming=self.window is None and self.warming,
+                not_ready=self.window is not None and not (ready or last),
+            )
+            if agreed.restarted:
+                self.window, self.to_skip = None, self.warmup
+            elif self.window is None:
+                if not agreed.warming:
+                    self._open_window(now)
+            elif not agreed.not_ready:
+                stopped = self._close_window(self.window, last)
+                if stopped is not None:
+                    return stopped
+        return self._finish()
+
+    def _begin(self) -> None:
+        """Start the loader's iterator, and fetch and step the first batch."""
+        self.iterator = self.guard.iterator = self.guard.deaths.start(self.loader)
+        self.lockstep.begin()
+        self.batch = self._fetch(self.first_limit)
+        self.time_to_first_batch = perf_counter() - self.guard.started
+        self.batch_bytes = tensor_bytes(self.batch)
+        self._step(self.batch)
+        self.epochs = Epochs(loader_length(self.loader), in_flight=self.warmup)
+        self.checkpoint_at = perf_counter()
+
+    def _next_batch(self) -> tuple[float, bool, bool]:
+        """Fetch, step and count the next batch (the first of a new epoch, once one
+        ends). Returns when its step ended, and whether the open window is long enough
+        to close (``ready``) and must close (``last``: ``max_batches`` timed)."""
+        t0, cpu0 = perf_counter(), process_time()
+        restarted = False
+        try:
+            self.batch = self._fetch(self.each_limit)
+        except StopIteration:
+            # A new epoch: workers restart unless persistent; time it, warm up again.
+            self.iterator = self.guard.iterator = self._restart()
+            self.batch = self._fetch(self.first_limit)
+            self.restarts.append(perf_counter() - t0)
+            restarted = True
+        t1, cpu1 = perf_counter(), process_time()
+        self._step(self.batch)
+        t2, cpu2 = perf_counter(), process_time()
+        samples = batch_length(self.batch, self.batch_size)
+        if restarted:
+            self.epochs.restarted()
+            self.restarted_since = True
+        self.epochs.add(samples, t2)
+        window = self.window
+        if restarted:
+            self.window, self.to_skip = None, self.warmup
+            return t2, False, False
+        if window is None:
+            self.warming = self.to_skip > 0 and t2 < self.warmup_deadline
+            self.to_skip -= self.warming
+            return t2, False, False
+        window.samples += samples
+        window.batches += 1
+        window.wait += t1 - t0
+        window.wait_cpu += cpu1 - cpu0
+        window.step_cpu += cpu2 - cpu1
+        window.step += t2 - t1
+        last = (
+            self.max_batches is not None and self.total.batches + window.batches >= self.max_batches
+        )
+        ready = (
+            window.batches >= self.window_batches
+            and t2 - self.window_start >= self.min_window_seconds
+        )
+        return t2, ready, last
+
+    def _open_window(self, now: float) -> None:
+        """The warm-up is over: open a timing window. ``now`` is when the last batch's
+        step ended."""
+        if not self.restarts and not self.windows:
+            self.burst_left = self.to_skip  # the first window starts: what the cap left queued
+        if self.epochs.mark is None:
+            self.epochs.start(now)
+        synchronize(self.device)
+        self.window, self.window_start = Totals(), perf_counter()
+
+    def _close_window(self, window: Totals, last: bool) -> Measurement | None:
+        """Close ``window`` and decide whether to stop: this process's measurement if
+        the trial stops here, else ``None`` with the next window open."""
+        synchronize(self.device)
+        end = perf_counter()
+        window.seconds = end - self.window_start
+        self.windows.append(window)
+        for name in (f.name for f in fields(Totals)):
+            setattr(self.total, name, getattr(self.total, name) + getattr(window, name))
+        mine = self._estimate()
+        estimate = self.lockstep.combine(mine)
+        stop = (
+            (self.on_window is not None and self.on_window(len(self.windows), estimate))
+            or last
+            or (
+                len(self.windows) >= self.min_windows
+                and estimate.relative_error <= self.target_relative_error
+                and not self.epochs.due(end, self.total.seconds / self.total.batches, self.deadline)
+            )
+        )
+        if self.lockstep.decide(stop):
+            return mine
+        if self.each_limit is not None and self.workers > 0:
+            self.each_limit = min(self.each_limit, pace_limit(self.total, self.workers))
+        self.window, self.window_start = Totals(), end
+        return None
+
+    def _finish(self) -> Measurement:
+        """The measurement once the trial's time is up."""
+        window = self.window
+        if not self.windows and window is not None and window.batches > 0:
+            # The cap came before a full window: keep the partial one, flagged uncertain.
+            window.seconds = perf_counter() - self.window_start
+            self.windows.append(window)
+            self.total = window
+        if not self.windows:
+            # Not one batch after warm-up: fall back to the first batch alone.
+            self.total = Totals(
+                samples=batch_length(self.batch, self.batch_size),
+                batches=1,
+                seconds=self.time_to_first_batch,
+                wait=self.time_to_first_batch,
+            )
+        return self._estimate()
+
+    def _checkpoint(
+        self, *, restarted: bool = False, warming: bool = False, not_ready: bool = False
+    ) -> Checkpoint:
+        """What every process measuring the setting saw since the last checkpoint.
+
+        Raises:
+            The failure this process kept, or :class:`PeerFailed`, once any failed.
+        """
+        now = perf_counter()
+        agreed = self.lockstep.agree(
+            Checkpoint(
+                time_up=now >= self.deadline,
+                warming=warming,
+                not_ready=not_ready,
+                restarted=restarted,
+                failed=self.failure is not None,
+                seconds=now - self.checkpoint_at,
+            )
+        )
+        self.checkpoint_at, self.since_checkpoint, self.restarted_since = now, 0, False
+        if agreed.failed:
+            raise self.failure if self.failure is not None else PeerFailed()
+        return agreed
+
+    def _fetch(self, limit: float | None) -> Any:
+        """The next batch of the current iterator, within ``limit`` seconds; after a
+        failure in a joint trial, the spare batch."""
+        if self.failure is not None:
+            return self.lockstep.spare
+        self.guard.alarm.arm("loading a batch", limit)
+        try:
+            with self.guard.deaths.fetching():
+                return next(self.iterator)
+        except StopIteration:
+            raise
+        except Exception as error:
+            return self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
+        finally:
+            self.guard.alarm.disarm()
+
+    def _step(self, batch: Any) -> None:
+        """Run ``step_fn`` on ``batch``, within the per-batch limit."""
+        if self.failure is not None:
+            # Only to keep the step's collectives matched with the other ranks'.
+            with contextlib.suppress(Exception):
+                self._train(batch)
+            return
+        self.guard.alarm.arm("running step_fn", self.each_limit)
+        try:
+            self._train(batch)
+            self.guard.watch.check()
+        except MemoryBudgetExceeded as error:
+            self._fail(error, None)
+        except Exception as error:
+            self._fail(TrialError("running step_fn", error, self.guard.watch.peak), error)
+        else:
+            if self.lockstep.joint:
+                self.lockstep.spare = batch
+        finally:
+            self.guard.alarm.disarm()
+
+    def _train(self, batch: Any) -> None:
+        """Move ``batch`` to the device, as a training loop would, and run ``step_fn``."""
+        if self.device is not None:
+            batch = move_to_device(batch, self.device, non_blocking=self.non_blocking)
+        self.step_fn(batch)
+
+    def _fail(self, error: TrialError | MemoryBudgetExceeded, cause: BaseException | None) -> Any:
+        """Alone, raise ``error``; in a joint trial keep it for the next checkpoint
+        and hand back the spare batch to step in the meantime."""
+        if not self.lockstep.joint or self.lockstep.spare is None:
+            raise error from cause
+        self.failure = error
+        return self.lockstep.spare
+
+    def _restart(self) -> Iterator[Any]:
+        """A new iterator for the next epoch; the current one if that failed in a joint
+        trial (the failure kept for the next checkpoint)."""
+        try:
+            return self.guard.deaths.start(self.loader)
+        except Exception as error:
+            self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
+            return self.iterator
+
+    def _estimate(self) -> Measurement:
+        """The measurement from the windows closed so far."""
+        total, windows, restarts = self.total, self.windows, self.restarts
+        rate = total.samples / total.seconds if total.seconds > 0 else 0.0
+        relative_error = math.inf
+        if len(windows) >= 2 and rate > 0:
+            rates = [w.samples / w.seconds for w in windows]
+            spread = statistics.stdev(rates) / math.sqrt(len(rates))
+            relative_error = t95(len(rates) - 1) * spread / statistics.fmean(rates)
+        return Measurement(
+            samples_per_second=rate,
+            relative_error=relative_error,
+            data_wait_fraction=min(1.0, total.wait / total.seconds) if total.seconds else 1.0,
+            load_seconds=total.wait / total.batches,
+            step_seconds=total.step / total.batches,
+            time_to_first_batch=self.time_to_first_batch,
+            epoch_restart_seconds=statistics.median(restarts) if restarts else None,
+            batches=total.batches,
+            duration=perf_counter() - self.guard.started,
+            peak_memory=self.guard.watch.peak,
+            batch_bytes=self.batch_bytes,
+            load_cpu_seconds=total.wait_cpu / total.batches,
+            step_cpu_seconds=total.step_cpu / total.batches,
+            epochs_samples_per_second=self.epochs.rate(),
+            burst_left=self.burst_left,
+        )

@@ -1,0 +1,93 @@
+"""Every private torch API autoloader touches, in one place.
+
+DataLoader keeps its worker machinery private (``torch._C``, ``torch.utils.data._utils``,
+its iterators' attributes), and autoloader needs some of it: to report a dead worker
+as DataLoader does, to stop a trial's workers when a killed one left a lock held, and to
+build :class:`~autoloader.loader._thread_loader.ThreadLoader` on DataLoader's iterator.
+Each is named here once, with the torch versions it was checked against: torch 2.6
+(the floor in ``pyproject.toml``) and 2.13 (the version pinned in development). A torch
+release that moves one of them is fixed here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from torch._C import _error_if_any_worker_fails
+from torch._utils import KeyErrorMessage as _KeyErrorMessage
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
+from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+# The base class of DataLoader's iterators (torch 2.6 to 2.13). A subclass gets from
+# its __init__ the loader's settings as ``_dataset``, ``_auto_collation``,
+# ``_collate_fn``, ``_num_workers``, ``_timeout``, ``_pin_memory`` and
+# ``_pin_memory_device``, draws indices with ``_next_index()``, and implements
+# ``_next_data()`` and ``_shutdown_workers()``; DataLoader builds it in ``_get_iterator()``.
+BaseDataLoaderIter = _BaseDataLoaderIter
+
+# A str whose repr is itself: DataLoader wraps a KeyError's message in it, so that the
+# message, with its traceback, prints as it is (torch 2.6 to 2.13).
+KeyErrorMessage = _KeyErrorMessage
+
+
+def pin_memory(data: Any, device: str | None = None) -> Any:
+    """``data`` (a tensor or a nested batch of them) copied to pinned memory, as
+    DataLoader's pinning thread does (``torch.utils.data._utils.pin_memory``; the
+    same signature in torch 2.6 to 2.13)."""
+    return _pin_memory(data, device)  # type: ignore[no-untyped-call]
+
+
+def raise_if_any_worker_failed() -> None:
+    """Raise DataLoader's own error ("DataLoader worker (pid ...) exited unexpectedly",
+    "... is killed by signal") if a worker process of this process has died; what
+    DataLoader's SIGCHLD handler calls (``torch._C``; torch 2.6 to 2.13)."""
+    _error_if_any_worker_fails()
+
+
+def install_sigchld_handler() -> None:
+    """Install DataLoader's SIGCHLD handler, as DataLoader does once per process when
+    it first starts workers; later calls, and calls outside the main thread, do nothing
+    (``torch.utils.data._utils.signal_handling``; torch 2.6 to 2.13)."""
+    _set_SIGCHLD_handler()
+
+
+def worker_processes(iterator: object) -> list[BaseProcess]:
+    """The worker processes of a DataLoader iterator; none for an iterator without
+    them (``_workers`` of ``_MultiProcessingDataLoaderIter``; torch 2.6 to 2.13)."""
+    return list(getattr(iterator, "_workers", None) or ())
+
+
+def shutdown_workers(
+    iterator: object, loader: DataLoader[Any] | None, *, abandon: bool = False
+) -> None:
+    """Stop the workers of a trial's iterator (and of a persistent loader's own).
+
+    With ``abandon`` (the trial failed and its workers were killed), the shutdown
+    touches nothing a killed worker may have left locked: it skips telling each worker
+    to stop through its queue (a put interrupted by a worker-death error may have left
+    that queue's lock held) and the shared "done" event. The workers are dead; joining
+    them and closing the queues is enough.
+
+    Relies on ``DataLoader._iterator`` and on ``_MultiProcessingDataLoaderIter``'s
+    ``_shutdown_workers()``, ``_workers_status``, ``_persistent_workers`` and
+    ``_workers_done_event`` (torch 2.6 to 2.13); a :class:`ThreadLoader`'s iterator
+    has only ``_shutdown_workers()``.
+    """
+    for it in (iterator, getattr(loader, "_iterator", None)):
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is None:
+            continue
+        if abandon and hasattr(it, "_workers_status"):
+            it._workers_status = [False] * len(it._workers_status)
+            it._persistent_workers = False  # type: ignore[union-attr]
+            # Workers check this event in their loop, under a lock they share with this
+            # process: one killed while it held the lock would make setting the event
+            # wait forever. The workers are dead; nobody is left to see it set.
+            it._workers_done_event = threading.Event()  # type: ignore[union-attr]
+        shutdown()
+    if loader is not None:
+        loader._iterator = None
