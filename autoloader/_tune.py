@@ -1,4 +1,18 @@
-"""``tune()``: check the arguments, run the search, and return the tuned settings."""
+"""``tune()``: check the arguments, run the search, and return the tuned settings.
+
+``tune()`` is a pipeline of named steps::
+
+    _check_arguments        the arguments, checked before anything runs, as a Problem
+    _agree                  under torchrun: every rank was given the same problem
+    _trial_runner           what measures one setting in this process; under torchrun
+                            every rank measures each trial, _lead driving the study
+                            and follow() on the other ranks
+    _search                 the rest, on the rank that drives the study:
+      _check_before_search  the checks that read items, and the space they leave
+      _run                  the driver's trials, until the policy stops them or Ctrl-C
+      _notes                what the user should know, typed (search/_reasons.py)
+      _result               the TuneResult, its notes rendered to words once
+"""
 
 from __future__ import annotations
 
@@ -8,8 +22,8 @@ import logging
 import os
 import signal
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from time import perf_counter
 from types import FrameType
 from typing import Any
@@ -22,6 +36,7 @@ from autoloader._exceptions import InvalidInputError, RankError
 from autoloader.checks._environment import Environment
 from autoloader.checks._facts import Checks, checks_seconds
 from autoloader.checks._validation import (
+    Isolation,
     check_batch_size,
     check_dataset,
     check_isolation,
@@ -50,9 +65,19 @@ from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.results._progress import Progress
 from autoloader.results._report import describe
-from autoloader.results._result import TuneResult, record_of, split_loader_kwargs
-from autoloader.search import Driver, Policy, Trial
-from autoloader.search._space import SearchSpace, check_search_space
+from autoloader.results._result import TrialRecord, TuneResult, record_of, split_loader_kwargs
+from autoloader.search import Choice, Driver, Policy, Trial
+from autoloader.search._driver import quiet_optuna, remember_ctrl_c
+from autoloader.search._reasons import (
+    BudgetGivenBack,
+    Interrupted,
+    Note,
+    Resumed,
+    SpaceNote,
+    TunedJointly,
+    render,
+)
+from autoloader.search._space import SearchSpace, check_search_space, resolve_space
 from autoloader.search._study import open_storage, study_name
 
 _logger = logging.getLogger(__name__)
@@ -78,7 +103,7 @@ def tune(
     seed: int = 0,
     storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None = None,
     show_progress: bool = True,
-    isolation: str = "in-process",
+    isolation: Isolation = "in-process",
 ) -> TuneResult:
     """Find the fastest DataLoader settings for ``dataset`` and ``step_fn`` on this machine.
 
@@ -157,9 +182,8 @@ def tune(
     ranks = Ranks.join()
     try:
         with _stopped_by_sigterm(ranks):
-            return _tune(
+            problem = _check_arguments(
                 ranks,
-                started,
                 dataset,
                 step_fn,
                 batch_size=batch_size,
@@ -174,14 +198,65 @@ def tune(
                 show_progress=show_progress,
                 isolation=isolation,
             )
+            return _tune(ranks, started, problem)
     finally:
         if ranks is not None:
             ranks.close()
 
 
-def _tune(
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What one call of :func:`tune` asks for: its arguments, checked, and what they
+    come to on this machine."""
+
+    dataset: Dataset[Any]
+    step_fn: Callable[[Any], object]
+    dataset_length: int | None
+    batches_per_epoch: int | None
+    batch_size: int
+    budget: float
+    n_trials: int | None
+    seed: int
+    space: SearchSpace  # as given: resolved only after the checks before the search
+    fixed: dict[str, Any]
+    device: torch.device | None
+    storage: str | optuna.storages.BaseStorage | None
+    environment: Environment
+    start_method: str
+    isolation: Isolation
+    memory_budget: int | str | None  # as given
+    memory_bytes: int  # the budget in bytes; under torchrun, the node's (see _agree)
+    show_progress: bool
+
+
+def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
+    """:func:`tune` once its arguments are checked, for this process alone (``ranks``
+    is ``None``) or as one of the ranks of a torchrun job."""
+    if ranks is not None:
+        problem = _agree(ranks, problem)
+    in_process = _trial_runner(problem, ranks)
+    if ranks is None:
+        runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
+        return _search(problem, runner, ranks, started)
+    baseline_kwargs = merge_loader_kwargs(
+        BASELINE_PARAMS, batch_size=problem.batch_size, fixed=problem.fixed
+    )
+    spare = spare_batch(
+        ranks,
+        lambda: in_process.first_batches(
+            lambda: build_loader(problem.dataset, baseline_kwargs),
+            1,
+            seconds=checks_seconds(problem.budget),
+        )[0],
+    )
+    if not ranks.drives:
+        found: TuneResult = follow(in_process, ranks, spare=spare)
+        return dataclasses.replace(found, _in_memory_kwargs=_in_memory(problem.fixed))
+    return _lead(problem, JointRunner(in_process, ranks, spare=spare), ranks, started)
+
+
+def _check_arguments(
     ranks: Ranks | None,
-    started: float,
     dataset: Dataset[Any],
     step_fn: Callable[[Any], object],
     *,
@@ -195,10 +270,10 @@ def _tune(
     seed: int,
     storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None,
     show_progress: bool,
-    isolation: str,
-) -> TuneResult:
-    """:func:`tune`, for this process alone (``ranks`` is ``None``) or as one of the
-    ranks of a torchrun job."""
+    isolation: object,
+) -> Problem:
+    """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
+    error is told to the others (see :func:`_agree`), so that none waits for it."""
     try:
         dataset_length = check_dataset(dataset)
         batch_size = check_batch_size(batch_size, dataset_length)
@@ -243,186 +318,249 @@ def _tune(
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)
         raise
-    if ranks is not None:
-        arguments = (
-            dataset_length, batches_per_epoch, batch_size, budget, n_trials, seed,
-            space.as_dict(), str(resolved_device), isolation, memory_budget,
-        )  # fmt: skip
-        agree_on_arguments(ranks, error=None, arguments=arguments)
-        memory_bytes = node_memory_budget(ranks, memory_budget)
-    in_process = TrialRunner(
-        dataset,
-        step_fn,
+    return Problem(
+        dataset=dataset,
+        step_fn=step_fn,
+        dataset_length=dataset_length,
+        batches_per_epoch=batches_per_epoch,
         batch_size=batch_size,
-        # Each node's first rank watches the node's whole tree, every rank's workers.
-        memory_budget=memory_bytes if ranks is None or ranks.local_rank == 0 else _UNWATCHED,
-        memory_peers=ranks.node_pids[1:] if ranks is not None and ranks.local_rank == 0 else (),
-        fixed_kwargs=fixed,
+        budget=budget,
+        n_trials=n_trials,
+        seed=seed,
+        space=space,
+        fixed=fixed,
         device=resolved_device,
+        storage=study_storage,
+        environment=environment,
+        start_method=method,
+        isolation=isolation,
+        memory_budget=memory_budget,
+        memory_bytes=memory_bytes,
+        show_progress=show_progress,
     )
-    if ranks is not None:
-        baseline_kwargs = merge_loader_kwargs(BASELINE_PARAMS, batch_size=batch_size, fixed=fixed)
-        spare = spare_batch(
-            ranks,
-            lambda: in_process.first_batches(
-                lambda: build_loader(dataset, baseline_kwargs), 1, seconds=checks_seconds(budget)
-            )[0],
-        )
-        if not ranks.drives:
-            found: TuneResult = follow(in_process, ranks, spare=spare)
-            return dataclasses.replace(found, _in_memory_kwargs=_in_memory(fixed))
-    runner: Runner
-    if ranks is not None:
-        runner = joint = JointRunner(in_process, ranks, spare=spare)
-    else:
-        runner = SubprocessRunner(in_process) if isolation == "subprocess" else in_process
+
+
+def _agree(ranks: Ranks, problem: Problem) -> Problem:
+    """Check that every rank of the job was given the same problem, and size the
+    memory budget of the node's whole tree, every local rank's workers included."""
+    arguments = (
+        problem.dataset_length, problem.batches_per_epoch, problem.batch_size, problem.budget,
+        problem.n_trials, problem.seed, problem.space.as_dict(), str(problem.device),
+        problem.isolation, problem.memory_budget,
+    )  # fmt: skip
+    agree_on_arguments(ranks, error=None, arguments=arguments)
+    memory_bytes = node_memory_budget(ranks, problem.memory_budget)
+    return dataclasses.replace(problem, memory_bytes=memory_bytes)
+
+
+def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:
+    """What measures one setting in this process."""
+    return TrialRunner(
+        problem.dataset,
+        problem.step_fn,
+        batch_size=problem.batch_size,
+        # Each node's first rank watches the node's whole tree, every rank's workers.
+        memory_budget=(
+            problem.memory_bytes if ranks is None or ranks.local_rank == 0 else _UNWATCHED
+        ),
+        memory_peers=ranks.node_pids[1:] if ranks is not None and ranks.local_rank == 0 else (),
+        fixed_kwargs=problem.fixed,
+        device=problem.device,
+    )
+
+
+def _lead(problem: Problem, joint: JointRunner, ranks: Ranks, started: float) -> TuneResult:
+    """As the rank that drives the study: search with every rank measuring each trial,
+    then send the others the result, or the error."""
     try:
-        # The checks read items and start processes: only once every argument was checked,
-        # and out of the time budget (see NOTE [ Checks before the search ]).
-        checks = Checks(
-            dataset,
-            fixed,
-            batch_size=batch_size,
-            seconds=checks_seconds(budget),
-            memory_budget=memory_bytes,
-        )
-        if space.num_workers != (0, 0):  # with no workers, nothing can repeat
-            checks.repeated_samples()
-        space, notes = space.resolve(
-            usable_cpus=environment.usable_cpus,
-            has_accelerator=environment.accelerator is not None,
-            batches_per_epoch=batches_per_epoch,
-            batched_fetch_problem=(
-                checks.batched_fetch_problem() if space.batched_fetch != (False,) else None
-            ),
-            threads_problem=(
-                checks.threads_problem() if space.worker_kind != ("processes",) else None
-            ),
-        )
-        facts = checks.facts(dataset_length, start_method=method)
-        if ranks is not None:
-            notes.append(
-                f"tuned jointly by {ranks.world_size} ranks ({ranks.local_world_size} per "
-                f"node), each with {environment.usable_cpus} of its node's CPUs: figures are "
-                "samples per second of the slowest rank"
-            )
-        for name, why in facts["missing"].items():
-            _logger.warning("not checked before the search, %s: %s", name, why)
-        _logger.info(
-            "tuning %s for %.0f s, memory budget %s, space %s",
-            type(dataset).__name__,
-            budget,
-            format_bytes(memory_bytes),
-            space.as_dict(),
-        )
-        with _quiet_optuna(), Progress(time_budget=budget, enabled=show_progress) as progress:
-            study = optuna.create_study(
-                storage=study_storage,
-                study_name=study_name(
-                    dataset,
-                    step_fn,
-                    length=dataset_length,
-                    batch_size=batch_size,
-                    space=space,
-                    # The budget asked for: a default one moves with the memory free.
-                    memory_budget=None if memory_budget is None else memory_bytes,
-                    fixed_loader_kwargs=fixed,
-                    environment=environment,
-                    device=resolved_device,
-                ),
-                direction="maximize",
-                sampler=optuna.samplers.TPESampler(seed=seed),
-                load_if_exists=True,
-            )
-            policy = Policy(
-                space=space,
-                time_budget=budget,
-                batch_size=batch_size,
-                batches_per_epoch=batches_per_epoch,
-                n_trials=n_trials,
-                usable_cpus=environment.usable_cpus,
-            )
-
-            def on_trial(trial: Trial) -> None:
-                record = record_of(trial)
-                _logger.info(describe(record))
-                progress.trial_done(record)
-
-            driver = Driver(
-                policy,
-                runner,
-                study,
-                deadline=started + budget,
-                on_trial=on_trial,
-                interrupted=threading.Event(),
-            )
-            partial = False
-            try:
-                with _remember_ctrl_c(driver.interrupted):
-                    driver.run()
-            except KeyboardInterrupt:
-                # Under torchrun the other ranks stop too (torchrun ends the job): no
-                # partial result for all to agree on; the storage keeps the trials.
-                if not driver.has_baseline() or ranks is not None:
-                    raise
-                # The trial under way has stopped and its workers are gone; what finished
-                # before is still a measured answer.
-                partial = True
-                notes.append(
-                    "interrupted (Ctrl-C): these settings are the best of the trials that "
-                    "finished; tune again for a complete search"
-                )
-                _logger.warning("tuning interrupted; returning the best of the finished trials")
-            step_bound = policy.step_bound(driver.history)
-            if step_bound is not None:
-                notes.append(step_bound)
-            shortcomings = policy.shortcomings(driver.history, search_seconds=driver.search_seconds)
-            for shortcoming in [] if partial else shortcomings:
-                _logger.warning("%s", shortcoming)
-                notes.append(shortcoming)
-            elapsed = perf_counter() - started
-            if not partial and elapsed < (1 - _GIVEN_BACK) * budget and driver.search_ended:
-                why = driver.search_ended
-                if why == step_bound:
-                    why = "no setting can beat the step (see above)"
-                notes.append(
-                    f"done in {elapsed:.0f} s of the {budget:.0f} s budget, the rest given back: "
-                    f"{why}, and {driver.stopped}"
-                )
-            resumed = sum(t.earlier for t in driver.history)
-            if resumed:
-                notes.append(
-                    f"resumed from storage: {resumed} trials of earlier runs on the same problem "
-                    "were counted in the choice"
-                )
-            records = [record_of(trial) for trial in driver.history]
-            choice = policy.choose(driver.history)
-        saved, unsaved = split_loader_kwargs(fixed)
-        result = TuneResult(
-            params=choice.params,
-            throughput=choice.throughput,
-            baseline=choice.baseline,
-            batch_size=batch_size,
-            trials=tuple(records),
-            environment=environment,
-            tuning_seconds=perf_counter() - started,
-            memory_budget=memory_bytes,
-            notes=tuple(notes),
-            partial=partial,
-            fixed_loader_kwargs=saved,
-            unsaved_loader_kwargs=unsaved,
-            facts=facts,
-            _in_memory_kwargs=_in_memory(fixed),
-        )
+        result = _search(problem, joint, ranks, started)
     except (RankError, KeyboardInterrupt):
         raise  # the other ranks stop with their own RankError
     except Exception as error:
-        if ranks is not None:
-            joint.finish(error=error)
+        joint.finish(error=error)
         raise
-    if ranks is not None:
-        joint.finish(result=dataclasses.replace(result, _in_memory_kwargs={}))
+    joint.finish(result=dataclasses.replace(result, _in_memory_kwargs={}))
     return result
+
+
+def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: float) -> TuneResult:
+    """The checks before the search, the search, and the result it comes to."""
+    space, space_notes, facts = _check_before_search(problem)
+    _logger.info(
+        "tuning %s for %.0f s, memory budget %s, space %s",
+        type(problem.dataset).__name__,
+        problem.budget,
+        format_bytes(problem.memory_bytes),
+        space.as_dict(),
+    )
+    with (
+        quiet_optuna(),
+        Progress(time_budget=problem.budget, enabled=problem.show_progress) as progress,
+    ):
+        study = _study(problem, space)
+        policy = Policy(
+            space=space,
+            time_budget=problem.budget,
+            batch_size=problem.batch_size,
+            batches_per_epoch=problem.batches_per_epoch,
+            n_trials=problem.n_trials,
+            usable_cpus=problem.environment.usable_cpus,
+        )
+
+        def on_trial(trial: Trial) -> None:
+            record = record_of(trial)
+            _logger.info(describe(record))
+            progress.trial_done(record)
+
+        driver = Driver(
+            policy,
+            runner,
+            study,
+            deadline=started + problem.budget,
+            on_trial=on_trial,
+            interrupted=threading.Event(),
+        )
+        partial = _run(driver, ranks)
+        notes = _notes(problem, ranks, space_notes, policy, driver, partial, started)
+        records = [record_of(trial) for trial in driver.history]
+        choice = policy.choose(driver.history)
+    return _result(problem, choice, records, notes, facts, partial, started)
+
+
+def _check_before_search(problem: Problem) -> tuple[SearchSpace, list[SpaceNote], dict[str, Any]]:
+    """The checks that read items and start processes, and the space they leave to
+    search: only once every argument was checked, and out of the time budget (see
+    NOTE [ Checks before the search ])."""
+    checks = Checks(
+        problem.dataset,
+        problem.fixed,
+        batch_size=problem.batch_size,
+        seconds=checks_seconds(problem.budget),
+        memory_budget=problem.memory_bytes,
+    )
+    asked = problem.space
+    if asked.num_workers != (0, 0):  # with no workers, nothing can repeat
+        checks.repeated_samples()
+    space, notes = resolve_space(
+        asked,
+        usable_cpus=problem.environment.usable_cpus,
+        has_accelerator=problem.environment.accelerator is not None,
+        batches_per_epoch=problem.batches_per_epoch,
+        batched_fetch_problem=(
+            checks.batched_fetch_problem() if asked.batched_fetch != (False,) else None
+        ),
+        threads_problem=checks.threads_problem() if asked.worker_kind != ("processes",) else None,
+    )
+    facts = checks.facts(problem.dataset_length, start_method=problem.start_method)
+    for name, why in facts["missing"].items():
+        _logger.warning("not checked before the search, %s: %s", name, why)
+    return space, notes, facts
+
+
+def _study(problem: Problem, space: SearchSpace) -> optuna.Study:
+    """The study of this problem: an earlier run's, where the storage holds one."""
+    return optuna.create_study(
+        storage=problem.storage,
+        study_name=study_name(
+            problem.dataset,
+            problem.step_fn,
+            length=problem.dataset_length,
+            batch_size=problem.batch_size,
+            space=space,
+            # The budget asked for: a default one moves with the memory free.
+            memory_budget=None if problem.memory_budget is None else problem.memory_bytes,
+            fixed_loader_kwargs=problem.fixed,
+            environment=problem.environment,
+            device=problem.device,
+        ),
+        direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=problem.seed),
+        load_if_exists=True,
+    )
+
+
+def _run(driver: Driver, ranks: Ranks | None) -> bool:
+    """Run the driver's trials; whether Ctrl-C cut them short (the result is partial)."""
+    try:
+        with remember_ctrl_c(driver.interrupted):
+            driver.run()
+    except KeyboardInterrupt:
+        # Under torchrun the other ranks stop too (torchrun ends the job): no
+        # partial result for all to agree on; the storage keeps the trials.
+        if not driver.has_baseline() or ranks is not None:
+            raise
+        # The trial under way has stopped and its workers are gone; what finished
+        # before is still a measured answer.
+        _logger.warning("tuning interrupted; returning the best of the finished trials")
+        return True
+    return False
+
+
+def _notes(
+    problem: Problem,
+    ranks: Ranks | None,
+    space_notes: list[SpaceNote],
+    policy: Policy,
+    driver: Driver,
+    partial: bool,
+    started: float,
+) -> list[Note]:
+    """What the user should know about the run, in the order the result lists it."""
+    notes: list[Note] = [*space_notes]
+    if ranks is not None:
+        usable_cpus = problem.environment.usable_cpus
+        notes.append(TunedJointly(ranks.world_size, ranks.local_world_size, usable_cpus))
+    if partial:
+        notes.append(Interrupted())
+    step_bound = policy.step_bound(driver.history)
+    if step_bound is not None:
+        notes.append(step_bound)
+    shortcomings = policy.shortcomings(driver.history, search_seconds=driver.search_seconds)
+    for shortcoming in [] if partial else shortcomings:
+        _logger.warning("%s", render(shortcoming))
+        notes.append(shortcoming)
+    elapsed = perf_counter() - started
+    ended, stopped = driver.search_ended, driver.stopped
+    given_back = elapsed < (1 - _GIVEN_BACK) * problem.budget
+    if not partial and given_back and ended is not None and stopped is not None:
+        notes.append(BudgetGivenBack(elapsed, problem.budget, ended, stopped))
+    resumed = sum(t.earlier for t in driver.history)
+    if resumed:
+        notes.append(Resumed(resumed))
+    return notes
+
+
+def _result(
+    problem: Problem,
+    choice: Choice,
+    records: list[TrialRecord],
+    notes: list[Note],
+    facts: dict[str, Any],
+    partial: bool,
+    started: float,
+) -> TuneResult:
+    """The result: the choice, every trial, and the notes in words."""
+    saved, unsaved = split_loader_kwargs(problem.fixed)
+    return TuneResult(
+        params=choice.params,
+        throughput=choice.throughput,
+        baseline=choice.baseline,
+        steady_throughput=choice.steady_throughput,
+        steady_baseline=choice.steady_baseline,
+        startup_seconds=choice.startup_seconds,
+        startup_each_epoch=choice.startup_each_epoch,
+        batch_size=problem.batch_size,
+        trials=tuple(records),
+        environment=problem.environment,
+        tuning_seconds=perf_counter() - started,
+        memory_budget=problem.memory_bytes,
+        notes=tuple(render(note) for note in notes),
+        partial=partial,
+        fixed_loader_kwargs=saved,
+        unsaved_loader_kwargs=unsaved,
+        facts=facts,
+        _in_memory_kwargs=_in_memory(problem.fixed),
+    )
 
 
 def _in_memory(fixed: Mapping[str, Any]) -> dict[str, Any]:
@@ -430,38 +568,6 @@ def _in_memory(fixed: Mapping[str, Any]) -> dict[str, Any]:
     this process's own, also under torchrun where each rank has its own sampler."""
     _, unsaved = split_loader_kwargs(fixed)
     return {name: fixed[name] for name in unsaved}
-
-
-@contextlib.contextmanager
-def _remember_ctrl_c(interrupted: threading.Event | None) -> Iterator[None]:
-    """Note each Ctrl-C in ``interrupted``, then raise KeyboardInterrupt as usual.
-
-    The KeyboardInterrupt is raised at whatever bytecode the main thread runs. If that
-    is a ``__del__`` or a weakref finalizer (DataLoader iterators and queues have
-    both), Python prints "Exception ignored" and the run would go on; the search
-    checks ``interrupted`` at every timing window and trial, and stops all the same.
-    """
-    previous = signal.getsignal(signal.SIGINT)
-    if (
-        interrupted is None
-        or threading.current_thread() is not threading.main_thread()
-        or previous in (signal.SIG_IGN, None)  # Ctrl-C is ignored, or not Python's to handle
-    ):
-        yield
-        return
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        interrupted.set()
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -490,19 +596,3 @@ def _stopped_by_sigterm(ranks: Ranks | None) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _quiet_optuna() -> Iterator[None]:
-    """Silence Optuna's per-trial log lines: autoloader logs each trial itself.
-
-    The verbosity is restored afterwards, whatever happens.
-    """
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-            yield
-    finally:
-        optuna.logging.set_verbosity(verbosity)

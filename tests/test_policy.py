@@ -12,7 +12,7 @@ from typing import Any
 import optuna
 import pytest
 
-from autoloader import AllSettingsFailedError
+from autoloader import AllSettingsFailedError, AutoloaderError, BaselineError
 from autoloader.loader._params import BASELINE_PARAMS, normalize_params
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement
@@ -30,8 +30,40 @@ from autoloader.search import (
     Stop,
     Trial,
 )
-from autoloader.search._policy import _asks_at_least, epoch_samples_per_second, trial_seconds
-from autoloader.search._space import SearchSpace
+from autoloader.search._known_failures import (
+    _asks_at_least,
+    bisection,
+    boundary,
+    failing_from,
+    known_failure,
+)
+from autoloader.search._objective import epoch_samples_per_second, trial_seconds
+from autoloader.search._reasons import (
+    BaselineUncertain,
+    BatchedFetchSearched,
+    BudgetGivenBack,
+    Interrupted,
+    NoAccelerator,
+    NoGain,
+    Note,
+    NothingNewToPropose,
+    NothingToMeasureAgain,
+    NoTimeForRunoff,
+    NoWorkerSettingMeasured,
+    PinMemoryAskedForInVain,
+    ProcessesOnly,
+    Resumed,
+    RunoffDone,
+    SearchDidNotRun,
+    SearchShareSpent,
+    StepBound,
+    ThreadsSearched,
+    TrialCap,
+    TunedJointly,
+    WorkersCappedAtEpoch,
+    render,
+)
+from autoloader.search._space import SearchSpace, resolve_space
 
 
 def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
@@ -205,7 +237,7 @@ def test_a_loop_bound_by_its_step_at_the_baseline_is_not_searched() -> None:
     policy = _policy()
     history = [_baseline(wait=0.01)]
     assert isinstance(policy.next(history, seconds_left=30), Stop)
-    assert "already with num_workers=0" in (policy.step_bound(history) or "")
+    assert policy.step_bound(history) == StepBound(0, 0.01, 0, at_baseline=True)
 
 
 def test_the_search_stops_at_the_first_setting_bound_by_its_step() -> None:
@@ -213,7 +245,7 @@ def test_the_search_stops_at_the_first_setting_bound_by_its_step() -> None:
     history = [_baseline(), _done(1, _params(4), 500.0, wait=0.02)]
     plan = policy.next(history, seconds_left=30)
     assert isinstance(plan, Plan) and plan.phase is Phase.RUNOFF
-    assert "with trial 1's setting" in (policy.step_bound(history) or "")
+    assert policy.step_bound(history) == StepBound(1, 0.02, 1, at_baseline=False)
 
 
 def test_patience_ends_the_search_after_the_starting_points() -> None:
@@ -225,7 +257,7 @@ def test_patience_ends_the_search_after_the_starting_points() -> None:
         history.append(_done(number, _params(number), 505.0))  # within 2%
         assert policy.search_ended(history, seconds_left=30) is None
     history.append(_done(11, _params(11), 501.0))
-    assert "no gain in the last 6 trials" in (policy.search_ended(history, seconds_left=30) or "")
+    assert policy.search_ended(history, seconds_left=30) == NoGain(6)
 
 
 def test_a_gain_resets_patience() -> None:
@@ -250,7 +282,7 @@ def test_n_trials_caps_this_runs_search_but_not_earlier_runs_trials() -> None:
     history = [_baseline(), _done(1, _params(2), 200.0, earlier=True), _done(2, _params(3), 300.0)]
     assert policy.search_ended(history, seconds_left=30) is None
     history.append(_done(3, _params(5), 300.0))
-    assert policy.search_ended(history, seconds_left=30) == "n_trials=2 search trials were run"
+    assert policy.search_ended(history, seconds_left=30) == TrialCap(2)
 
 
 def test_every_setting_failing_stops_the_run() -> None:
@@ -285,42 +317,40 @@ def test_the_runoff_stops_when_the_next_trial_does_not_fit() -> None:
     runoff = policy.next(history, seconds_left=3.5)
     assert isinstance(runoff, Plan) and runoff.phase is Phase.RUNOFF
     stop = policy.next(history, seconds_left=2.5)
-    assert isinstance(stop, Stop) and "no time left" in stop.why
+    assert isinstance(stop, Stop) and isinstance(stop.why, NoTimeForRunoff)
 
 
 # Failures ---------------------------------------------------------------------------
 
 
 def test_a_setting_that_failed_is_known_to_fail_but_not_an_interrupted_one() -> None:
-    policy = _policy()
     history = [_baseline(), _failed(1, _params(4)), _failed(2, _params(6), FaultKind.INTERRUPTED)]
-    known = policy.known_failure(_params(4), history)
+    known = known_failure(_params(4), history)
     assert isinstance(known, Failed) and known.same_as == 1
     assert known.kind is FaultKind.WORKER_CRASHED
-    assert policy.known_failure(_params(6), history) is None
+    assert known_failure(_params(6), history) is None
 
 
 def test_a_setting_that_asks_more_memory_than_one_over_budget_is_not_run() -> None:
-    policy = _policy()
     over = Trial(1, Phase.SEARCH, _params(4), Pruned(PruneKind.MEMORY, "memory: over"))
-    known = policy.known_failure(_params(8, prefetch=4), [_baseline(), over])
+    known = known_failure(_params(8, prefetch=4), [_baseline(), over])
     assert isinstance(known, Pruned) and known.kind is PruneKind.MEMORY
     assert "asks at least as much memory as trial 1" in known.reason
-    assert policy.known_failure(_params(2), [_baseline(), over]) is None
+    assert known_failure(_params(2), [_baseline(), over]) is None
 
 
 def test_failures_at_two_counts_above_every_success_mark_a_boundary_and_bisect() -> None:
     policy = _policy()
     history = [_baseline(), _done(1, _params(2), 300.0), _failed(2, _params(16))]
-    assert policy.boundary(history) == (2, 16)
+    assert boundary(history) == (2, 16)
     # One failure could be bad luck: counts above it are still run.
-    assert policy.known_failure(_params(12), history) is None
+    assert known_failure(_params(12), history) is None
     history.append(_failed(3, _params(8)))
-    assert policy.boundary(history) == (2, 8)
-    assert policy.failing_from(history) == 8
-    known = policy.known_failure(_params(12, prefetch=4), history)
+    assert boundary(history) == (2, 8)
+    assert failing_from(history) == 8
+    known = known_failure(_params(12, prefetch=4), history)
     assert isinstance(known, Failed) and "every count from 8 workers up" in known.reason
-    between = policy.bisection(history)
+    between = bisection(history)
     assert between is not None and between["num_workers"] == 5
     plan = policy.next(history, seconds_left=30)
     assert isinstance(plan, Plan) and plan.params is not None
@@ -334,19 +364,18 @@ def test_failures_at_two_counts_above_every_success_mark_a_boundary_and_bisect()
     plan = policy.next(history, seconds_left=30)
     assert isinstance(plan, Plan) and plan.params is not None and plan.params["num_workers"] == 5
     history.append(_done(8, _params(5), 420.0))
-    assert policy.bisection(history) is None  # 5 works, 6 fails: found
-    assert policy.known_failure(_params(7), history) is not None
+    assert bisection(history) is None  # 5 works, 6 fails: found
+    assert known_failure(_params(7), history) is not None
 
 
 def test_memory_and_shared_memory_faults_do_not_mark_a_boundary() -> None:
-    policy = _policy()
     history = [
         _baseline(),
         _done(1, _params(2), 300.0),
         _failed(2, _params(8), FaultKind.SHARED_MEMORY),
         _failed(3, _params(16), FaultKind.SHARED_MEMORY),
     ]
-    assert policy.boundary(history) is None
+    assert boundary(history) is None
 
 
 # The vote -----------------------------------------------------------------------------
@@ -393,6 +422,55 @@ def test_choose_takes_the_best_median_over_repeats() -> None:
     assert choice.params == _params(4)
     assert choice.throughput == 465
     assert choice.baseline == 95
+
+
+def _epoch(
+    number: int,
+    params: Mapping[str, Any],
+    value: float,
+    steady: float,
+    *,
+    ttfb: float,
+    restart: float | None = None,
+    phase: Phase = Phase.SEARCH,
+) -> Trial:
+    """A complete trial whose objective (``value``) is not its steady rate."""
+    measurement = _measurement(steady, ttfb=ttfb, restart=restart)
+    return Trial(number, phase, dict(params), Completed(measurement, value))
+
+
+def test_choose_ranks_by_the_objective_and_gives_the_steady_rates_and_startup() -> None:
+    """8 workers started every epoch are faster once started, 4 persistent ones over an
+    epoch: the choice, its throughput and the baseline's are the epoch rates; the
+    steady rates and the start-up come beside them."""
+    persistent = _params(4, persistent=True)
+    history = [
+        _epoch(0, BASELINE_PARAMS, 100.0, 110.0, ttfb=0.1, phase=Phase.BASELINE),
+        _epoch(1, _params(8), 400.0, 900.0, ttfb=3.0),
+        _epoch(2, persistent, 600.0, 640.0, ttfb=1.0, restart=0.1),
+        _epoch(3, _params(8), 420.0, 950.0, ttfb=2.8, restart=2.0, phase=Phase.RUNOFF),
+        _epoch(4, persistent, 620.0, 660.0, ttfb=1.4, restart=0.2, phase=Phase.RUNOFF),
+        _epoch(5, BASELINE_PARAMS, 90.0, 104.0, ttfb=0.1, phase=Phase.RUNOFF),
+    ]
+    choice = _policy().choose(history)
+    assert choice.params == persistent
+    assert (choice.throughput, choice.baseline) == (610.0, 95.0)
+    assert (choice.steady_throughput, choice.steady_baseline) == (650.0, 107.0)
+    # Persistent workers start once per run: the time to first batch, not the refills.
+    assert choice.startup_seconds == pytest.approx(1.2)
+    assert choice.startup_each_epoch is False
+    # Workers started every epoch pay a measured restart, else the time to first batch.
+    spawned = _policy().choose([t for t in history if t.params != persistent])
+    assert spawned.params == _params(8)
+    assert (spawned.throughput, spawned.steady_throughput) == (410.0, 925.0)
+    assert spawned.startup_seconds == pytest.approx((3.0 + 2.0) / 2)
+    assert spawned.startup_each_epoch is True
+
+
+def test_choose_without_a_complete_trial_raises_an_autoloader_error() -> None:
+    with pytest.raises(BaselineError, match="No trial completed, not even the baseline"):
+        _policy().choose([_failed(1, _params(2))])
+    assert issubclass(BaselineError, AutoloaderError)
 
 
 def test_choose_breaks_ties_towards_the_cheapest_setting() -> None:
@@ -551,8 +629,8 @@ def test_a_run_measures_the_baseline_searches_and_runs_off_within_its_budget() -
     phases = [t.phase for t in driver.history]
     assert phases[0] is Phase.BASELINE and Phase.RUNOFF in phases
     # Patience ended the search, two runoff rounds ran, and the rest was given back.
-    assert driver.stopped == "the runoff's 2 round(s) are done"
-    assert "no gain in the last 6 trials" in (driver.search_ended or "")
+    assert driver.stopped == RunoffDone(2)
+    assert driver.search_ended == NoGain(6)
     assert runner.now < 30.0
     best = max(t.value or 0 for t in driver.history)
     choice = driver.policy.choose(driver.history)
@@ -596,7 +674,7 @@ def test_a_worker_index_crash_is_bracketed_and_nothing_above_it_is_run_again() -
     assert all(t.workers >= 6 for t in skipped)
     # Past the boundary the sampler is asked for fewer workers: it spends no proposals
     # on counts known to fail (the starting points already skip them).
-    assert driver.policy.failing_from(driver.history) == 6
+    assert failing_from(driver.history) == 6
     assert len(skipped) <= 1
     assert driver.policy.choose(driver.history).params["num_workers"] == 5
 
@@ -617,8 +695,8 @@ def test_when_no_setting_with_workers_is_measured_the_result_says_so() -> None:
     driver.run()
     assert driver.policy.choose(driver.history).params == BASELINE_PARAMS
     (shortcoming,) = driver.policy.shortcomings(driver.history, search_seconds=20)
-    assert shortcoming.startswith("no setting with workers was measured to the end (")
-    assert "pruned" in shortcoming and "these are the defaults" in shortcoming
+    assert isinstance(shortcoming, NoWorkerSettingMeasured)
+    assert [state for state, _ in shortcoming.counts] == ["pruned"]
 
 
 def test_a_search_with_no_time_left_says_it_did_not_run() -> None:
@@ -627,16 +705,13 @@ def test_a_search_with_no_time_left_says_it_did_not_run() -> None:
     driver.run()
     assert [t.phase for t in driver.history] == [Phase.BASELINE]
     (shortcoming,) = driver.policy.shortcomings(driver.history, search_seconds=0.2)
-    assert shortcoming.startswith("the search did not run: the checks and the baseline left ")
+    assert shortcoming == SearchDidNotRun(0.2, 1.2)
 
 
 def test_a_baseline_too_short_to_trust_is_said_to_be_so() -> None:
     driver = _driver(FakeRunner(lambda n: 100.0 + n, too_short=lambda n: n == 0), n_trials=3)
     driver.run()
-    assert any(
-        s.startswith("the baseline (num_workers=0) timed 1 batches")
-        for s in driver.policy.shortcomings(driver.history, search_seconds=20)
-    )
+    assert BaselineUncertain(1) in driver.policy.shortcomings(driver.history, search_seconds=20)
 
 
 # Thread workers -----------------------------------------------------------------------
@@ -658,33 +733,31 @@ def _both_kinds_policy() -> Policy:
 def test_once_thread_workers_failed_no_thread_setting_is_run_again() -> None:
     """A dataset that passed the threads check but then raised (or hung) under threads:
     every thread setting is recorded failed without running; processes still run."""
-    policy = _both_kinds_policy()
     history = [_baseline(), _failed(1, _threads(4), FaultKind.ERROR)]
-    known = policy.known_failure(_threads(8, prefetch=4), history)
+    known = known_failure(_threads(8, prefetch=4), history)
     assert isinstance(known, Failed) and known.same_as == 1
     assert "thread workers failed in trial 1" in known.reason
-    assert policy.known_failure(_params(4), history) is None
+    assert known_failure(_params(4), history) is None
     interrupted = [_baseline(), _failed(1, _threads(4), FaultKind.INTERRUPTED)]
-    assert policy.known_failure(_threads(8), interrupted) is None
+    assert known_failure(_threads(8), interrupted) is None
 
 
 def test_thread_failures_mark_no_worker_count_boundary() -> None:
-    policy = _both_kinds_policy()
     history = [
         _baseline(),
         _done(1, _params(2), 300.0),
         _failed(2, _threads(8), FaultKind.TIMEOUT),
         _failed(3, _threads(16), FaultKind.TIMEOUT),
     ]
-    assert policy.boundary(history) is None
-    assert policy.known_failure(_params(12), history) is None
+    assert boundary(history) is None
+    assert known_failure(_params(12), history) is None
 
 
 def test_memory_over_budget_with_processes_says_nothing_of_threads() -> None:
     """Worker processes copy what thread workers share: a process setting over the budget
     does not rule out as many threads."""
     over = Trial(1, Phase.SEARCH, _params(4), Pruned(PruneKind.MEMORY, "memory: over"))
-    assert _both_kinds_policy().known_failure(_threads(8), [_baseline(), over]) is None
+    assert known_failure(_threads(8), [_baseline(), over]) is None
 
 
 def test_the_guessed_thread_counts_follow_the_process_guesses_where_loading_waits() -> None:
@@ -715,3 +788,109 @@ def test_within_two_percent_threads_are_chosen_over_worker_processes() -> None:
         _done(3, _threads(12), 690.0),
     ]
     assert _policy().choose(history).params == _threads(8)
+
+
+# Reasons, in words -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (
+            StepBound(0, 0.012, 0, at_baseline=True),
+            "the loop is bound by its step already with num_workers=0: it waits for data "
+            "1.2% of the time, so no setting can make it faster; nothing was searched",
+        ),
+        (
+            StepBound(3, 0.02, 2, at_baseline=False),
+            "the loop is bound by its step: with trial 3's setting it waits for data 2.0% "
+            "of the time, so no setting can make it faster; the search stopped after 2 "
+            "trials",
+        ),
+        (TrialCap(2), "n_trials=2 search trials were run"),
+        (SearchShareSpent(), "the search's share of the time budget is spent"),
+        (NoGain(6), "no gain in the last 6 trials: the search stops"),
+        (
+            NothingNewToPropose(10),
+            "the sampler's last 10 proposals were all known to fail: nothing new is left to search",
+        ),
+        (NothingToMeasureAgain(), "nothing to measure again"),
+        (RunoffDone(2), "the runoff's 2 round(s) are done"),
+        (NoTimeForRunoff(), "no time left for another runoff trial"),
+        (
+            BaselineUncertain(1),
+            "the baseline (num_workers=0) timed 1 batches before its time ran out, too few "
+            "to tell its rate's error: the speedup against it is uncertain; a larger "
+            "time_budget measures it properly",
+        ),
+        (
+            SearchDidNotRun(0.24, 1.2),
+            "the search did not run: the checks and the baseline left 0.2 s of the 1 s "
+            "budget, too little for a trial; these are the defaults. Tune with a larger "
+            "time_budget",
+        ),
+        (
+            NoWorkerSettingMeasured((("failed", 1), ("pruned", 3))),
+            "no setting with workers was measured to the end (1 failed, 3 pruned): these "
+            "are the defaults, not a tuned setting; the failures say why",
+        ),
+        (WorkersCappedAtEpoch(5), "num_workers searched up to 5: an epoch has only 5 batches."),
+        (
+            PinMemoryAskedForInVain(),
+            "pin_memory=True was asked for, but there is no accelerator here.",
+        ),
+        (NoAccelerator(), "pin_memory fixed to False: this machine has no accelerator."),
+        (
+            BatchedFetchSearched(),
+            "batched_fetch searched: dataset[list of indices] gives the same batches as "
+            "loading the items one by one and collating them.",
+        ),
+        (ProcessesOnly("it keeps state"), "worker_kind fixed to processes: it keeps state."),
+        (
+            ThreadsSearched(),
+            "worker_kind searched: the dataset gave the same batches read from several "
+            "threads as from one, so thread workers were measured too.",
+        ),
+        (
+            TunedJointly(2, 2, 4),
+            "tuned jointly by 2 ranks (2 per node), each with 4 of its node's CPUs: figures "
+            "are samples per second of the slowest rank",
+        ),
+        (
+            Interrupted(),
+            "interrupted (Ctrl-C): these settings are the best of the trials that finished; "
+            "tune again for a complete search",
+        ),
+        (
+            BudgetGivenBack(12.4, 60.0, NoGain(6), RunoffDone(2)),
+            "done in 12 s of the 60 s budget, the rest given back: no gain in the last 6 "
+            "trials: the search stops, and the runoff's 2 round(s) are done",
+        ),
+        (
+            BudgetGivenBack(3.0, 30.0, StepBound(1, 0.02, 1, at_baseline=False), RunoffDone(1)),
+            "done in 3 s of the 30 s budget, the rest given back: no setting can beat the "
+            "step (see above), and the runoff's 1 round(s) are done",
+        ),
+        (
+            Resumed(7),
+            "resumed from storage: 7 trials of earlier runs on the same problem were "
+            "counted in the choice",
+        ),
+    ],
+)
+def test_each_reason_and_note_is_rendered_in_the_words_users_read(value: Note, words: str) -> None:
+    assert render(value) == words
+
+
+def test_the_space_gives_its_notes_typed_and_resolve_gives_them_in_words() -> None:
+    facts: dict[str, Any] = {"usable_cpus": 2, "has_accelerator": False, "batches_per_epoch": 5}
+    _, typed = resolve_space(
+        SearchSpace(pin_memory=True), **facts, batched_fetch_problem="no", threads_problem=None
+    )
+    assert typed == [
+        WorkersCappedAtEpoch(5), PinMemoryAskedForInVain(), NoAccelerator(), ThreadsSearched()
+    ]  # fmt: skip
+    _, words = SearchSpace(pin_memory=True).resolve(
+        **facts, batched_fetch_problem="no", threads_problem=None
+    )
+    assert words == [render(note) for note in typed]

@@ -2,10 +2,16 @@
 
 Layers, each importing only those below it::
 
-    _driver   Driver: the loop; the one place an outcome is mapped to a study state
-    _policy   Policy: every rule, pure functions of the finished trials
-    _faults   classify(): what a failed trial's error means
-    _outcome  TrialSpec, Trial and the typed outcomes Completed | Pruned | Failed
+    _driver          Driver: the loop; the one place an outcome is mapped to a study state
+    _study           the study's storage and its name: which problem it keeps trials of
+    _policy          Policy: every rule, pure functions of the finished trials
+    _known_failures  what failed trials tell of settings not yet run; the failure boundary
+    _objective       what a trial is worth (the epoch model) and how long it may measure
+    _cost_model      a first guess at the worker count, from the baseline
+    _faults          classify(): what a failed trial's error means
+    _space           SearchSpace: the settings searched, resolved for this machine
+    _outcome         TrialSpec, Trial and the typed outcomes Completed | Pruned | Failed
+    _reasons         why the search stopped, and notes for the user, typed; render()
 """
 
 from autoloader.search._driver import Driver

@@ -5,17 +5,23 @@
 setting to it); run it with the runner; map what happened to one typed outcome
 (:meth:`Driver._run`, the one place that does); ``study.tell()`` it, and store it in the
 trial's user attributes so that a resumed run rebuilds the same history.
+
+The entry point runs it inside :func:`quiet_optuna` (autoloader logs each trial
+itself) and :func:`remember_ctrl_c` (which sets the driver's ``interrupted``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, fields
 from time import perf_counter
+from types import FrameType
 from typing import Any
 
 import optuna
@@ -30,6 +36,7 @@ from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._runner import Runner
 from autoloader.search._faults import classify
+from autoloader.search._known_failures import failing_from, known_failure
 from autoloader.search._outcome import (
     Completed,
     Failed,
@@ -44,6 +51,7 @@ from autoloader.search._outcome import (
     outcome_from_attrs,
 )
 from autoloader.search._policy import Plan, Policy, Stop, baseline_measurement
+from autoloader.search._reasons import SearchEnd, StopReason, render
 
 _logger = logging.getLogger(__name__)
 
@@ -62,8 +70,12 @@ class Driver:
         deadline: ``perf_counter()`` time when the run must end.
         on_trial: called after each trial.
         clock: seconds, as ``deadline`` counts them (a fake one in tests).
-        interrupted: set when Ctrl-C was pressed; checked at every timing window and
-            trial, in case the KeyboardInterrupt itself was lost on its way.
+        interrupted: set when Ctrl-C was pressed (see :func:`remember_ctrl_c`); checked
+            at every timing window and trial, in case the KeyboardInterrupt itself was
+            lost on its way.
+
+    After :meth:`run`, :attr:`search_ended` says why the search phase ended and
+    :attr:`stopped` why the trials did, as typed reasons (``search/_reasons.py``).
     """
 
     def __init__(
@@ -84,8 +96,8 @@ class Driver:
         self.on_trial = on_trial
         self.interrupted = interrupted
         self.history: list[Trial] = []
-        self.stopped: str | None = None
-        self.search_ended: str | None = None
+        self.stopped: StopReason | None = None
+        self.search_ended: SearchEnd | None = None
         self.search_seconds = 0.0
         self._owner = _this_process()
         self._clock = clock
@@ -102,10 +114,10 @@ class Driver:
                     self.history, seconds_left=self._seconds_left()
                 )
                 if self.search_ended is not None:
-                    _logger.info("the search ends: %s", self.search_ended)
+                    _logger.info("the search ends: %s", render(self.search_ended))
             if isinstance(plan, Stop):
                 self.stopped = plan.why
-                _logger.info("no more trials: %s", plan.why)
+                _logger.info("no more trials: %s", render(plan.why))
                 return
             if plan.phase is Phase.SEARCH and not any(
                 t.phase is not Phase.BASELINE and not t.earlier for t in self.history
@@ -137,7 +149,7 @@ class Driver:
         asked.set_user_attr("owner", self._owner)
         outcome: Outcome | None = None
         if plan.params is None:
-            outcome = self.policy.known_failure(params, self.history)
+            outcome = known_failure(params, self.history)
         try:
             if outcome is None:
                 outcome = self._run(spec)
@@ -242,11 +254,11 @@ class Driver:
         """Past a failure boundary, the sampler draws the worker count below it: Optuna's
         TPE learns nothing from failed trials, and would keep proposing counts that are
         known to fail (each recorded without running, but a proposal spent)."""
-        failing_from = self.policy.failing_from(self.history)
+        smallest = failing_from(self.history)
         low, high = self.policy.space.num_workers  # type: ignore[misc]
-        if failing_from is None or not low <= failing_from - 1 < high:
+        if smallest is None or not low <= smallest - 1 < high:
             return None
-        return {"num_workers": IntDistribution(low, failing_from - 1)}
+        return {"num_workers": IntDistribution(low, smallest - 1)}
 
     def has_baseline(self) -> bool:
         """Whether the baseline finished: without it there is nothing to compare to."""
@@ -262,6 +274,54 @@ class Driver:
 
     def _seconds_left(self) -> float:
         return max(0.0, self.deadline - self._clock())
+
+
+@contextlib.contextmanager
+def remember_ctrl_c(interrupted: threading.Event | None) -> Iterator[None]:
+    """Note each Ctrl-C in ``interrupted``, then raise KeyboardInterrupt as usual.
+
+    The KeyboardInterrupt is raised at whatever bytecode the main thread runs. If that
+    is a ``__del__`` or a weakref finalizer (DataLoader iterators and queues have
+    both), Python prints "Exception ignored" and the run would go on; the search
+    checks ``interrupted`` at every timing window and trial, and stops all the same.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if (
+        interrupted is None
+        or threading.current_thread() is not threading.main_thread()
+        or previous in (signal.SIG_IGN, None)  # Ctrl-C is ignored, or not Python's to handle
+    ):
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        interrupted.set()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's per-trial log lines: autoloader logs each trial itself.
+
+    The verbosity is restored afterwards, whatever happens.
+    """
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def _trial_of(frozen: FrozenTrial) -> Trial | None:

@@ -26,21 +26,41 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._exceptions import AllSettingsFailedError
+from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader.loader._params import BASELINE_PARAMS, Params
 from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._measurement import Measurement
 from autoloader.search._cost_model import guess_threads, guess_workers, loads_on_several_threads
+from autoloader.search._known_failures import bisection, known_failure, params_key
+from autoloader.search._objective import (
+    MIN_TRIAL_SECONDS,
+    epoch_samples_per_second,
+    trial_seconds,
+)
 from autoloader.search._outcome import (
-    WORKER_COUNT_FAULTS,
     Completed,
     Failed,
-    FaultKind,
     Outcome,
     Phase,
     Pruned,
     PruneKind,
     Trial,
+)
+from autoloader.search._reasons import (
+    BaselineUncertain,
+    NoGain,
+    NothingNewToPropose,
+    NothingToMeasureAgain,
+    NoTimeForRunoff,
+    NoWorkerSettingMeasured,
+    RunoffDone,
+    SearchDidNotRun,
+    SearchEnd,
+    SearchShareSpent,
+    Shortcoming,
+    StepBound,
+    StopReason,
+    TrialCap,
 )
 from autoloader.search._space import SearchSpace
 
@@ -51,10 +71,6 @@ _RUNOFF_ROUNDS = 2
 # Candidates whose median value is within this fraction of the best are ties; the
 # cheapest of them (fewest workers, then smallest prefetch) is chosen.
 _TIE_TOLERANCE = 0.02
-# Bounds on one trial's measurement time, and its share of the time budget.
-_TRIAL_SHARE = 0.1
-_MIN_TRIAL_SECONDS = 1.0
-_MAX_TRIAL_SECONDS = 15.0
 # NOTE [ Hang deadlines ]
 # A batch (loading it, or the step on it) is hung once it takes _TIMEOUT_FACTOR times
 # the baseline's time per batch, and never less than _MIN_BATCH_TIMEOUT seconds. With
@@ -99,51 +115,6 @@ _VOTE_RATIO = 0.6
 PRUNED_AS_SLOWER = "clearly slower than the best setting so far"
 
 
-def trial_seconds(time_budget: float) -> float:
-    """The longest one trial may measure, from the whole run's time budget."""
-    return min(_MAX_TRIAL_SECONDS, max(_MIN_TRIAL_SECONDS, _TRIAL_SHARE * time_budget))
-
-
-# NOTE [ Epoch model ]
-# Trials are ranked by the samples per second of a whole training epoch, not by the
-# steady rate alone, so that worker start-up is charged where training pays it:
-#
-#   epoch_seconds = startup + (batches_per_epoch - 1) * steady_seconds_per_batch
-#
-# - Without persistent workers every epoch spawns workers again: startup is the
-#   measured time to first batch (spawn + first load), or a measured epoch restart.
-# - With persistent workers only the pipeline refills at an epoch's start: startup is
-#   a measured restart if the trial crossed an epoch, else one batch loaded with an
-#   empty pipeline, i.e. the baseline's load time per batch. The very first spawn is
-#   paid once per training run and is ignored.
-# An iterable dataset without __len__ has no known epoch: the steady rate is used.
-# Where the trial timed a whole epoch (NOTE [ Whole epochs ]), the model is not needed:
-# that rate is the objective, an epoch's edges included as training pays them.
-def epoch_samples_per_second(
-    params: Mapping[str, Any],
-    measurement: Measurement,
-    *,
-    batch_size: int,
-    batches_per_epoch: int | None,
-    refill_seconds: float,
-) -> float:
-    rate = measurement.samples_per_second
-    if batches_per_epoch is None or rate <= 0:
-        return rate
-    if measurement.epochs_samples_per_second:
-        return measurement.epochs_samples_per_second
-    if params["persistent_workers"]:
-        startup = measurement.epoch_restart_seconds or refill_seconds
-    else:
-        startup = measurement.epoch_restart_seconds or measurement.time_to_first_batch
-    seconds = startup + (batches_per_epoch - 1) * batch_size / rate
-    return batches_per_epoch * batch_size / seconds
-
-
-def params_key(params: Mapping[str, Any]) -> str:
-    return json.dumps(dict(params), sort_keys=True)
-
-
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The next trial: ``params`` ``None`` means the sampler's proposal."""
@@ -158,16 +129,37 @@ class Plan:
 class Stop:
     """No more trials: ``why`` says what ended the run's trials."""
 
-    why: str
+    why: StopReason
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The chosen settings, their steady samples/s, and the baseline's."""
+    """The chosen settings and what they measured: medians over their complete trials.
+
+    Attributes:
+        params: the chosen settings.
+        throughput: the objective the choice ranks by: samples/s over a training epoch
+            with ``params``, worker start-up included (``NOTE [ Epoch model ]``).
+        baseline: the same for the ``num_workers=0`` defaults; 0.0 if not measured.
+        steady_throughput: samples/s with ``params`` once started (start-up excluded).
+        steady_baseline: the same for the defaults; 0.0 if not measured.
+        startup_seconds: seconds to start ``params``'s workers and get the first
+            batch: without persistent workers, what each epoch pays (a measured epoch
+            restart where there is one, else the time to first batch, as the epoch
+            model charges it); with them, the time to first batch, paid once.
+        startup_each_epoch: whether ``startup_seconds`` is paid every epoch (workers
+            not persistent: the epoch rate includes it) or once per training run
+            (persistent workers: the epoch rate leaves it out, and charges each epoch
+            only a refill).
+    """
 
     params: Params
     throughput: float
     baseline: float
+    steady_throughput: float
+    steady_baseline: float
+    startup_seconds: float
+    startup_each_epoch: bool
 
 
 @dataclass(frozen=True)
@@ -203,7 +195,7 @@ class Policy:
             AllSettingsFailedError: every setting with workers failed so far.
         """
         if baseline_measurement(history) is None:
-            seconds = max(0.5 * _MIN_TRIAL_SECONDS, min(self._trial_seconds, seconds_left))
+            seconds = max(0.5 * MIN_TRIAL_SECONDS, min(self._trial_seconds, seconds_left))
             return Plan(Phase.BASELINE, BASELINE_PARAMS, seconds, "the baseline")
         mine = [t for t in history if not t.earlier]
         if not any(t.phase is Phase.RUNOFF for t in mine):
@@ -212,7 +204,7 @@ class Policy:
                 return plan
         return self._runoff(history, mine, seconds_left)
 
-    def search_ended(self, history: Sequence[Trial], *, seconds_left: float) -> str | None:
+    def search_ended(self, history: Sequence[Trial], *, seconds_left: float) -> SearchEnd | None:
         """Why the search phase is over, or ``None`` if it goes on."""
         mine = [t for t in history if not t.earlier]
         searched = [t for t in mine if t.phase is Phase.SEARCH]
@@ -221,17 +213,14 @@ class Policy:
         if step_bound is not None:
             return step_bound
         if self.n_trials is not None and len(searched) >= self.n_trials:
-            return f"n_trials={self.n_trials} search trials were run"
-        if self._search_seconds(seconds_left) < 0.5 * _MIN_TRIAL_SECONDS:
-            return "the search's share of the time budget is spent"
+            return TrialCap(self.n_trials)
+        if self._search_seconds(seconds_left) < 0.5 * MIN_TRIAL_SECONDS:
+            return SearchShareSpent()
         if self._searched_enough(history, searched):
-            return f"no gain in the last {_PATIENCE} trials: the search stops"
+            return NoGain(_PATIENCE)
         skipped = list(reversed(searched))[:_SKIPS_BEFORE_GIVING_UP]
         if len(skipped) == _SKIPS_BEFORE_GIVING_UP and all(t.skipped for t in skipped):
-            return (
-                f"the sampler's last {_SKIPS_BEFORE_GIVING_UP} proposals were all known "
-                "to fail: nothing new is left to search"
-            )
+            return NothingNewToPropose(_SKIPS_BEFORE_GIVING_UP)
         return None
 
     def _search(
@@ -243,9 +232,9 @@ class Policy:
         seconds = min(self._trial_seconds, self._search_seconds(seconds_left))
         tried = {params_key(t.params) for t in history}
         for params in self.starting_points(history):
-            if params_key(params) not in tried and self.known_failure(params, history) is None:
+            if params_key(params) not in tried and known_failure(params, history) is None:
                 return Plan(Phase.SEARCH, params, seconds, "a starting point")
-        between = self.bisection(history)
+        between = bisection(history)
         if between is not None and params_key(between) not in tried:
             return Plan(Phase.SEARCH, between, seconds, "bisecting a failure boundary")
         return Plan(Phase.SEARCH, None, seconds, "the sampler's proposal")
@@ -261,45 +250,7 @@ class Policy:
             first_threads=guess_threads(facts),
         )
 
-    # NOTE [ Failure boundary ]
-    # Some faults come with the worker count: a WebDataset with k shards fails every
-    # count above k; a dataset that crashes or hangs in workers >= k fails every count
-    # above k. Once failures of such a kind are seen at two counts or more above the
-    # largest count that worked, every count from the smallest of them up is known to
-    # fail (the sampler draws fewer workers, and a proposal there would be recorded
-    # without running), and the search bisects between the largest success and the
-    # smallest failure to find the most workers that work, instead of spending the
-    # budget above the boundary.
-    def boundary(self, history: Sequence[Trial]) -> tuple[int, int] | None:
-        """``(largest count that worked, smallest count that failed above it)``, when
-        failures of a worker-count kind lie above every success; else ``None``. Thread
-        workers have no such faults: only worker processes count."""
-        history = [t for t in history if t.params.get("worker_kind") != "threads"]
-        largest = max((t.workers for t in history if _ran(t.outcome)), default=0)
-        failed = [t.workers for t in _worker_count_failures(history) if t.workers > largest]
-        if not failed:
-            return None
-        return largest, min(failed)
-
-    def bisection(self, history: Sequence[Trial]) -> Params | None:
-        """A setting halfway between the largest count that worked and the smallest that
-        failed, if there is room between them (the best setting's other options)."""
-        found = self.boundary(history)
-        if found is None:
-            return None
-        worked, failed = found
-        if failed - worked <= 1 or worked == 0:
-            return None
-        best = max(
-            (t for t in history if isinstance(t.outcome, Completed) and t.workers > 0),
-            key=lambda t: t.outcome.value,  # type: ignore[union-attr]
-            default=None,
-        )
-        if best is None:
-            return None
-        return {**best.params, "num_workers": (worked + failed) // 2}
-
-    def step_bound(self, history: Sequence[Trial]) -> str | None:
+    def step_bound(self, history: Sequence[Trial]) -> StepBound | None:
         """Why the search can stop, if a measured setting left the loop bound by its
         step (see ``_STEP_BOUND_WAIT``)."""
         for trial in history:
@@ -309,18 +260,8 @@ class Policy:
             wait = measurement.data_wait_fraction
             if wait > _STEP_BOUND_WAIT or measurement.relative_error > _STEP_BOUND_ERROR:
                 continue
-            if trial.phase is Phase.BASELINE:
-                return (
-                    f"the loop is bound by its step already with num_workers=0: it waits for "
-                    f"data {wait:.1%} of the time, so no setting can make it faster; nothing "
-                    "was searched"
-                )
             searched = sum(t.phase is Phase.SEARCH and not t.earlier for t in history)
-            return (
-                f"the loop is bound by its step: with trial {trial.number}'s setting it "
-                f"waits for data {wait:.1%} of the time, so no setting can make it faster; "
-                f"the search stopped after {searched} trials"
-            )
+            return StepBound(trial.number, wait, searched, trial.phase is Phase.BASELINE)
         return None
 
     def _searched_enough(self, history: Sequence[Trial], searched: Sequence[Trial]) -> bool:
@@ -357,15 +298,15 @@ class Policy:
         fits in the time left; the runoff ends at the first that does not."""
         order = self.runoff_order(history)
         if not order:
-            return Stop("nothing to measure again")
-        rounds = 1 if self.step_bound(history) else _RUNOFF_ROUNDS
+            return Stop(NothingToMeasureAgain())
+        rounds = 1 if self.step_bound(history) is not None else _RUNOFF_ROUNDS
         done = sum(t.phase is Phase.RUNOFF for t in mine)
         sequence = [*order, BASELINE_PARAMS] * rounds
         if done >= len(sequence):
-            return Stop(f"the runoff's {rounds} round(s) are done")
+            return Stop(RunoffDone(rounds))
         params = sequence[done]
         if _typical_duration(history, params, self._trial_seconds) > seconds_left:
-            return Stop("no time left for another runoff trial")
+            return Stop(NoTimeForRunoff())
         # Runoff trials get the same time as search trials: shorter ones catch the
         # CPU burst of many workers starting on few cores and understate them.
         return Plan(Phase.RUNOFF, params, self._trial_seconds, "measured again, interleaved")
@@ -435,63 +376,6 @@ class Policy:
             return Pruned(PruneKind.TOO_SHORT, _too_short_reason(measurement), measurement)
         return Completed(measurement, self.value(params, measurement, history))
 
-    def known_failure(self, params: Mapping[str, Any], history: Sequence[Trial]) -> Outcome | None:
-        """The outcome an earlier trial shows ``params`` would have, if it would fail;
-        ``None`` if it is worth running.
-
-        A setting that failed fails again (crashes and hangs are rarely a matter of
-        luck, and measuring a hang again costs its whole deadline). Memory only grows
-        with workers, prefetch and pinning, so a setting that asks at least as much as
-        one that passed the memory budget (or was OOM-killed) would pass it too. Past a
-        failure boundary (``NOTE [ Failure boundary ]``) every count fails. Once thread
-        workers failed (the dataset raised or hung when read from several threads, see
-        ``NOTE [ Thread workers ]``), no thread setting is run again.
-        """
-        threads = params.get("worker_kind") == "threads"
-        for trial in history:
-            outcome = trial.outcome
-            if _over_memory(outcome) and _asks_at_least(params, trial.params):
-                assert isinstance(outcome, Pruned)
-                note = f" (not run: asks at least as much memory as trial {trial.number})"
-                return Pruned(outcome.kind, outcome.reason + note, same_as=trial.number)
-            same = params_key(params) == params_key(trial.params)
-            if same and isinstance(outcome, Failed) and outcome.kind is not FaultKind.INTERRUPTED:
-                return Failed(outcome.kind, outcome.reason, same_as=trial.number)
-            if threads and _threads_failed(trial):
-                assert isinstance(outcome, Failed)
-                note = f" (not run: thread workers failed in trial {trial.number})"
-                return Failed(outcome.kind, outcome.reason + note, same_as=trial.number)
-        return None if threads else self._beyond_boundary(params, history)
-
-    def failing_from(self, history: Sequence[Trial]) -> int | None:
-        """The worker count from which every count is known to fail (``NOTE [ Failure
-        boundary ]``): failures of a worker-count kind at two counts or more above every
-        count that ran. The sampler is then asked for fewer workers only."""
-        found = self.boundary(history)
-        if found is None:
-            return None
-        _, smallest = found
-        counts = {t.workers for t in _worker_count_failures(history) if t.workers >= smallest}
-        return smallest if len(counts) >= 2 else None
-
-    def _beyond_boundary(
-        self, params: Mapping[str, Any], history: Sequence[Trial]
-    ) -> Failed | None:
-        smallest = self.failing_from(history)
-        if smallest is None or int(params["num_workers"]) < smallest:
-            return None
-        first = min(
-            (t for t in _worker_count_failures(history) if t.workers >= smallest),
-            key=lambda t: t.workers,
-        )
-        assert isinstance(first.outcome, Failed)
-        return Failed(
-            first.outcome.kind,
-            f"{first.outcome.reason} (not run: every count from {smallest} workers up "
-            f"failed so far)",
-            same_as=first.number,
-        )
-
     # The choice -----------------------------------------------------------------------
 
     def choose(self, history: Sequence[Trial]) -> Choice:
@@ -505,12 +389,21 @@ class Policy:
         those within ``_TIE_TOLERANCE`` of the best score the cheapest wins: more
         workers or prefetch only cost memory and start-up.
 
+        The figures returned are medians over the same trials: the objective's values
+        (those the choice ranks by, see ``NOTE [ Epoch model ]``), the steady rates and
+        the start-up, of the chosen setting and of the baseline.
+
         Raises:
-            ValueError: no trial completed (the baseline always does, or the run stops).
+            BaselineError: no trial completed, the baseline's included (the baseline
+                always completes, or the run stops with this error before a choice).
         """
         groups = _values_by_setting(history)
         if not groups:
-            raise ValueError("no complete trial to choose from")
+            raise BaselineError(
+                "No trial completed, not even the baseline (num_workers=0): there is no "
+                "setting to choose, and nothing to compare one with. Tune again; the "
+                "baseline's failure, if any, says what to fix."
+            )
         most = max(len(values) for _, values in groups.values())
         baseline_key = params_key(BASELINE_PARAMS)
         eligible = {
@@ -520,45 +413,44 @@ class Policy:
         top = max(scores.values())
         ties = [key for key, score in scores.items() if score >= (1 - _TIE_TOLERANCE) * top]
         chosen = min(ties, key=lambda key: _cost(json.loads(key)))
-        baseline = groups.get(baseline_key, ([], []))[0]
-        return Choice(json.loads(chosen), _median_rate(groups[chosen][0]), _median_rate(baseline))
+        params = json.loads(chosen)
+        measurements = groups[chosen][0]
+        baseline_measurements, baseline_values = groups.get(baseline_key, ([], []))
+        startup, each_epoch = _startup(params, measurements)
+        return Choice(
+            params,
+            throughput=float(scores[chosen]),
+            baseline=float(statistics.median(baseline_values)) if baseline_values else 0.0,
+            steady_throughput=_median_rate(measurements),
+            steady_baseline=_median_rate(baseline_measurements),
+            startup_seconds=startup,
+            startup_each_epoch=each_epoch,
+        )
 
-    def shortcomings(self, history: Sequence[Trial], *, search_seconds: float) -> list[str]:
-        """What the result rests on less than a search for, in words: a baseline measured
-        too briefly to tell its error, or no setting with workers measured to the end.
-        The defaults are never returned without saying why.
+    def shortcomings(self, history: Sequence[Trial], *, search_seconds: float) -> list[Shortcoming]:
+        """What the result rests on less than a search for: a baseline measured too
+        briefly to tell its error, or no setting with workers measured to the end. The
+        defaults are never returned without saying why.
 
         Args:
             search_seconds: what the checks and the baseline left for the search.
         """
         mine = [t for t in history if not t.earlier]
-        found = []
+        found: list[Shortcoming] = []
         measured = baseline_measurement(mine)
         if measured is not None and not math.isfinite(measured.relative_error):
-            found.append(
-                f"the baseline (num_workers=0) timed {measured.batches} batches "
-                "before its time ran out, too few to tell its rate's error: the speedup "
-                "against it is uncertain; a larger time_budget measures it properly"
-            )
+            found.append(BaselineUncertain(measured.batches))
         if any(isinstance(t.outcome, Completed) and t.phase is not Phase.BASELINE for t in history):
             return found
         searched = [t for t in mine if t.phase is not Phase.BASELINE]
         if not searched and self.step_bound(history) is None:
-            found.append(
-                f"the search did not run: the checks and the baseline left "
-                f"{search_seconds:.1f} s of the {self.time_budget:.0f} s budget, too "
-                "little for a trial; these are the defaults. Tune with a larger time_budget"
-            )
+            found.append(SearchDidNotRun(search_seconds, self.time_budget))
         elif searched:
             states: dict[str, int] = {}
             for trial in searched:
                 state = type(trial.outcome).__name__.lower()
                 states[state] = states.get(state, 0) + 1
-            counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
-            found.append(
-                f"no setting with workers was measured to the end ({counts}): these are "
-                "the defaults, not a tuned setting; the failures say why"
-            )
+            found.append(NoWorkerSettingMeasured(tuple(sorted(states.items()))))
         return found
 
     @property
@@ -567,36 +459,6 @@ class Policy:
 
     def _search_seconds(self, seconds_left: float) -> float:
         return seconds_left - _RUNOFF_SHARE * self.time_budget
-
-
-def _worker_count_failures(history: Sequence[Trial]) -> list[Trial]:
-    """Trials run that failed with a fault that comes with the worker count."""
-    return [
-        t for t in history
-        if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
-        and not t.skipped
-    ]  # fmt: skip
-
-
-def _threads_failed(trial: Trial) -> bool:
-    """Whether ``trial`` ran thread workers and failed for the setting's sake."""
-    outcome = trial.outcome
-    return (
-        trial.params.get("worker_kind") == "threads"
-        and isinstance(outcome, Failed)
-        and outcome.kind is not FaultKind.INTERRUPTED
-    )
-
-
-def _over_memory(outcome: Outcome) -> bool:
-    return isinstance(outcome, Pruned) and outcome.kind in (PruneKind.MEMORY, PruneKind.KILLED)
-
-
-def _ran(outcome: Outcome) -> bool:
-    """Whether the setting ran without failing: complete, or not counted for its pace."""
-    return isinstance(outcome, Completed) or (
-        isinstance(outcome, Pruned) and outcome.kind in (PruneKind.SLOWER, PruneKind.TOO_SHORT)
-    )
 
 
 def baseline_measurement(history: Sequence[Trial]) -> Measurement | None:
@@ -645,17 +507,6 @@ def _too_short_reason(measurement: Measurement) -> str:
     )
 
 
-def _asks_at_least(params: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
-    """Whether ``params`` holds at least as many batches, as pinned, as ``other``, with
-    workers of the same kind (worker processes copy what thread workers share)."""
-    return (
-        params.get("worker_kind") == other.get("worker_kind")
-        and params["num_workers"] >= other["num_workers"] > 0
-        and (params["prefetch_factor"] or 0) >= (other["prefetch_factor"] or 0)
-        and params["pin_memory"] >= other["pin_memory"]
-    )
-
-
 def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
     """Fewest worker processes (each a copy of what it reads, and a start-up), then
     fewest threads, smallest prefetch, no pinning; then one indexing per batch (less
@@ -672,6 +523,20 @@ def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
 
 
 def _median_rate(measurements: list[Measurement]) -> float:
+    """Median steady samples/s, start-up excluded; 0.0 for no measurement."""
     if not measurements:
         return 0.0
     return float(statistics.median(m.samples_per_second for m in measurements))
+
+
+def _startup(params: Mapping[str, Any], measurements: list[Measurement]) -> tuple[float, bool]:
+    """Median seconds to start ``params``'s workers and get the first batch, and whether
+    each epoch pays them, as ``NOTE [ Epoch model ]`` charges them: without persistent
+    workers every epoch starts them again (a measured restart, else the time to first
+    batch); with them only the first epoch does, and later ones refill the pipeline."""
+    each_epoch = not params["persistent_workers"]
+    seconds = [
+        (m.epoch_restart_seconds or m.time_to_first_batch) if each_epoch else m.time_to_first_batch
+        for m in measurements
+    ]
+    return float(statistics.median(seconds)), each_epoch

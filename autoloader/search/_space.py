@@ -10,6 +10,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from autoloader._exceptions import InvalidInputError
 from autoloader.loader._params import WORKER_KINDS, Params, normalize_params
+from autoloader.search._reasons import (
+    BatchedFetchSearched,
+    NoAccelerator,
+    PinMemoryAskedForInVain,
+    ProcessesOnly,
+    SpaceNote,
+    ThreadsSearched,
+    WorkersCappedAtEpoch,
+    render,
+)
 
 if TYPE_CHECKING:
     import optuna
@@ -202,75 +212,23 @@ class SearchSpace:
                 was checked that they can.
 
         Returns:
-            The concrete space, and notes for the user about settings fixed here.
+            The concrete space, and notes for the user about settings fixed here, in
+            words (:func:`resolve_space` gives them as typed values).
 
         Raises:
             InvalidInputError: ``batched_fetch=True`` was asked for a dataset that
                 cannot be fetched a batch at a time, or ``worker_kind="threads"`` for
                 one that thread workers cannot load.
         """
-        notes = []
-        num_workers = self.num_workers
-        if num_workers is None:
-            high = max(_MIN_DEFAULT_MAX_WORKERS, _WORKERS_PER_CPU * usable_cpus)
-            if batches_per_epoch is not None and batches_per_epoch < high:
-                # More workers than batches in an epoch never have anything to do.
-                high = batches_per_epoch
-                notes.append(
-                    f"num_workers searched up to {high}: an epoch has only {high} batches."
-                )
-            num_workers = (0, high)
-        pin_memory = self.pin_memory
-        if not has_accelerator:
-            if isinstance(pin_memory, tuple) and True in pin_memory:
-                notes.append("pin_memory=True was asked for, but there is no accelerator here.")
-            pin_memory = (False,)
-            notes.append("pin_memory fixed to False: this machine has no accelerator.")
-        elif pin_memory is None:
-            pin_memory = (False, True)
-        batched_fetch = self.batched_fetch
-        if batched_fetch_problem is not None:
-            if batched_fetch is not None and True in batched_fetch:  # type: ignore[operator]
-                raise InvalidInputError(
-                    f"SearchSpace.batched_fetch=True was asked for, but {batched_fetch_problem}. "
-                    "Leave batched_fetch unset, or set it to False."
-                )
-            batched_fetch = (False,)
-        elif batched_fetch is None:
-            batched_fetch = (False, True)
-            notes.append(
-                "batched_fetch searched: dataset[list of indices] gives the same batches as "
-                "loading the items one by one and collating them."
-            )
-        worker_threads = self.worker_threads
-        if worker_threads == "auto":
-            # Each worker's pools start as wide as the machine (see NOTE [ Worker threads ]).
-            worker_threads = (None, 1) if usable_cpus > 1 else (None,)
-        worker_kind = self.worker_kind
-        if threads_problem is not None:
-            if worker_kind is not None and "threads" in worker_kind:
-                raise InvalidInputError(
-                    f'SearchSpace.worker_kind "threads" was asked for, but {threads_problem}. '
-                    'Leave worker_kind unset, or set it to "processes".'
-                )
-            if worker_kind is None:
-                notes.append(f"worker_kind fixed to processes: {threads_problem}.")
-            worker_kind = ("processes",)
-        elif worker_kind is None:
-            worker_kind = WORKER_KINDS
-            notes.append(
-                "worker_kind searched: the dataset gave the same batches read from several "
-                "threads as from one, so thread workers were measured too."
-            )
-        space = dataclasses.replace(
+        space, notes = resolve_space(
             self,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            batched_fetch=batched_fetch,
-            worker_threads=worker_threads,
-            worker_kind=worker_kind,
+            usable_cpus=usable_cpus,
+            has_accelerator=has_accelerator,
+            batches_per_epoch=batches_per_epoch,
+            batched_fetch_problem=batched_fetch_problem,
+            threads_problem=threads_problem,
         )
-        return space, notes
+        return space, [render(note) for note in notes]
 
     def _bounds(self) -> _Choices:
         if (
@@ -410,6 +368,73 @@ def trial_params(params: Mapping[str, Any]) -> Params:
     if params["worker_kind"] == "threads":
         return {k: v for k, v in params.items() if k not in _PROCESS_ONLY}
     return dict(params)
+
+
+def resolve_space(
+    space: SearchSpace,
+    *,
+    usable_cpus: int,
+    has_accelerator: bool,
+    batches_per_epoch: int | None,
+    batched_fetch_problem: str | None,
+    threads_problem: str | None,
+) -> tuple[SearchSpace, list[SpaceNote]]:
+    """:meth:`SearchSpace.resolve`, with its notes as typed values, rendered to words
+    once, at the end of the run (see ``search/_reasons.py``)."""
+    notes: list[SpaceNote] = []
+    num_workers = space.num_workers
+    if num_workers is None:
+        high = max(_MIN_DEFAULT_MAX_WORKERS, _WORKERS_PER_CPU * usable_cpus)
+        if batches_per_epoch is not None and batches_per_epoch < high:
+            # More workers than batches in an epoch never have anything to do.
+            high = batches_per_epoch
+            notes.append(WorkersCappedAtEpoch(high))
+        num_workers = (0, high)
+    pin_memory = space.pin_memory
+    if not has_accelerator:
+        if isinstance(pin_memory, tuple) and True in pin_memory:
+            notes.append(PinMemoryAskedForInVain())
+        pin_memory = (False,)
+        notes.append(NoAccelerator())
+    elif pin_memory is None:
+        pin_memory = (False, True)
+    batched_fetch = space.batched_fetch
+    if batched_fetch_problem is not None:
+        if batched_fetch is not None and True in batched_fetch:  # type: ignore[operator]
+            raise InvalidInputError(
+                f"SearchSpace.batched_fetch=True was asked for, but {batched_fetch_problem}. "
+                "Leave batched_fetch unset, or set it to False."
+            )
+        batched_fetch = (False,)
+    elif batched_fetch is None:
+        batched_fetch = (False, True)
+        notes.append(BatchedFetchSearched())
+    worker_threads = space.worker_threads
+    if worker_threads == "auto":
+        # Each worker's pools start as wide as the machine (see NOTE [ Worker threads ]).
+        worker_threads = (None, 1) if usable_cpus > 1 else (None,)
+    worker_kind = space.worker_kind
+    if threads_problem is not None:
+        if worker_kind is not None and "threads" in worker_kind:
+            raise InvalidInputError(
+                f'SearchSpace.worker_kind "threads" was asked for, but {threads_problem}. '
+                'Leave worker_kind unset, or set it to "processes".'
+            )
+        if worker_kind is None:
+            notes.append(ProcessesOnly(threads_problem))
+        worker_kind = ("processes",)
+    elif worker_kind is None:
+        worker_kind = WORKER_KINDS
+        notes.append(ThreadsSearched())
+    resolved = dataclasses.replace(
+        space,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        batched_fetch=batched_fetch,
+        worker_threads=worker_threads,
+        worker_kind=worker_kind,
+    )
+    return resolved, notes
 
 
 def check_search_space(search_space: object) -> SearchSpace:

@@ -1,0 +1,55 @@
+"""What a trial is worth and how long it may measure: the epoch model, and a trial's
+share of the time budget."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from autoloader.measure._measurement import Measurement
+
+# Bounds on one trial's measurement time, and its share of the time budget.
+_TRIAL_SHARE = 0.1
+MIN_TRIAL_SECONDS = 1.0
+_MAX_TRIAL_SECONDS = 15.0
+
+
+def trial_seconds(time_budget: float) -> float:
+    """The longest one trial may measure, from the whole run's time budget."""
+    return min(_MAX_TRIAL_SECONDS, max(MIN_TRIAL_SECONDS, _TRIAL_SHARE * time_budget))
+
+
+# NOTE [ Epoch model ]
+# Trials are ranked by the samples per second of a whole training epoch, not by the
+# steady rate alone, so that worker start-up is charged where training pays it:
+#
+#   epoch_seconds = startup + (batches_per_epoch - 1) * steady_seconds_per_batch
+#
+# - Without persistent workers every epoch spawns workers again: startup is the
+#   measured time to first batch (spawn + first load), or a measured epoch restart.
+# - With persistent workers only the pipeline refills at an epoch's start: startup is
+#   a measured restart if the trial crossed an epoch, else one batch loaded with an
+#   empty pipeline, i.e. the baseline's load time per batch. The very first spawn is
+#   paid once per training run and is ignored.
+# An iterable dataset without __len__ has no known epoch: the steady rate is used.
+# Where the trial timed a whole epoch (NOTE [ Whole epochs ]), the model is not needed:
+# that rate is the objective, an epoch's edges included as training pays them.
+def epoch_samples_per_second(
+    params: Mapping[str, Any],
+    measurement: Measurement,
+    *,
+    batch_size: int,
+    batches_per_epoch: int | None,
+    refill_seconds: float,
+) -> float:
+    rate = measurement.samples_per_second
+    if batches_per_epoch is None or rate <= 0:
+        return rate
+    if measurement.epochs_samples_per_second:
+        return measurement.epochs_samples_per_second
+    if params["persistent_workers"]:
+        startup = measurement.epoch_restart_seconds or refill_seconds
+    else:
+        startup = measurement.epoch_restart_seconds or measurement.time_to_first_batch
+    seconds = startup + (batches_per_epoch - 1) * batch_size / rate
+    return batches_per_epoch * batch_size / seconds
