@@ -6,6 +6,7 @@ Example::
 
     result = autoloader.tune(dataset, train_step, batch_size=64)
     result.save("best.json")
+    print(autoloader.report(result))
     loader = result.make_loader(dataset)
 """
 
@@ -25,6 +26,8 @@ from autoloader._exceptions import (
 from autoloader._tune import tune
 from autoloader.checks._environment import Environment
 from autoloader.loader._thread_loader import ThreadLoader
+from autoloader.results._plot import plot
+from autoloader.results._report import report
 from autoloader.results._result import TrialRecord, TuneResult, load
 from autoloader.search._space import SearchSpace
 
@@ -50,5 +53,7 @@ __all__ = [
     "__version__",
     "diagnose",
     "load",
+    "plot",
+    "report",
     "tune",
 ]

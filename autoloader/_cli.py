@@ -26,6 +26,7 @@ from autoloader._exceptions import AutoloaderError
 
 def _tune(args: argparse.Namespace) -> int:
     from autoloader._tune import tune
+    from autoloader.results._report import report
 
     dataset = factory = args.dataset
     if not isinstance(dataset, Dataset) and callable(factory):
@@ -53,26 +54,28 @@ def _tune(args: argparse.Namespace) -> int:
     )
     # Saved first: a report that fails to print (a closed pipe) loses nothing measured.
     path = result.save(args.out)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if path is None or (dist.is_initialized() and dist.get_rank() != 0):
         return 0  # every rank holds the same result: rank 0 saves and prints it
-    print(result.report())
+    print(report(result))
     print(f"\nsaved to {path}: autoloader.load({str(path)!r}).make_loader(dataset)")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
+    from autoloader.results._report import report
     from autoloader.results._result import load
 
-    print(load(args.result).report())
+    print(report(load(args.result)))
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from autoloader.results._plot import plot
     from autoloader.results._result import load
 
     result = load(args.result)
     try:
-        result.plot(args.output)
+        plot(result, args.output)
     except ImportError as error:
         raise AutoloaderError(str(error)) from None
     print(f"wrote {args.output}")
@@ -82,6 +85,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from autoloader._demo import SleepStep, SyntheticImageDataset
     from autoloader._tune import tune
+    from autoloader.results._report import report
 
     dataset = SyntheticImageDataset(args.items, read_latency=args.read_latency)
     print(
@@ -100,7 +104,7 @@ def _demo(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
     )
     path = result.save(args.out)
-    print(result.report())
+    print(report(result))
     print(f"\nsaved to {path}; load it with autoloader.load({str(path)!r}).make_loader(dataset)")
     return 0
 

@@ -145,7 +145,7 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         row["trials"] = dict(collections.Counter(f"{t.phase} {t.state}" for t in result.trials))
         row["notes"] = list(result.notes)
         row["missing"] = dict(result.facts.get("missing") or {})
-        print(result.report(), flush=True)
+        print(autoloader.report(result), flush=True)
         row["epoch"] = epoch_check(result.make_loader(pipeline.dataset), pipeline)
         print(f"one epoch of the tuned loader: {row['epoch']}", flush=True)
         settings["tuned"] = lambda: result.make_loader(pipeline.dataset)

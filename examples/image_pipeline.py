@@ -111,7 +111,7 @@ def main() -> None:
         time_budget=args.time_budget,
         loader_kwargs={"shuffle": True},
     )
-    print(result.report())
+    print(autoloader.report(result))
     result.save(args.out)
     print(f"\nsaved {args.out}")
 

@@ -98,7 +98,7 @@ def main() -> None:
     )
     result.save(args.out)  # written by rank 0 only
     if rank == 0:
-        print(result.report())
+        print(autoloader.report(result))
     loader = result.make_loader(dataset)  # this rank's sampler, the tuned settings
     for epoch in range(args.epochs):
         if sampler is not None:

@@ -11,6 +11,7 @@ import pytest
 
 import autoloader
 from autoloader._cli import main
+from autoloader.loader._params import TUNED_KEYS
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -59,8 +60,13 @@ def test_demo_tunes_prints_the_report_and_saves(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     for text in ("num_workers", "with the defaults", "bottleneck", "trials", str(out)):
         assert text in done.stdout
-    assert json.loads(out.read_text())["schema_version"] == 4
-    assert autoloader.load(out).params["num_workers"] >= 0
+    assert json.loads(out.read_text())["schema_version"] == 5
+    # What it printed is the report of what it saved, and the search measured workers.
+    result = autoloader.load(out)
+    assert autoloader.report(result) in done.stdout
+    assert set(result.params) == set(TUNED_KEYS)
+    assert result.trials[0].phase == "baseline"
+    assert any(t.params["num_workers"] > 0 for t in result.trials if t.phase == "search")
 
 
 def test_tune_show_and_plot_a_user_pipeline(tmp_path: Path) -> None:
@@ -80,7 +86,7 @@ def test_tune_show_and_plot_a_user_pipeline(tmp_path: Path) -> None:
 
     shown = _run("show", str(out), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.strip() == result.report()
+    assert shown.stdout.strip() == autoloader.report(result)
 
     image = tmp_path / "tuning.png"
     drawn = _run("plot", str(out), "-o", str(image), cwd=tmp_path)

@@ -16,7 +16,7 @@ from autoloader import InvalidInputError, IsolationError, UnpicklableError
 from autoloader.loader._factory import default_start_method
 from autoloader.loader._params import normalize_params
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
-from autoloader.measure._errors import TrialError, TrialProcessDied
+from autoloader.measure._errors import TrialError, TrialProcessDied, exception_chain
 from autoloader.measure._isolation import SubprocessRunner
 from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded, process_memory, tree_memory
@@ -118,18 +118,33 @@ def test_a_worker_error_crosses_the_process_boundary_with_its_origin() -> None:
         _isolated(FailsInWorkersDataset(512)).measure(_params(2), max_seconds=5, deadlines=GENEROUS)
     assert info.value.summary.startswith("OSError: cannot open the second shard")
     assert re.search(r"tests/workloads\.py:\d+ in __getitem__$", info.value.where)
-    assert isinstance(info.value.error.__cause__ or info.value.error, BaseException)
+    # The chain of causes arrives as the same trial gives it in this process: the same
+    # exception types, in the same order, with the same messages' first lines.
+    with pytest.raises(TrialError) as here:
+        TrialRunner(FailsInWorkersDataset(512), noop_step, batch_size=2).measure(
+            _params(2), max_seconds=5, deadlines=GENEROUS
+        )
+    sent, local = list(exception_chain(info.value.error)), list(exception_chain(here.value.error))
+    assert isinstance(info.value.error, OSError)
+    assert [type(e) for e in sent] == [type(e) for e in local]
+    assert [str(e).splitlines()[0] for e in sent] == [str(e).splitlines()[0] for e in local]
     assert state_of(classify(info.value, params=_params(2))) == "failed"
 
 
 def test_a_vote_stops_the_trial_process_at_that_window() -> None:
+    seen: list[tuple[int, Measurement]] = []
+
     def vote(window: int, measurement: Measurement) -> bool:
+        seen.append((window, measurement))
         return window == 2
 
     m = _isolated(SleepDataset(4096), sleep_step).measure(
         _params(2), max_seconds=10, on_window=vote
     )
-    assert m.batches > 0 and m.duration < 10
+    # No window after the vote, and the trial's figures are those of the window voted on.
+    assert [window for window, _ in seen] == [1, 2]
+    assert m.batches == seen[-1][1].batches > 0
+    assert m.samples_per_second == seen[-1][1].samples_per_second
 
 
 def test_an_exception_from_on_window_stops_the_trial_process() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -252,15 +253,17 @@ def _joint_result() -> autoloader.TuneResult:
 
 
 def test_only_global_rank_0_writes_a_joint_result(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     result = _joint_result()
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
-    assert result.save(tmp_path / "best.json") == tmp_path / "best.json"
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert result.save(tmp_path / "best.json") is None  # not a path it never wrote
     assert not (tmp_path / "best.json").exists()
+    assert "rank 3 of a joint tuning: not writing" in caplog.text
     monkeypatch.setenv("RANK", "0")
-    result.save(tmp_path / "best.json")
+    assert result.save(tmp_path / "best.json") == tmp_path / "best.json"
     assert json.loads((tmp_path / "best.json").read_text())["environment"]["world_size"] == 8
 
 

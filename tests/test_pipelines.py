@@ -147,7 +147,7 @@ def test_the_report_names_each_failure_with_the_settings_that_met_it(
     result = _tune(pipeline, search_space={"num_workers": (2, 16)})
     assert result.params["num_workers"] <= 2
     _check_one_epoch(result, pipeline)
-    failures = result.report().split("\nfailures\n")[1].split("\n\n")[0]
+    failures = autoloader.report(result).split("\nfailures\n")[1].split("\n\n")[0]
     assert "- ValueError: No samples found in dataset; perhaps you have fewer shards" in failures
     assert "(in DataLoader worker process N)" in " ".join(failures.split())
     assert "num_workers " in failures and "Turn off" not in failures

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
+import autoloader
 from autoloader import TrialRecord
+from autoloader.results._report import report
 
 from .test_report import BASELINE, _result, _trial
 
@@ -25,7 +27,7 @@ def _trials() -> list[TrialRecord]:
 def test_plot_draws_each_prefetch_line_the_limits_and_every_trial(tmp_path: Path) -> None:
     result = _result(_trials(), {"num_workers": 4, "prefetch_factor": 2})
     path = tmp_path / "out" / "tuning.png"
-    figure = result.plot(path)
+    figure = autoloader.plot(result, path)
     assert path.read_bytes().startswith(b"\x89PNG")
     by_workers, history = figure.axes
     labels = by_workers.get_legend_handles_labels()[1]
@@ -44,17 +46,53 @@ def test_plot_draws_each_prefetch_line_the_limits_and_every_trial(tmp_path: Path
     assert "best so far" in history.get_legend_handles_labels()[1]
 
 
+def test_plot_draws_the_epoch_rates_and_its_title_gives_the_reports_figures() -> None:
+    """Once started, 4 workers run 1,800 samples/s, but 1,200 and 1,100 over an epoch,
+    start-up included: the plot, like the report, gives the rates over an epoch."""
+    from matplotlib.text import Text
+
+    tuned = {"num_workers": 4, "prefetch_factor": 2}
+    trials = [
+        BASELINE,
+        _trial(1, "search", tuned, 1200.0, samples_per_second=1800.0),
+        _trial(2, "runoff", tuned, 1100.0, samples_per_second=1700.0),
+    ]
+    result = _result(
+        trials,
+        tuned,
+        throughput=1150.0,
+        steady_throughput=1750.0,
+        steady_baseline=200.0,
+        startup_seconds=2.0,
+        startup_each_epoch=True,
+    )
+    figure = autoloader.plot(result)
+    by_workers, history = figure.axes
+    lines = {line.get_label(): line for line in by_workers.get_lines()}
+    assert list(lines["prefetch 2"].get_ydata()) == [1200.0]  # the best epoch rate
+    (star,) = [c for c in by_workers.collections if c.get_label().startswith("tuned")]
+    assert star.get_offsets()[0][1] == result.throughput
+    assert [c.get_offsets()[0][1] for c in history.collections[:3]] == [200.0, 1200.0, 1100.0]
+    (title,) = [t.get_text() for t in figure.findobj(Text) if t.get_text().startswith("autoloader")]
+    headline = " ".join(report(result).split())
+    assert "tuned 1,150 samples/s over an epoch = 5.75x the defaults" in title
+    assert (
+        "1,150 samples/s over an epoch, start-up included, against 200 with the defaults: 5.75x"
+        in headline
+    )
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     result = _result(_trials(), {"num_workers": 4, "prefetch_factor": 2})
     with pytest.raises(ImportError, match=r"pip install 'torch-autoloader\[plot\]'"):
-        result.plot()
+        autoloader.plot(result)
 
 
 def test_plot_draws_threads_and_processes_apart_where_both_were_measured() -> None:
     threads = {"num_workers": 4, "prefetch_factor": 2, "worker_kind": "threads"}
     trials = [*_trials(), _trial(7, "search", threads, 1300.0)]
-    figure = _result(trials, threads).plot()
+    figure = autoloader.plot(_result(trials, threads))
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
     assert list(lines["processes, prefetch 2"].get_ydata()) == [700.0, 1210.0]
     assert list(lines["threads, prefetch 2"].get_ydata()) == [1300.0]

@@ -35,6 +35,10 @@ def _result(**changes: Any) -> TuneResult:
         },
         "throughput": 700.0,
         "baseline": 150.0,
+        "steady_throughput": 910.0,
+        "steady_baseline": 155.0,
+        "startup_seconds": 2.5,
+        "startup_each_epoch": True,
         "batch_size": 8,
         "trials": (
             TrialRecord(
@@ -71,7 +75,10 @@ def test_json_round_trip(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # same machine: no warning
         again = autoloader.load(path)
     assert again == result
-    assert json.loads(path.read_text())["schema_version"] == 4
+    saved = json.loads(path.read_text())
+    assert saved["schema_version"] == 5
+    assert (saved["throughput"], saved["steady_throughput"]) == (700.0, 910.0)
+    assert (saved["startup_seconds"], saved["startup_each_epoch"]) == (2.5, True)
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
 
 
@@ -93,6 +100,7 @@ def test_a_version_2_file_has_its_trial_kinds_read_from_the_reasons(tmp_path: Pa
         ("pruned", "clearly slower than the best setting so far", "slower"),
         ("pruned", "memory: process tree reached 4.2 GiB", "memory"),
         ("failed", "worker crashed (SIGSEGV)", None),
+        ("failed", "shared memory: /dev/shm ran out (bus error)", "shared memory"),
     ]
     template = {k: v for k, v in data["trials"][0].items() if k != "kind"}
     data["trials"] = [
@@ -103,7 +111,31 @@ def test_a_version_2_file_has_its_trial_kinds_read_from_the_reasons(tmp_path: Pa
     path.write_text(json.dumps(data))
     trials = autoloader.load(path).trials
     assert [t.kind for t in trials] == [kind for _, _, kind in reasons]
-    assert [t.too_short for t in trials] == [True, False, False, False]
+    assert [t.too_short for t in trials] == [True, False, False, False, False]
+
+
+def test_a_version_4_file_has_its_steady_rates_as_throughput_and_as_steady_rates(
+    tmp_path: Path,
+) -> None:
+    """Versions 1 to 4 kept the steady rates only; their start-up is unknown."""
+    data = _result().as_dict()
+    data["schema_version"] = 4
+    for key in ("steady_throughput", "steady_baseline", "startup_seconds", "startup_each_epoch"):
+        del data[key]
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps(data))
+    again = autoloader.load(path)
+    assert (again.throughput, again.baseline) == (700.0, 150.0)
+    assert (again.steady_throughput, again.steady_baseline) == (700.0, 150.0)
+    assert again.startup_seconds is None and again.startup_each_epoch is False
+    assert again.trials == _result().trials and again.params == _result().params
+    # Saved again, it is a version 5 file that reads back the same.
+    assert autoloader.load(again.save(tmp_path / "v5.json")) == again
+
+
+def test_a_result_without_steady_rates_round_trips(tmp_path: Path) -> None:
+    result = _result(steady_throughput=None, steady_baseline=None, startup_seconds=None)
+    assert autoloader.load(result.save(tmp_path / "best.json")) == result
 
 
 def test_a_partial_result_stays_partial(tmp_path: Path) -> None:
@@ -241,6 +273,9 @@ def test_malformed_files_are_rejected(tmp_path: Path, content: str, message: str
     ("key", "value", "message"),
     [
         ("throughput", "fast", "field 'throughput' has the wrong type"),
+        ("steady_throughput", "fast", "field 'steady_throughput' has the wrong type"),
+        ("startup_seconds", True, "field 'startup_seconds' has the wrong type"),
+        ("startup_each_epoch", 1, "field 'startup_each_epoch' has the wrong type"),
         ("batch_size", True, "field 'batch_size' has the wrong type"),
         ("partial", "yes", "field 'partial' has the wrong type"),
         ("trials", [{"number": 0}], "malformed trial record"),
@@ -254,6 +289,15 @@ def test_wrong_fields_are_rejected(tmp_path: Path, key: str, value: object, mess
     path = tmp_path / "best.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ResultFileError, match=message):
+        autoloader.load(path)
+
+
+def test_a_version_5_file_without_its_steady_rates_is_rejected(tmp_path: Path) -> None:
+    data = _result().as_dict()
+    del data["steady_baseline"]
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="missing field 'steady_baseline'"):
         autoloader.load(path)
 
 

@@ -37,6 +37,22 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int) -> None:
+    """Until the storage holds a trial numbered past ``after`` that has started and not
+    finished."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert child.poll() is None, "the tuning run ended before it could be killed"
+        with contextlib.suppress(KeyError, ValueError):  # no study yet
+            (summary,) = optuna.get_all_study_summaries(url)
+            study = optuna.load_study(study_name=summary.study_name, storage=url)
+            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if any(t.number > after for t in running):
+                return
+        time.sleep(0.02)
+    raise AssertionError("no trial started within 60 s")
+
+
 def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'study.db'}"
     root = Path(__file__).resolve().parents[1]
@@ -52,7 +68,7 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
         for line in child.stderr:  # the ladder's second setting has finished
             if line.startswith("trial 2 "):
                 break
-        time.sleep(0.4)  # into the next trial, which takes a second or more
+        _wait_for_a_running_trial(url, child, after=2)  # into the next trial
         os.kill(child.pid, signal.SIGKILL)  # the tuner alone, as the OOM killer would
         child.wait(timeout=30)
     finally:

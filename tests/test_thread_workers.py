@@ -201,12 +201,15 @@ def test_each_thread_pins_the_batch_it_loaded(monkeypatch: pytest.MonkeyPatch) -
         (SleepDataset(), {"multiprocessing_context": "fork"}, "multiprocessing_context"),
         (SleepDataset(), {"num_workers": -1}, "non-negative"),
         (SleepDataset(), {"num_workers": 2, "prefetch_factor": 0}, "at least 1"),
+        # DataLoader's own checks, raised as autoloader's error too
+        (SleepDataset(), {"batch_size": 4, "batch_sampler": [[0, 1]]}, "batch_sampler"),
     ],
 )
 def test_options_for_worker_processes_are_refused(
     dataset: Any, options: dict[str, Any], match: str
 ) -> None:
-    with pytest.raises(ValueError, match=match):
+    # An InvalidInputError, which is also the ValueError DataLoader raises.
+    with pytest.raises(autoloader.InvalidInputError, match=match):
         ThreadLoader(dataset, **options)
 
 

@@ -116,9 +116,9 @@ def test_a_crash_or_the_nodes_memory_on_one_rank_fails_the_trial_for_every_rank(
     assert crashed and all("(on rank 1)" in t["reason"] for t in crashed)
     assert result["params"]["num_workers"] <= 2
     assert any("tuned jointly by 2 ranks" in note for note in result["notes"])
-    # Only rank 0 wrote the file; every rank was told where it is.
+    # Only rank 0 wrote the file and returned its path; rank 1 was told it wrote nothing.
     assert (tmp_path / "best.json").exists()
-    assert {reports[r]["saved"] for r in (0, 1)} == {str(tmp_path / "best.json")}
+    assert [reports[r]["saved"] for r in (0, 1)] == [str(tmp_path / "best.json"), "None"]
     _assert_nothing_left(tmp_path)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -163,12 +163,15 @@ def check_picklable(objects: Mapping[str, object], method: str) -> None:
             )
 
 
-ISOLATIONS = ("in-process", "subprocess")
+# Where trials run: here, or each in a fresh process (measure/_isolation.py).
+Isolation = Literal["in-process", "subprocess"]
+ISOLATIONS: tuple[Isolation, ...] = get_args(Isolation)
 
 
-def check_isolation(isolation: object) -> str:
-    if isolation not in ISOLATIONS:
-        raise InvalidInputError(
-            f"isolation must be one of {', '.join(map(repr, ISOLATIONS))}, but got {isolation!r}."
-        )
-    return str(isolation)
+def check_isolation(isolation: object) -> Isolation:
+    for known in ISOLATIONS:
+        if isolation == known:
+            return known
+    raise InvalidInputError(
+        f"isolation must be one of {', '.join(map(repr, ISOLATIONS))}, but got {isolation!r}."
+    )

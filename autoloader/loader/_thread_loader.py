@@ -42,10 +42,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch._utils import KeyErrorMessage
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
-from torch.utils.data._utils.pin_memory import pin_memory as _pin
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from autoloader._exceptions import InvalidInputError
+from autoloader.loader._torch_compat import BaseDataLoaderIter, KeyErrorMessage
+from autoloader.loader._torch_compat import pin_memory as _pin
 
 _logger = logging.getLogger(__name__)
 
@@ -80,9 +81,9 @@ class ThreadLoader(DataLoader[_T_co]):
             ``generator``, ``pin_memory_device``).
 
     Raises:
-        ValueError: an option that only worker processes have (``worker_init_fn``,
-            ``multiprocessing_context``), an ``IterableDataset``, or DataLoader's own
-            checks.
+        InvalidInputError: (a ``ValueError``) an option that only worker processes
+            have (``worker_init_fn``, ``multiprocessing_context``), an
+            ``IterableDataset``, or DataLoader's own checks.
 
     Example::
 
@@ -113,46 +114,51 @@ class ThreadLoader(DataLoader[_T_co]):
         in_order: bool = True,
     ) -> None:
         if isinstance(dataset, IterableDataset):
-            raise ValueError(
+            raise InvalidInputError(
                 "ThreadLoader loads map-style datasets: an IterableDataset is split among "
                 "worker processes by get_worker_info(), which threads do not have. Use a "
                 "DataLoader with worker processes."
             )
         if worker_init_fn is not None or multiprocessing_context is not None:
             option = "worker_init_fn" if worker_init_fn is not None else "multiprocessing_context"
-            raise ValueError(
+            raise InvalidInputError(
                 f"ThreadLoader's workers are threads of this process: {option} sets up "
                 "worker processes. Drop it, or use a DataLoader with worker processes."
             )
         if num_workers < 0:
-            raise ValueError(
+            raise InvalidInputError(
                 "num_workers option should be non-negative; use num_workers=0 to load in "
                 "the main thread."
             )
         if prefetch_factor is not None and prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be at least 1 but got {prefetch_factor}.")
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            batch_sampler=batch_sampler,
-            num_workers=0,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            timeout=timeout,
-            generator=generator,
-            pin_memory_device=pin_memory_device,
-            in_order=in_order,
-        )
+            raise InvalidInputError(
+                f"prefetch_factor must be at least 1 but got {prefetch_factor}."
+            )
+        try:
+            super().__init__(
+                dataset,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                sampler=sampler,
+                batch_sampler=batch_sampler,
+                num_workers=0,
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                drop_last=drop_last,
+                timeout=timeout,
+                generator=generator,
+                pin_memory_device=pin_memory_device,
+                in_order=in_order,
+            )
+        except ValueError as error:  # DataLoader's own checks (batch_size with a batch_sampler...)
+            raise InvalidInputError(str(error)) from error
         # DataLoader was built without workers, which it would start as processes.
         self.num_workers = num_workers
         self.prefetch_factor = (prefetch_factor or 2) if num_workers > 0 else None
         self.worker_kind = "threads"
         del persistent_workers  # threads start in microseconds: nothing to keep
 
-    def _get_iterator(self) -> _BaseDataLoaderIter:
+    def _get_iterator(self) -> BaseDataLoaderIter:
         return _ThreadIterator(self)
 
     def __repr__(self) -> str:
@@ -273,8 +279,9 @@ def _describe_index(error: BaseException, index: Any) -> str:
 
 class _Fetcher:
     """Loads one batch as DataLoader's map-style fetcher does, naming the item that
-    failed (see ``torch.utils.data._utils.fetch._MapDatasetFetcher``). A thing of its
-    own, not a method of the iterator, which the threads must not keep alive."""
+    failed (see ``_MapDatasetFetcher`` in torch's ``torch/utils/data/_utils/fetch.py``).
+    A thing of its own, not a method of the iterator, which the threads must not keep
+    alive."""
 
     def __init__(
         self, dataset: Dataset[Any], auto_collation: bool, collate_fn: Callable[[Any], Any]
@@ -300,7 +307,7 @@ class _Fetcher:
         return self.collate_fn(items)
 
 
-class _ThreadIterator(_BaseDataLoaderIter):
+class _ThreadIterator(BaseDataLoaderIter):
     """One epoch of a :class:`ThreadLoader`."""
 
     def __init__(self, loader: ThreadLoader[Any]) -> None:
@@ -312,7 +319,7 @@ class _ThreadIterator(_BaseDataLoaderIter):
             device = self._pin_memory_device
 
             def pin(data: Any) -> Any:
-                return _pin(data, device)  # type: ignore[no-untyped-call]
+                return _pin(data, device)
 
         self._pin = pin
         self._fetch = _Fetcher(self._dataset, self._auto_collation, self._collate_fn)
@@ -378,6 +385,7 @@ class _ThreadIterator(_BaseDataLoaderIter):
                     return pool.done.pop(min(pool.done))
                 left = None if ends is None else ends - time.monotonic()
                 if left is not None and left <= 0:
+                    # DataLoader's own error and words for its timeout: a drop-in.
                     raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
                 pool.lock.wait(left)
 

@@ -1,12 +1,15 @@
-"""``TuneResult.plot()``: what the trials measured, as a picture (matplotlib, optional).
+"""``autoloader.plot(result)``: what the trials measured, as a picture (matplotlib, optional).
 
-Left: steady samples/s against ``num_workers``, one line per ``prefetch_factor``
-(and per fetch mode where batched fetch was searched, per worker kind where threads
-and processes were both measured), the best of each setting's other
+Every rate drawn is the one the report gives and the settings were chosen by: samples
+per second over a training epoch, worker start-up included (``NOTE [ Headline rates ]``
+in ``_report.py``). Left: those samples/s against ``num_workers``, one line per
+``prefetch_factor`` (and per fetch mode where batched fetch was searched, per worker
+kind where threads and processes were both measured), the best of each setting's other
 options at each point; the step's ceiling and the baseline as horizontal lines; the
-tuned setting starred; pruned trials as crosses at the rate they had when stopped,
-failed ones, and those too short to measure, as triangles on the axis. Right: the
-search's history, trial by trial, with the best so far.
+tuned setting starred; pruned trials (which have no epoch rate) as crosses at the
+steady rate they had when stopped, failed ones, and those too short to measure, as
+triangles on the axis. Right: the search's history, trial by trial, with the best so
+far.
 """
 
 from __future__ import annotations
@@ -25,11 +28,24 @@ _PHASE_COLOURS = {"baseline": "tab:gray", "search": "tab:blue", "runoff": "tab:o
 
 
 def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figure:
+    """Draw the trials of ``result``: samples/s against ``num_workers``, one line per
+    ``prefetch_factor``, the step's ceiling and the baseline, pruned and failed trials
+    marked; and the search's history. Needs matplotlib
+    (``pip install "torch-autoloader[plot]"``).
+
+    Args:
+        result: what :func:`autoloader.tune` returned or :func:`autoloader.load` read.
+        path: where to save the figure (PNG, SVG, PDF by the suffix); ``None`` only
+            returns it.
+
+    Returns:
+        The ``matplotlib.figure.Figure``.
+    """
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError(
-            "TuneResult.plot() needs matplotlib: pip install 'torch-autoloader[plot]' "
+            "autoloader.plot() needs matplotlib: pip install 'torch-autoloader[plot]' "
             "(or pip install matplotlib)."
         ) from None
     # A Figure made directly, not through pyplot: no GUI backend, no global state.
@@ -39,7 +55,8 @@ def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figu
     _draw_history(history, result)
     figure.suptitle(
         f"autoloader: batch size {result.batch_size}, {result.environment.usable_cpus} CPUs, "
-        f"tuned {result.throughput:,.0f} samples/s = {result.speedup:.2f}x the defaults"
+        f"tuned {result.throughput:,.0f} samples/s over an epoch = {result.speedup:.2f}x the "
+        "defaults"
     )
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -48,11 +65,12 @@ def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figu
 
 
 def _rate(record: TrialRecord) -> float | None:
-    """Steady samples/s, as ``TuneResult.throughput`` and ``baseline``; a pruned trial
-    has only the estimate it was stopped on, and one too short to measure none."""
+    """Samples/s over an epoch, as ``TuneResult.throughput`` and ``baseline``; a pruned
+    trial has only the steady estimate it was stopped on, and one too short to measure
+    none."""
     if record.too_short:
         return None
-    return record.samples_per_second or record.epoch_samples_per_second
+    return record.epoch_samples_per_second or record.samples_per_second
 
 
 def _draw_by_workers(axes: Any, result: TuneResult) -> None:
@@ -135,7 +153,7 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
         label="tuned (median of its runs)",
     )
     axes.set_xlabel("num_workers")
-    axes.set_ylabel("samples/s")
+    axes.set_ylabel("samples/s over an epoch")
     axes.set_title("Throughput by setting (best of the other options)")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
@@ -166,7 +184,7 @@ def _draw_history(axes: Any, result: TuneResult) -> None:
         if any(t.phase == phase for t in result.trials):
             axes.scatter([], [], color=colour, s=22, label=phase)
     axes.set_xlabel("trial")
-    axes.set_ylabel("samples/s")
+    axes.set_ylabel("samples/s over an epoch")
     axes.set_title(f"Search history ({len(result.trials)} trials, {result.tuning_seconds:.0f} s)")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)

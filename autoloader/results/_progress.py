@@ -34,8 +34,10 @@ class Progress:
 
     def trial_done(self, record: TrialRecord) -> None:
         self._counts[record.state] = self._counts.get(record.state, 0) + 1
-        if record.state == "complete" and record.samples_per_second:
-            self._best = max(self._best, record.samples_per_second)
+        # The rate settings are chosen by: over an epoch, start-up included.
+        rate = record.epoch_samples_per_second or record.samples_per_second
+        if record.state == "complete" and rate:
+            self._best = max(self._best, rate)
         elapsed = min(perf_counter() - self._started, float(self._bar.total))
         self._bar.update(elapsed - self._bar.n)
         self._bar.set_postfix_str(

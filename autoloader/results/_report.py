@@ -1,5 +1,14 @@
 """Plain-text summaries of a tuning result: a short one, and the report with advice.
 
+NOTE [ Headline rates ]
+The report's throughput, baseline and speedup are the objective the settings were
+chosen by: samples per second over a training epoch, worker start-up included
+(``NOTE [ Epoch model ]``), the figures :func:`autoloader.plot` draws too. Where the
+steady rates (start-up excluded) differ from them by more than ``_SAME_RATE``, they are
+shown beside them with the start-up that makes the difference, labelled each epoch
+(workers not persistent) or once (persistent workers). The step's ceiling is a steady
+rate, so the share of it the loop reaches is the steady rate's.
+
 NOTE [ Advice ]
 Every line of advice quotes a figure measured in the same run, and is given only when
 that figure says it applies:
@@ -34,6 +43,7 @@ from autoloader.loader._params import BASELINE_PARAMS, TUNED_KEYS
 from autoloader.measure._units import format_bytes, format_seconds
 from autoloader.results._result import TrialRecord, TuneResult
 from autoloader.search._cost_model import step_competes_with_workers
+from autoloader.search._outcome import FaultKind
 
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
 _SHM_SHARE = 0.25
@@ -41,6 +51,8 @@ _SHM_SHARE = 0.25
 _STILL_WAITING = 0.2
 # Above this ratio, batched fetch is worth telling about.
 _BATCHED_GAIN = 1.1
+# Rates within this fraction of each other are shown as one (``NOTE [ Headline rates ]``).
+_SAME_RATE = 0.02
 
 
 def describe(record: TrialRecord) -> str:
@@ -54,11 +66,16 @@ def describe(record: TrialRecord) -> str:
     setting += "".join(f" {name}={value}" for name, value in _unusual(p))
     if record.state != "complete":
         return f"trial {record.number} [{record.phase}] {setting}: {record.state} ({record.reason})"
-    rate = record.samples_per_second or 0.0
+    rate = _rate(record)
+    steady = record.samples_per_second
+    if steady is not None and _differs(steady, rate):
+        rates = f"{rate:.0f} samples/s over an epoch ({steady:.0f} steady)"
+    else:
+        rates = f"{rate:.0f} samples/s"
     wait = record.data_wait_fraction or 0.0
     memory = format_bytes(record.peak_memory or 0)
     return (
-        f"trial {record.number} [{record.phase}] {setting}: {rate:.0f} samples/s, "
+        f"trial {record.number} [{record.phase}] {setting}: {rates}, "
         f"waits {wait:.0%} for data, peak {memory}"
     )
 
@@ -81,7 +98,15 @@ def _unusual(params: dict[str, object]) -> list[tuple[str, str]]:
 
 
 def report(result: TuneResult) -> str:
-    """The report of ``TuneResult.report()`` and ``autoloader show``."""
+    """A readable report of ``result`` (what ``autoloader show`` prints): the settings
+    against the defaults, the speedup, the bottleneck, and advice, each line backed by
+    a figure measured in the run.
+
+    Example::
+
+        result = autoloader.tune(dataset, train_step, batch_size=64)
+        print(autoloader.report(result))
+    """
     env = result.environment
     chosen = _chosen(result)
     baseline = _baseline(result)
@@ -101,9 +126,10 @@ def report(result: TuneResult) -> str:
     rows = [
         (
             "throughput",
-            f"{result.throughput:,.0f} samples/s against {result.baseline:,.0f} with the "
-            f"defaults: {result.speedup:.2f}x",
-        )
+            f"{result.throughput:,.0f} samples/s over an epoch, start-up included, against "
+            f"{result.baseline:,.0f} with the defaults: {result.speedup:.2f}x",
+        ),
+        *_steady_rows(result),
     ]
     if baseline and chosen and baseline.data_wait_fraction is not None:
         rows.append(
@@ -195,10 +221,18 @@ def failures(result: TuneResult) -> Iterator[str]:
 
 def advise(result: TuneResult) -> Iterator[str]:
     """Advice lines, each backed by a figure of this run (see ``NOTE [ Advice ]``)."""
-    complete = [t for t in result.trials if t.state == "complete" and t.samples_per_second]
-    chosen = _chosen(result)
-    facts = result.facts
+    for advice in (
+        _batched_fetch_advice,
+        _copy_on_read_advice,
+        _shared_memory_advice,
+        _still_waiting_advice,
+        _randomness_advice,
+    ):
+        yield from advice(result)
 
+
+def _batched_fetch_advice(result: TuneResult) -> Iterator[str]:
+    complete = [t for t in result.trials if t.state == "complete" and t.samples_per_second]
     batched = [t for t in complete if t.params.get("batched_fetch")]
     one_by_one = [t for t in complete if not t.params.get("batched_fetch")]
     if batched and one_by_one:
@@ -213,6 +247,9 @@ def advise(result: TuneResult) -> Iterator[str]:
                 "loader_kwargs(dataset)."
             )
 
+
+def _copy_on_read_advice(result: TuneResult) -> Iterator[str]:
+    facts = result.facts
     per_worker = copied_per_worker(facts)
     if per_worker is not None and result.params.get("worker_kind") != "threads":
         workers = result.params["num_workers"]
@@ -231,6 +268,9 @@ def advise(result: TuneResult) -> Iterator[str]:
             "objects."
         )
 
+
+def _shared_memory_advice(result: TuneResult) -> Iterator[str]:
+    chosen, facts = _chosen(result), result.facts
     shm = facts.get("shm_bytes")
     if chosen and shm and chosen.batch_bytes and result.params["num_workers"]:
         workers = result.params["num_workers"]
@@ -245,13 +285,16 @@ def advise(result: TuneResult) -> Iterator[str]:
                 "lower prefetch_factor, or workers fail with bus errors or 'No space left "
                 "on device'."
             )
-    shm_failures = [t for t in result.trials if t.reason and "shm" in t.reason.lower()]
+    shm_failures = [t for t in result.trials if t.kind == FaultKind.SHARED_MEMORY.value]
     if shm_failures:
         yield (
             f"{len(shm_failures)} trial(s) failed on shared memory (/dev/shm is "
             f"{format_bytes(shm or 0)}): give it more room (in Docker: --shm-size)."
         )
 
+
+def _still_waiting_advice(result: TuneResult) -> Iterator[str]:
+    chosen, facts = _chosen(result), result.facts
     if (
         chosen
         and (chosen.data_wait_fraction or 0) >= _STILL_WAITING
@@ -285,7 +328,9 @@ def advise(result: TuneResult) -> Iterator[str]:
                 )
         yield line
 
-    if facts.get("workers_repeat_randomness"):
+
+def _randomness_advice(result: TuneResult) -> Iterator[str]:
+    if result.facts.get("workers_repeat_randomness"):
         yield (
             "Workers repeat each other's randomness: item 0 read first in two workers "
             "gave the same random result, while two reads in this process differ. The "
@@ -331,11 +376,50 @@ def _bottleneck(
     )
     if chosen and chosen.step_seconds:
         ceiling = result.batch_size / chosen.step_seconds
+        steady = result.steady_throughput or result.throughput
         text += (
-            f"; tuned, the loop reaches {result.throughput / ceiling:.0%} of the step's "
+            f"; tuned, the loop's steady rate reaches {steady / ceiling:.0%} of the step's "
             f"ceiling of {ceiling:,.0f} samples/s"
         )
     return text
+
+
+def _steady_rows(result: TuneResult) -> list[tuple[str, str]]:
+    """The steady rates and the start-up, where the steady rates differ from the
+    headline's (see ``NOTE [ Headline rates ]``)."""
+    steady, steady_baseline = result.steady_throughput, result.steady_baseline
+    if steady is None or steady_baseline is None:
+        return []
+    if not (_differs(steady, result.throughput) or _differs(steady_baseline, result.baseline)):
+        return []
+    speedup = f": {steady / steady_baseline:.2f}x" if steady_baseline > 0 else ""
+    rows = [
+        (
+            "steady rate",
+            f"{steady:,.0f} samples/s once started, against {steady_baseline:,.0f} with the "
+            f"defaults{speedup}",
+        )
+    ]
+    seconds = result.startup_seconds
+    if seconds is not None:
+        start = (
+            "to start the workers and load the first batch"
+            if result.params.get("num_workers")
+            else "to load the first batch"
+        )
+        if result.startup_each_epoch:
+            when = f"each epoch {start} (workers not persistent), counted in the throughput"
+        else:
+            when = (
+                f"once per training run {start} (persistent workers), not counted in the "
+                "throughput: later epochs only refill the pipeline"
+            )
+        rows.append(("start-up", f"{seconds:.2f} s {when}"))
+    return rows
+
+
+def _differs(rate: float, headline: float) -> bool:
+    return abs(rate - headline) > _SAME_RATE * abs(headline)
 
 
 def _step_cpu(result: TuneResult, baseline: TrialRecord) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -18,13 +19,18 @@ from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
 from autoloader.checks._environment import Environment, world
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
 from autoloader.loader._params import TUNED_KEYS, normalize_params
-from autoloader.search._outcome import Completed, Trial, state_of
+from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
 
-SCHEMA_VERSION = 4
+_logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 5
 # Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
 # it measured. Version 2 had no trial kinds: they are read from the reasons' words.
-# Version 3 had no worker_kind: its workers were processes.
-_READABLE_VERSIONS = (1, 2, 3, 4)
+# Version 3 had no worker_kind: its workers were processes. Versions 1 to 4 kept one
+# throughput and baseline, the steady rates (the settings were chosen by the epoch
+# rate, which they did not keep): those are read as the steady rates and kept as
+# throughput and baseline too; their start-up is unknown.
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # How versions 1 and 2 worded the reasons of trials pruned as slower or too short.
 _V2_SLOWER = "clearly slower than the best setting so far"
 _V2_TOO_SHORT = "too short"
@@ -131,11 +137,26 @@ class TuneResult:
     """Tuned DataLoader settings and how they were measured.
 
     Attributes:
-        params: the tuned settings (``num_workers``, ``prefetch_factor``,
-            ``persistent_workers``, ``pin_memory``).
-        throughput: samples/s of the training loop with ``params``.
-        baseline: samples/s of the loop with ``num_workers=0`` defaults, measured in
-            the same run.
+        params: the tuned settings, by name: ``DataLoader`` options (``num_workers``,
+            ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``in_order``)
+            and autoloader's own keys, which no ``DataLoader`` takes
+            (``batched_fetch``, ``worker_threads``, ``worker_kind``). Not for
+            ``DataLoader(**params)``: :meth:`loader_kwargs` turns them into the
+            keyword arguments to splat, and :meth:`make_loader` builds the loader.
+        throughput: samples per second of the training loop with ``params`` over a
+            training epoch, worker start-up included: the objective the settings were
+            chosen by (``NOTE [ Epoch model ]``), the median over the setting's trials.
+            In files of schema versions 1 to 4, the steady rate (see below).
+        baseline: the same for the ``num_workers=0`` defaults, measured in the same run.
+        steady_throughput: samples/s with ``params`` once the workers run, start-up
+            excluded (median over the same trials); ``None`` if not given. Files of
+            versions 1 to 4 kept only this rate: it is also their ``throughput``.
+        steady_baseline: the same for the defaults.
+        startup_seconds: seconds to start the workers of ``params`` and get the first
+            batch; ``None`` if unknown (files of versions 1 to 4).
+        startup_each_epoch: whether every epoch pays ``startup_seconds`` (workers not
+            persistent: ``throughput`` includes it) or only the first of a training run
+            (persistent workers: ``throughput`` charges later epochs a refill only).
         batch_size: the batch size tuned for.
         trials: one record per trial, in the order they ran.
         environment: the machine the figures were measured on.
@@ -166,6 +187,10 @@ class TuneResult:
     environment: Environment
     tuning_seconds: float
     memory_budget: int
+    steady_throughput: float | None = None
+    steady_baseline: float | None = None
+    startup_seconds: float | None = None
+    startup_each_epoch: bool = False
     notes: tuple[str, ...] = ()
     partial: bool = False
     fixed_loader_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -175,7 +200,7 @@ class TuneResult:
 
     @property
     def speedup(self) -> float:
-        """``throughput / baseline``."""
+        """``throughput / baseline``: over a training epoch, start-up included."""
         return self.throughput / self.baseline if self.baseline > 0 else math.inf
 
     def loader_kwargs(
@@ -223,30 +248,6 @@ class TuneResult:
         of this process (see ``NOTE [ Thread workers ]``)."""
         return build_loader(dataset, self._options(overrides))
 
-    def report(self) -> str:
-        """A readable report: the settings against the defaults, the speedup, the
-        bottleneck, and advice, each line backed by a figure measured in this run."""
-        from autoloader.results._report import report
-
-        return report(self)
-
-    def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
-        """Draw the trials: samples/s against ``num_workers``, one line per
-        ``prefetch_factor``, the step's ceiling and the baseline, pruned and failed
-        trials marked; and the search's history. Needs matplotlib
-        (``pip install torch-autoloader[plot]``).
-
-        Args:
-            path: where to save the figure (PNG, SVG, PDF by the suffix); ``None``
-                only returns it.
-
-        Returns:
-            The ``matplotlib.figure.Figure``.
-        """
-        from autoloader.results._plot import plot
-
-        return plot(self, path)
-
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able content of the result file."""
         return {
@@ -255,6 +256,10 @@ class TuneResult:
             "throughput": self.throughput,
             "baseline": self.baseline,
             "speedup": self.speedup,
+            "steady_throughput": self.steady_throughput,
+            "steady_baseline": self.steady_baseline,
+            "startup_seconds": self.startup_seconds,
+            "startup_each_epoch": self.startup_each_epoch,
             "batch_size": self.batch_size,
             "fixed_loader_kwargs": dict(self.fixed_loader_kwargs),
             "unsaved_loader_kwargs": list(self.unsaved_loader_kwargs),
@@ -267,20 +272,23 @@ class TuneResult:
             "trials": [t.as_dict() for t in self.trials],
         }
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the result as JSON; the file is replaced atomically.
 
         In a torchrun job that tuned jointly, every rank holds the same result and only
-        global rank 0 writes it: the others return the path without writing, so that
-        every rank can call ``save()`` on a shared file system.
+        global rank 0 writes it: the others write nothing and return ``None`` (logged
+        at INFO), so that every rank can call ``save()`` on a shared file system.
 
         Returns:
-            The path written.
+            The path written, or ``None`` on a rank that does not write.
         """
         path = Path(path)
         rank, _, _ = world()
         if self.environment.world_size > 1 and rank != 0:
-            return path
+            _logger.info(
+                "rank %d of a joint tuning: not writing %s, which rank 0 writes", rank, path
+            )
+            return None
         text = json.dumps(self.as_dict(), indent=2, allow_nan=False) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -328,10 +336,26 @@ class TuneResult:
             fixed = _typed(data, "fixed_loader_kwargs", dict)
             if not all(isinstance(v, _JSON_SCALARS) for v in fixed.values()):
                 raise ResultFileError("fixed_loader_kwargs holds a value that is not a scalar")
+            throughput = float(_typed(data, "throughput", int | float))
+            baseline = float(_typed(data, "baseline", int | float))
+            steady_throughput: float | None
+            steady_baseline: float | None
+            if version < 5:  # they kept the steady rates only, as throughput and baseline
+                steady_throughput, steady_baseline = throughput, baseline
+                startup, each_epoch = None, False
+            else:
+                steady_throughput = _optional_float(data, "steady_throughput")
+                steady_baseline = _optional_float(data, "steady_baseline")
+                startup = _optional_float(data, "startup_seconds")
+                each_epoch = _typed(data, "startup_each_epoch", bool)
             return cls(
                 params=params,
-                throughput=float(_typed(data, "throughput", int | float)),
-                baseline=float(_typed(data, "baseline", int | float)),
+                throughput=throughput,
+                baseline=baseline,
+                steady_throughput=steady_throughput,
+                steady_baseline=steady_baseline,
+                startup_seconds=startup,
+                startup_each_epoch=each_epoch,
                 batch_size=_typed(data, "batch_size", int),
                 trials=tuple(trials),
                 environment=Environment.from_dict(_typed(data, "environment", dict)),
@@ -351,6 +375,9 @@ class TuneResult:
 
 def _v2_kind(record: Mapping[str, Any]) -> str | None:
     reason = str(record.get("reason") or "")
+    if record.get("state") == "failed":  # "shared memory: ...": the kind, then its story
+        prefix = reason.split(":", 1)[0]
+        return prefix if prefix in {kind.value for kind in FaultKind} else None
     if record.get("state") != "pruned":
         return None
     if reason == _V2_SLOWER:
@@ -367,6 +394,11 @@ def _typed(data: Mapping[str, Any], key: str, kind: Any) -> Any:
     if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
         raise ResultFileError(f"field {key!r} has the wrong type: {value!r}")
     return value
+
+
+def _optional_float(data: Mapping[str, Any], key: str) -> float | None:
+    value = _typed(data, key, int | float | None)
+    return None if value is None else float(value)
 
 
 def split_loader_kwargs(fixed: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
