@@ -53,7 +53,8 @@ from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes
-from autoloader.search._policy import epoch_samples_per_second, params_key
+from autoloader.search._known_failures import params_key
+from autoloader.search._objective import epoch_samples_per_second
 from autoloader.search._space import SearchSpace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

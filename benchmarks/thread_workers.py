@@ -41,7 +41,7 @@ from autoloader.loader._params import BASELINE_PARAMS, normalize_params
 from autoloader.measure._memory import MemoryWatch, tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes
-from autoloader.search._policy import params_key
+from autoloader.search._known_failures import params_key
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from copy_on_read import Records

@@ -1,1 +1,11 @@
-"""What is checked before any trial: the arguments, the dataset's facts, the machine."""
+"""What is checked before any trial: the arguments, the dataset's facts, the machine.
+
+Modules::
+
+    _validation     tune()'s arguments, refused with a clear error before any work
+    _facts          the checks before the search (copy-on-read, repeated randomness,
+                    thread safety...) and the facts the report's advice rests on
+    _batched_fetch  whether the dataset can be fetched a whole batch at a time
+    _environment    the machine (CPUs, memory, torch, accelerator, ranks), and how
+                    another machine differs from it
+"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -82,3 +83,9 @@ class Measurement:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Called after each timing window with the window's number and the estimate so far;
+# returns True to stop the trial there (a vote, not an exception: the runner returns
+# the estimate as measured, and every process of a trial can stop at the same window).
+WindowCallback = Callable[[int, Measurement], bool]

@@ -19,7 +19,7 @@ from autoloader.loader._factory import build_loader, merge_loader_kwargs
 from autoloader.measure._deadlines import Alarm, Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Alone, Lockstep
-from autoloader.measure._measurement import Measurement
+from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch, kill
 from autoloader.measure._supervision import (
     Guard,
@@ -31,12 +31,6 @@ from autoloader.measure._supervision import (
 from autoloader.measure._timing_loop import TimingLoop
 
 _T = TypeVar("_T")
-
-
-# Called after each timing window with the window's number and the estimate so far;
-# returns True to stop the trial there (a vote, not an exception: the runner returns
-# the estimate as measured, and every process of a trial can stop at the same window).
-WindowCallback = Callable[[int, Measurement], bool]
 
 
 class Runner(Protocol):

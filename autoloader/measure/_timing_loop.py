@@ -17,13 +17,12 @@ from torch.utils.data import DataLoader
 from autoloader.measure._device import move_to_device, synchronize
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
-from autoloader.measure._measurement import Measurement, t95
+from autoloader.measure._measurement import Measurement, WindowCallback, t95
 from autoloader.measure._memory import MemoryBudgetExceeded
 
 if TYPE_CHECKING:
     from autoloader.measure._deadlines import Deadlines
     from autoloader.measure._lockstep import Lockstep
-    from autoloader.measure._runner import WindowCallback
     from autoloader.measure._supervision import Guard
 
 # The most of a trial's time its warm-up may take (NOTE [ Warm-up ]). Each rank of a

@@ -74,6 +74,31 @@ def _rate(record: TrialRecord) -> float | None:
 
 
 def _draw_by_workers(axes: Any, result: TuneResult) -> None:
+    _draw_lines(axes, result)
+    _draw_references(axes, result)
+    _draw_unfinished(axes, result)
+    axes.scatter(
+        [result.params["num_workers"]],
+        [result.throughput],
+        marker="*",
+        s=320,
+        facecolors="none",  # hollow: the measured point under it stays visible
+        edgecolors="black",
+        linewidths=1.3,
+        zorder=4,
+        label="tuned (median of its runs)",
+    )
+    axes.set_xlabel("num_workers")
+    axes.set_ylabel("samples/s over an epoch")
+    axes.set_title("Throughput by setting (best of the other options)")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="lower right")
+
+
+def _draw_lines(axes: Any, result: TuneResult) -> None:
+    """One line per prefetch factor (and fetch mode, worker kind), the best of the
+    other options at each worker count."""
     complete = [t for t in result.trials if t.state == "complete" and _rate(t)]
     batched_searched = len({bool(t.params.get("batched_fetch")) for t in complete}) > 1
     kinds = {t.params.get("worker_kind", "processes") for t in complete if t.params["num_workers"]}
@@ -95,6 +120,9 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
         xs, ys = zip(*points, strict=True)
         axes.plot(xs, ys, marker="o", markersize=4, label=label)
 
+
+def _draw_references(axes: Any, result: TuneResult) -> None:
+    """The defaults' rate, and the step's ceiling where it is known."""
     axes.axhline(result.baseline, color="tab:gray", linestyle="--", linewidth=1)
     axes.annotate(
         f"defaults {result.baseline:,.0f}",
@@ -115,6 +143,11 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
             color="tab:red",
             fontsize=8,
         )
+
+
+def _draw_unfinished(axes: Any, result: TuneResult) -> None:
+    """Pruned trials at the rate they were stopped on; failed ones, and those too short
+    to measure, on the axis."""
     pruned = [t for t in result.trials if t.state == "pruned" and not t.too_short]
     if pruned:
         axes.scatter(
@@ -141,23 +174,6 @@ def _draw_by_workers(axes: Any, result: TuneResult) -> None:
             zorder=3,
             clip_on=False,
         )
-    axes.scatter(
-        [result.params["num_workers"]],
-        [result.throughput],
-        marker="*",
-        s=320,
-        facecolors="none",  # hollow: the measured point under it stays visible
-        edgecolors="black",
-        linewidths=1.3,
-        zorder=4,
-        label="tuned (median of its runs)",
-    )
-    axes.set_xlabel("num_workers")
-    axes.set_ylabel("samples/s over an epoch")
-    axes.set_title("Throughput by setting (best of the other options)")
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="lower right")
 
 
 def _draw_history(axes: Any, result: TuneResult) -> None:

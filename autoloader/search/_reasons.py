@@ -196,6 +196,8 @@ Note: TypeAlias = StopReason | Shortcoming | SpaceNote | RunNote
 
 def render(value: Note) -> str:
     """``value`` in words, as the log and ``TuneResult.notes`` say it."""
+    # Long on purpose: one case per type, every sentence in one place, and mypy checks
+    # (through _not_a_note) that no type is left without one.
     match value:
         case StepBound(at_baseline=True):
             return (
