@@ -23,14 +23,14 @@ from autoloader.distributed._ranks import Ranks
 from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
-from autoloader.measure._measurement import Measurement
+from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import (
     DEFAULT_BUDGET_SHARE,
     MemoryBudgetExceeded,
     available_memory,
     tree_memory,
 )
-from autoloader.measure._runner import TrialRunner, WindowCallback
+from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes, parse_bytes
 
 # Seconds between checkpoints: each costs a small all-reduce (about 0.2 ms between two

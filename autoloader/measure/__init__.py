@@ -26,7 +26,7 @@ from autoloader.measure._errors import (
 )
 from autoloader.measure._isolation import SubprocessRunner
 from autoloader.measure._lockstep import Checkpoint, Lockstep, PeerFailed
-from autoloader.measure._measurement import Measurement
+from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import (
     DEFAULT_BUDGET_SHARE,
     MemoryBudgetExceeded,
@@ -38,7 +38,7 @@ from autoloader.measure._memory import (
     tree_memory,
 )
 from autoloader.measure._pickling import describe_unpicklable
-from autoloader.measure._runner import Runner, TrialRunner, WindowCallback
+from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 
 __all__ = [
