@@ -159,10 +159,10 @@ def test_tune_saves_the_result_before_it_prints_the_report(
 
     monkeypatch.setattr("autoloader._tune.tune", lambda *args, **kwargs: _result())
 
-    def broken_report(self: object) -> str:
+    def broken_report(result: object) -> str:
         raise BrokenPipeError
 
-    monkeypatch.setattr("autoloader.results._result.TuneResult.report", broken_report)
+    monkeypatch.setattr("autoloader.results._report.report", broken_report)
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "pipeline_for_save.py").write_text(PIPELINE)
     out = tmp_path / "best.json"

@@ -121,9 +121,9 @@ def test_a_worker_error_crosses_the_process_boundary_with_its_origin() -> None:
     # The chain of causes arrives as the same trial gives it in this process: the same
     # exception types, in the same order, with the same messages' first lines.
     with pytest.raises(TrialError) as here:
-        TrialRunner(FailsInWorkersDataset(512), noop_step, batch_size=2).measure(
-            _params(2), max_seconds=5, deadlines=GENEROUS
-        )
+        TrialRunner(
+            FailsInWorkersDataset(512), noop_step, batch_size=2, memory_budget=2**40
+        ).measure(_params(2), max_seconds=5, deadlines=GENEROUS)
     sent, local = list(exception_chain(info.value.error)), list(exception_chain(here.value.error))
     assert isinstance(info.value.error, OSError)
     assert [type(e) for e in sent] == [type(e) for e in local]
