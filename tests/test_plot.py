@@ -82,6 +82,19 @@ def test_plot_draws_the_epoch_rates_and_its_title_gives_the_reports_figures() ->
     )
 
 
+def test_the_plot_and_the_report_give_the_same_step_ceiling() -> None:
+    """The step took 10 ms in most trials but 8 ms in the tuned setting's own: both
+    presenters draw the ceiling from the tuned setting's trial, 16 / 8 ms = 2,000."""
+    from matplotlib.text import Text
+
+    tuned = {"num_workers": 4, "prefetch_factor": 2}
+    trials = [*_trials()[:-1], _trial(6, "runoff", tuned, 1210.0, step_seconds=0.008)]
+    result = _result(trials, tuned)
+    texts = [t.get_text() for t in autoloader.plot(result).findobj(Text)]
+    assert "step ceiling 2,000" in texts
+    assert "of the step's ceiling of 2,000 samples/s" in " ".join(report(result).split())
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     result = _result(_trials(), {"num_workers": 4, "prefetch_factor": 2})

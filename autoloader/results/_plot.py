@@ -132,7 +132,7 @@ def _draw_references(axes: Any, result: TuneResult) -> None:
         color="tab:gray",
         fontsize=8,
     )
-    ceiling = _ceiling(result)
+    ceiling = result.step_ceiling
     if ceiling:
         axes.axhline(ceiling, color="tab:red", linestyle=":", linewidth=1.2)
         axes.annotate(
@@ -205,14 +205,6 @@ def _draw_history(axes: Any, result: TuneResult) -> None:
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="best")
-
-
-def _ceiling(result: TuneResult) -> float | None:
-    steps = [t.step_seconds for t in result.trials if t.state == "complete" and t.step_seconds]
-    if not steps:
-        return None
-    steps.sort()
-    return result.batch_size / steps[len(steps) // 2]
 
 
 def _line_order(label: str) -> tuple[int, str]:

@@ -108,7 +108,7 @@ def report(result: TuneResult) -> str:
         print(autoloader.report(result))
     """
     env = result.environment
-    chosen = _chosen(result)
+    chosen = result.chosen_trial
     baseline = _baseline(result)
     lines = [
         f"autoloader report: batch size {result.batch_size}, measured on "
@@ -139,7 +139,7 @@ def report(result: TuneResult) -> str:
                 f"{chosen.data_wait_fraction or 0:.0%} tuned",
             )
         )
-    bottleneck = _bottleneck(result, baseline, chosen)
+    bottleneck = _bottleneck(result, baseline)
     if bottleneck:
         rows.append(("bottleneck", bottleneck))
     if chosen and chosen.peak_memory:
@@ -270,7 +270,7 @@ def _copy_on_read_advice(result: TuneResult) -> Iterator[str]:
 
 
 def _shared_memory_advice(result: TuneResult) -> Iterator[str]:
-    chosen, facts = _chosen(result), result.facts
+    chosen, facts = result.chosen_trial, result.facts
     shm = facts.get("shm_bytes")
     if chosen and shm and chosen.batch_bytes and result.params["num_workers"]:
         workers = result.params["num_workers"]
@@ -294,7 +294,7 @@ def _shared_memory_advice(result: TuneResult) -> Iterator[str]:
 
 
 def _still_waiting_advice(result: TuneResult) -> Iterator[str]:
-    chosen, facts = _chosen(result), result.facts
+    chosen, facts = result.chosen_trial, result.facts
     if (
         chosen
         and (chosen.data_wait_fraction or 0) >= _STILL_WAITING
@@ -341,9 +341,7 @@ def _randomness_advice(result: TuneResult) -> Iterator[str]:
         )
 
 
-def _bottleneck(
-    result: TuneResult, baseline: TrialRecord | None, chosen: TrialRecord | None
-) -> str | None:
+def _bottleneck(result: TuneResult, baseline: TrialRecord | None) -> str | None:
     if not baseline or baseline.load_seconds is None or not baseline.step_seconds:
         return None
     load, step = baseline.load_seconds, baseline.step_seconds
@@ -374,8 +372,8 @@ def _bottleneck(
         f"loading: with the defaults a batch took {_ms(load)} to load ({kind}, "
         f"{min(cpu, 1.0):.0%} of it on the CPU), the step {_ms(step)}"
     )
-    if chosen and chosen.step_seconds:
-        ceiling = result.batch_size / chosen.step_seconds
+    ceiling = result.step_ceiling
+    if ceiling:
         steady = result.steady_throughput or result.throughput
         text += (
             f"; tuned, the loop's steady rate reaches {steady / ceiling:.0%} of the step's "
@@ -458,12 +456,6 @@ def _memory_saved(result: TuneResult, chosen: TrialRecord) -> str:
         f"({best.params['num_workers']} processes: {format_bytes(best.peak_memory or 0)}, "
         f"{_rate(best):,.0f} samples/s)"
     )
-
-
-def _chosen(result: TuneResult) -> TrialRecord | None:
-    """The latest complete measurement of the tuned setting (a runoff one if any)."""
-    matches = [t for t in result.trials if t.state == "complete" and t.params == result.params]
-    return matches[-1] if matches else None
 
 
 def _baseline(result: TuneResult) -> TrialRecord | None:

@@ -203,6 +203,21 @@ class TuneResult:
         """``throughput / baseline``: over a training epoch, start-up included."""
         return self.throughput / self.baseline if self.baseline > 0 else math.inf
 
+    @property
+    def chosen_trial(self) -> TrialRecord | None:
+        """The latest complete measurement of the tuned setting (a runoff one if any)."""
+        matches = [t for t in self.trials if t.state == "complete" and t.params == self.params]
+        return matches[-1] if matches else None
+
+    @property
+    def step_ceiling(self) -> float | None:
+        """Samples/s the step alone allows (batch size over the step's time, measured in
+        the tuned setting's trial): no loader setting can run faster."""
+        chosen = self.chosen_trial
+        if chosen is None or not chosen.step_seconds:
+            return None
+        return self.batch_size / chosen.step_seconds
+
     def loader_kwargs(
         self, dataset: Dataset[Any] | None = None, /, **overrides: Any
     ) -> dict[str, Any]:
