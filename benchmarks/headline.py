@@ -79,7 +79,8 @@ def main() -> None:
     print(report, flush=True)
 
     tuned = result.make_loader(dataset)
-    default = DataLoader(dataset, batch_size=args.batch_size, **fixed)
+    # The defaults load in the main process: DataLoader refuses a start method there.
+    default = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     times: dict[str, list[float]] = {"tuned": [], "default": []}
     for epoch in range(args.epochs):  # interleaved, the order alternating
         order = ("tuned", "default") if epoch % 2 == 0 else ("default", "tuned")
