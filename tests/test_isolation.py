@@ -197,8 +197,12 @@ def test_a_run_goes_on_when_settings_kill_the_trial_process() -> None:
         SleepDataset(4096, latency=0.002),
         StepWithFault("SIGSEGV", from_workers=3),
         batch_size=4,
-        time_budget=15,
+        time_budget=20,
         n_trials=3,
+        # The fault counts worker processes: thread workers would never meet it. From 2
+        # workers, the ladder's second trial (4) crashes: the search meets the fault even
+        # when trial processes start slowly on a loaded machine and few trials fit.
+        search_space={"worker_kind": "processes", "num_workers": (2, 16)},
         show_progress=False,
         isolation="subprocess",
     )
