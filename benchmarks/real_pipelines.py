@@ -43,10 +43,12 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 import autoloader
+from autoloader.loader import build_loader, merge_loader_kwargs
 from autoloader.measure._errors import describe_error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipelines import NAMES, Pipeline, build, epoch_ids
+from revisions import CHECKOUT, checkout, setting, tune_at
 
 HAND_WORKERS = (0, 1, 2, 3, 4, 8)
 
@@ -126,6 +128,69 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         print(f"diagnose: {row['verdict']} in {row['diagnose_seconds']:.1f} s", flush=True)
 
     settings: dict[str, Callable[[], DataLoader[Any]]] = {}
+    if args.before:
+        finalists_extra = tune_side_by_side(pipeline, args, row, settings)
+    else:
+        tune_here(pipeline, args, row, settings)
+        finalists_extra = []
+
+    for workers in HAND_WORKERS:
+        settings[f"num_workers={workers}"] = lambda w=workers: hand_loader(pipeline, w)
+    failures: dict[str, str] = {}
+    rates = interleave(settings, list(settings), args.rounds, pipeline, args.seconds, failures)
+    row["rates"] = {name: (statistics.median(v), min(v), max(v)) for name, v in rates.items() if v}
+    row["failures"] = failures
+    hand = {n: r[0] for n, r in row["rates"].items() if n.startswith("num_workers=")}
+    finalists = sorted(hand, key=hand.__getitem__, reverse=True)[:2]
+    if "tuned" in row["rates"] and finalists:
+        final = interleave(
+            settings,
+            ["tuned", *finalists_extra, *finalists],
+            args.final_rounds,
+            pipeline,
+            args.seconds,
+            failures,
+        )
+        row["final"] = {
+            name: (statistics.median(v), min(v), max(v)) for name, v in final.items() if v
+        }
+        measured = [name for name in finalists if name in row["final"]]
+        if "tuned" in row["final"] and measured:
+            best_hand = max(measured, key=lambda name: row["final"][name][0])
+            row["best_hand"] = best_hand
+            row["ratio"] = row["final"]["tuned"][0] / row["final"][best_hand][0]
+            for name in finalists_extra:
+                if name in row["final"]:
+                    row["before_ratio"] = row["final"][name][0] / row["final"][best_hand][0]
+    elif finalists:
+        row["best_hand"] = finalists[0]
+    print("side by side (unique samples/s, median and min-max of rounds):")
+    for name, (median, low, high) in row["rates"].items():
+        print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
+    for name, reason in failures.items():
+        print(f"  {name:<16} fails: {reason}")
+    if "ratio" in row:
+        print(f"the tuned setting(s) and the two best by hand, {args.final_rounds} more rounds:")
+        for name, (median, low, high) in row["final"].items():
+            print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
+        same = isinstance(row.get("tuned"), dict) and is_hand_setting(
+            row["tuned"], row["best_hand"]
+        )
+        print(
+            f"tuned / best hand ({row['best_hand']}): {row['ratio']:.3f}"
+            + (": the same setting, measured twice" if same else ""),
+            flush=True,
+        )
+    return row
+
+
+def tune_here(
+    pipeline: Pipeline,
+    args: argparse.Namespace,
+    row: dict[str, Any],
+    settings: dict[str, Callable[[], DataLoader[Any]]],
+) -> None:
+    """Tune ``pipeline`` in this process; its report, and one epoch of its loader checked."""
     started = time.perf_counter()
     try:
         result = autoloader.tune(
@@ -151,46 +216,60 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         settings["tuned"] = lambda: result.make_loader(pipeline.dataset)
     row["tuning_seconds"] = time.perf_counter() - started
 
-    for workers in HAND_WORKERS:
-        settings[f"num_workers={workers}"] = lambda w=workers: hand_loader(pipeline, w)
-    failures: dict[str, str] = {}
-    rates = interleave(settings, list(settings), args.rounds, pipeline, args.seconds, failures)
-    row["rates"] = {name: (statistics.median(v), min(v), max(v)) for name, v in rates.items() if v}
-    row["failures"] = failures
-    hand = {n: r[0] for n, r in row["rates"].items() if n != "tuned"}
-    finalists = sorted(hand, key=hand.__getitem__, reverse=True)[:2]
-    if "tuned" in row["rates"] and finalists:
-        final = interleave(
-            settings, ["tuned", *finalists], args.final_rounds, pipeline, args.seconds, failures
+
+def tune_side_by_side(
+    pipeline: Pipeline,
+    args: argparse.Namespace,
+    row: dict[str, Any],
+    settings: dict[str, Callable[[], DataLoader[Any]]],
+) -> list[str]:
+    """Tune ``pipeline`` with this checkout and with the code at ``args.before``, each in
+    a fresh process; one epoch of each loader checked. The names of the settings to
+    measure with the tuned one in the final rounds."""
+    extra = []
+    for which, found in tune_both(pipeline, args).items():
+        name = "tuned" if which == "now" else f"tuned at {args.before}"
+        row[which] = found
+        if "error" in found:
+            continue
+        settings[name] = lambda p=found["params"]: tuned_loader(pipeline, p)
+        found["epoch"] = epoch_check(settings[name](), pipeline)
+        print(f"one epoch of the loader tuned {which}: {found['epoch']}", flush=True)
+        if which == "before":
+            extra.append(name)
+    now = row["now"]
+    row["tuned"] = f"refused: {now['error'][:200]}" if "error" in now else now["params"]
+    row["claimed_speedup"] = now.get("speedup", 0.0)
+    row["epoch"] = now.get("epoch", "-")
+    row["trials"] = {}  # counted by phase only in this process's tune()
+    row["tuning_seconds"] = now["seconds"]
+    return extra
+
+
+def tune_both(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """What this checkout's tune() and the one at ``args.before`` choose for ``pipeline``,
+    each in a fresh process (``revisions.py``); which goes first alternates by pipeline."""
+    code = {"now": CHECKOUT, "before": checkout(args.before)}
+    order = ["now", "before"]
+    if NAMES.index(pipeline.name) % 2:
+        order.reverse()
+    found = {}
+    for which in order:
+        one = tune_at(
+            code[which], time_budget=args.time_budget, pipeline=pipeline.name, data=args.data
         )
-        row["final"] = {
-            name: (statistics.median(v), min(v), max(v)) for name, v in final.items() if v
-        }
-        measured = [name for name in finalists if name in row["final"]]
-        if "tuned" in row["final"] and measured:
-            best_hand = max(measured, key=lambda name: row["final"][name][0])
-            row["best_hand"] = best_hand
-            row["ratio"] = row["final"]["tuned"][0] / row["final"][best_hand][0]
-    elif finalists:
-        row["best_hand"] = finalists[0]
-    print("side by side (unique samples/s, median and min-max of rounds):")
-    for name, (median, low, high) in row["rates"].items():
-        print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
-    for name, reason in failures.items():
-        print(f"  {name:<16} fails: {reason}")
-    if "ratio" in row:
-        print(f"the tuned setting and the two best by hand, {args.final_rounds} more rounds:")
-        for name, (median, low, high) in row["final"].items():
-            print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
-        same = isinstance(row.get("tuned"), dict) and is_hand_setting(
-            row["tuned"], row["best_hand"]
-        )
-        print(
-            f"tuned / best hand ({row['best_hand']}): {row['ratio']:.3f}"
-            + (": the same setting, measured twice" if same else ""),
-            flush=True,
-        )
-    return row
+        print(f"tuned {which} ({code[which].name}) in {one['seconds']:.1f} s: "
+              f"{one.get('error') or setting(one['params'])}", flush=True)  # fmt: skip
+        found[which] = one
+    return {which: found[which] for which in ("now", "before")}
+
+
+def tuned_loader(pipeline: Pipeline, params: dict[str, Any]) -> DataLoader[Any]:
+    """The loader ``params`` make for ``pipeline``, as ``TuneResult.make_loader`` builds it."""
+    options = merge_loader_kwargs(
+        params, batch_size=pipeline.batch_size, fixed=pipeline.loader_kwargs
+    )
+    return build_loader(pipeline.dataset, options)
 
 
 def interleave(
@@ -272,6 +351,30 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def before_table(rows: list[dict[str, Any]], before: str) -> str:
+    """This checkout's choice and the one at ``before``, each against the best hand
+    setting in the same final rounds."""
+    lines = [
+        f"| pipeline | chosen now | chosen at {before} | now / best hand | "
+        f"{before} / best hand | tuning s (now, {before}) | epoch check (now, {before}) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        now, then = row.get("now", {}), row.get("before", {})
+
+        def chosen(found: dict[str, Any]) -> str:
+            return found.get("error") or setting(found["params"]) if found else "-"
+
+        ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
+        before_ratio = f"{row['before_ratio']:.3f}" if "before_ratio" in row else "-"
+        lines.append(
+            f"| {row['pipeline']} | {chosen(now)} | {chosen(then)} | {ratio} | {before_ratio} | "
+            f"{now.get('seconds', 0):.0f}, {then.get('seconds', 0):.0f} | "
+            f"{now.get('epoch', '-')}, {then.get('epoch', '-')} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", default=",".join(NAMES))
@@ -283,6 +386,12 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=default_data)
     parser.add_argument("--no-diagnose", dest="diagnose", action="store_false")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="tune with this checkout and with the code at git revision REV, each in a "
+        "fresh process (revisions.py), and measure both choices in the same rounds",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -293,6 +402,8 @@ def main() -> None:
         except Exception:  # one pipeline's crash must not lose the others' rows
             traceback.print_exc()
     print("\n" + table(rows))
+    if args.before:
+        print("\n" + before_table(rows, args.before))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2, default=str))
 

@@ -58,6 +58,7 @@ from autoloader.search._objective import epoch_samples_per_second
 from autoloader.search._space import SearchSpace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from revisions import CHECKOUT, checkout, setting, tune_at
 from workloads import WORKLOADS, Workload
 
 DEADLINES = Deadlines(first=60, each=60)
@@ -97,7 +98,9 @@ class Context:
         """One measurement, or ``None`` if the setting passed the memory budget or fails
         (a workload's faulty worker counts are not run: a hang would cost its deadline)."""
         fails_from = self.workload.fails_from
-        if fails_from is not None and params["num_workers"] >= fails_from:
+        # The faults come with a worker process's index: thread workers never meet them.
+        processes = params.get("worker_kind") != "threads"
+        if fails_from is not None and processes and params["num_workers"] >= fails_from:
             return None
         runner = self.to_the_cap if to_the_cap else self.runner
         try:
@@ -178,14 +181,39 @@ def interleaved(
     return values
 
 
+def heading(workload: Workload, budget: int | None = None) -> None:
+    print(f"\n== {workload.name}: {workload.describe}; batch {workload.batch_size}, "
+          f"step {workload.step_seconds * 1000:.0f} ms, ceiling {workload.ceiling:.0f} samples/s"
+          + (f", memory budget {format_bytes(budget)}" if budget else ""), flush=True)  # fmt: skip
+
+
+def tune_both(
+    workload: Workload, args: argparse.Namespace
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What this checkout's tune() and the one at ``args.before`` choose for ``workload``,
+    each in a fresh process (``revisions.py``); which goes first alternates by workload."""
+    heading(workload)
+    code = {"now": CHECKOUT, "before": checkout(args.before)}
+    order = ["now", "before"]
+    if list(WORKLOADS).index(workload.name) % 2:
+        order.reverse()
+    found = {}
+    for which in order:
+        one = tune_at(code[which], time_budget=args.time_budget, workload=workload.name)
+        if "error" in one:
+            raise RuntimeError(f"tune() {which} refused {workload.name}: {one['error']}")
+        print(f"tuned {which} ({code[which].name}) in {one['seconds']:.1f} s "
+              f"({one['trials']} trials): {one['params']}", flush=True)  # fmt: skip
+        found[which] = one
+    return found["now"], found["before"]
+
+
 def tune_workload(
     workload: Workload, dataset: Any, step: Any, time_budget: float, budget: int | None = None
 ) -> tuple[autoloader.TuneResult, float]:
     """Print the workload's heading, then tune it with the default search space: the
     result and the seconds it took."""
-    print(f"\n== {workload.name}: {workload.describe}; batch {workload.batch_size}, "
-          f"step {workload.step_seconds * 1000:.0f} ms, ceiling {workload.ceiling:.0f} samples/s"
-          + (f", memory budget {format_bytes(budget)}" if budget else ""), flush=True)  # fmt: skip
+    heading(workload, budget)
     started = time.perf_counter()
     result = autoloader.tune(
         dataset,
@@ -204,8 +232,14 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     dataset = workload.make_dataset(workload.length)
     step = workload.step()
     budget = None if workload.memory_budget is None else tree_memory() + workload.memory_budget
-    result, tune_seconds = tune_workload(workload, dataset, step, args.time_budget, budget)
-    print(f"tuned in {tune_seconds:.1f} s ({len(result.trials)} trials): {result.params}")
+    before: dict[str, Any] | None = None
+    if args.before:
+        now, before = tune_both(workload, args)
+        tuned_params, tune_seconds = now["params"], now["seconds"]
+    else:
+        result, tune_seconds = tune_workload(workload, dataset, step, args.time_budget, budget)
+        tuned_params = result.params
+        print(f"tuned in {tune_seconds:.1f} s ({len(result.trials)} trials): {result.params}")
 
     batches_per_epoch = len(dataset) // workload.batch_size  # type: ignore[arg-type]
     runner = TrialRunner(
@@ -229,7 +263,8 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
     print(f"grid of {len(values)} settings in {grid_seconds:.1f} s; best {top[0]}")
 
     candidates = {
-        "tuned": result.params,
+        "tuned": tuned_params,
+        **({f"tuned at {args.before}": before["params"]} if before else {}),
         **{f"grid #{i + 1}": json.loads(key) for i, key in enumerate(top)},
         "num_workers=0": BASELINE_PARAMS,
         **folklore(cpus),
@@ -262,10 +297,14 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]
         "tune_seconds": tune_seconds,
         "grid_seconds": grid_seconds,
         "time_ratio": tune_seconds / grid_seconds,
-        "tuned_params": result.params,
+        "tuned_params": tuned_params,
         "oracle_params": json.loads(oracle_key),
         "knobs": knobs,
     }
+    if before:
+        row["before"] = medians[f"tuned at {args.before}"]
+        row["before_params"] = before["params"]
+        row["before_seconds"] = before["seconds"]
     print(f"tuned/oracle {row['tuned_over_oracle']:.3f}, "
           f"tuned/best heuristic {row['tuned_over_heuristic']:.3f}, "
           f"tuning/grid time {row['time_ratio']:.3f}")  # fmt: skip
@@ -304,6 +343,12 @@ def main() -> None:
     )
     parser.add_argument("--sizes", action="store_true", help="also time 1e3 vs 1e6 items")
     parser.add_argument("--json", help="write the summary rows here")
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also tune with the code at git revision REV and measure its choice in the "
+        "same rounds (each tune() in a fresh process; revisions.py)",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     logging.basicConfig(level=logging.WARNING)
@@ -329,6 +374,17 @@ def main() -> None:
                 with_it, without = r["knobs"][on], r["knobs"][off]
                 print(f"| {r['workload']} | {knob}={value} | {with_it:.0f} | "
                       f"{without:.0f} | {with_it / without:.2f} |")  # fmt: skip
+    if args.before:
+        print(f"\n| workload | oracle | tuned now | tuned at {args.before} | now/oracle | "
+              f"{args.before}/oracle | now/{args.before} | tuning s (now, {args.before}) | "
+              "chosen now | chosen before |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['workload']} | {r['oracle']:.0f} | {r['tuned']:.0f} | "
+                  f"{r['before']:.0f} | {r['tuned_over_oracle']:.3f} | "
+                  f"{r['before'] / r['oracle']:.3f} | {r['tuned'] / max(r['before'], 1e-9):.3f} | "
+                  f"{r['tune_seconds']:.0f}, {r['before_seconds']:.0f} | "
+                  f"{setting(r['tuned_params'])} | {setting(r['before_params'])} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as file:
             json.dump(rows, file, indent=2)
