@@ -23,6 +23,7 @@ from autoloader._exceptions import (
     ResultFileError,
     UnpicklableError,
 )
+from autoloader._preserve import preserved
 from autoloader._tune import tune
 from autoloader.checks._environment import Environment
 from autoloader.loader._thread_loader import ThreadLoader
@@ -54,6 +55,7 @@ __all__ = [
     "diagnose",
     "load",
     "plot",
+    "preserved",
     "report",
     "tune",
 ]

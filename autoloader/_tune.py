@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from types import FrameType
@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from autoloader._exceptions import InvalidInputError, RankError
+from autoloader._preserve import Restorable, check_restorable, preserved
 from autoloader.checks._environment import Environment
 from autoloader.checks._facts import Checks, checks_seconds
 from autoloader.checks._validation import (
@@ -104,6 +105,7 @@ def tune(
     storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None = None,
     show_progress: bool = True,
     isolation: Isolation = "in-process",
+    restore: Sequence[Restorable] | Restorable | None = None,
 ) -> TuneResult:
     """Find the fastest DataLoader settings for ``dataset`` and ``step_fn`` on this machine.
 
@@ -152,6 +154,15 @@ def tune(
             the run goes on; the dataset, step_fn and loader_kwargs must pickle, and a
             script must guard its entry point with ``if __name__ == "__main__":``.
             (default: ``"in-process"``)
+        restore (sequence, optional): what ``step_fn`` trains, put back as it was when
+            ``tune()`` returns or raises: the model (every parameter, buffer, gradient
+            and ``training`` flag, in place), the optimizer, LR schedulers, a
+            ``GradScaler``, generators (see :func:`autoloader.preserved`). ``step_fn``
+            runs for real, hundreds to thousands of optimizer steps: without this the
+            model trains on during tuning. (default: ``None``)
+
+    The global random number generators (torch's, NumPy's, Python's) are always
+    restored: training after ``tune()`` draws the same numbers as without it.
 
     Returns:
         TuneResult: the tuned settings, throughput against the baseline, and every trial.
@@ -181,7 +192,7 @@ def tune(
     # Under torchrun every rank calls tune(): they tune together (see distributed/_joint.py).
     ranks = Ranks.join()
     try:
-        with _stopped_by_sigterm(ranks):
+        with _stopped_by_sigterm(ranks), preserved():  # the random number generators
             problem = _check_arguments(
                 ranks,
                 dataset,
@@ -197,8 +208,10 @@ def tune(
                 storage=storage,
                 show_progress=show_progress,
                 isolation=isolation,
+                restore=restore,
             )
-            return _tune(ranks, started, problem)
+            with preserved(*problem.restore, rng=False):
+                return _tune(ranks, started, problem)
     finally:
         if ranks is not None:
             ranks.close()
@@ -227,6 +240,7 @@ class Problem:
     memory_budget: int | str | None  # as given
     memory_bytes: int  # the budget in bytes; under torchrun, the node's (see _agree)
     show_progress: bool
+    restore: tuple[Restorable, ...]
 
 
 def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
@@ -271,6 +285,7 @@ def _check_arguments(
     storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None,
     show_progress: bool,
     isolation: object,
+    restore: object,
 ) -> Problem:
     """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
     error is told to the others (see :func:`_agree`), so that none waits for it."""
@@ -314,6 +329,7 @@ def _check_arguments(
                 'would wait there forever. Use isolation="in-process".'
             )
         memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
+        restorable = check_restorable(restore)
     except Exception as error:
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)
@@ -337,6 +353,7 @@ def _check_arguments(
         memory_budget=memory_budget,
         memory_bytes=memory_bytes,
         show_progress=show_progress,
+        restore=restorable,
     )
 
 
