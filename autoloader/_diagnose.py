@@ -426,6 +426,8 @@ def _verdict(
 ) -> tuple[str, str]:
     """The verdict of ``NOTE [ Verdict ]``; ``receiving``: batches come from worker
     processes, whose hand-over costs the main process."""
+    # Long on purpose: one return per verdict of the NOTE, in its order of precedence,
+    # each with the sentence that explains it; split, the order would be hidden.
     peak = max(loop.peak_memory, alone.peak_memory)
     step, loader = loop.step_seconds, alone.load_seconds + alone.step_seconds
     if peak >= _MEMORY_NEAR * budget:
