@@ -2,8 +2,9 @@
 
 ``tune()`` is a pipeline of named steps::
 
-    _check_arguments        the arguments, checked before anything runs, as a Problem
-    _agree                  under torchrun: every rank was given the same problem
+    check_arguments         the arguments, checked before anything runs, as a Problem
+    agree                   under torchrun: every rank was given the same problem
+                            (both in _problem.py)
     _trial_runner           what measures one setting in this process; under torchrun
                             every rank measures each trial, _lead driving the study
                             and follow() on the other ranks
@@ -23,7 +24,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from time import perf_counter
 from types import FrameType
 from typing import Any
@@ -32,36 +32,16 @@ import optuna
 import torch
 from torch.utils.data import Dataset
 
-from autoloader._exceptions import InvalidInputError, RankError
-from autoloader._preserve import Restorable, check_restorable, preserved
-from autoloader.checks._environment import Environment
+from autoloader._exceptions import RankError
+from autoloader._preserve import Restorable, preserved
+from autoloader._problem import Problem, agree, check_arguments
 from autoloader.checks._facts import Checks, checks_seconds
-from autoloader.checks._validation import (
-    Isolation,
-    check_batch_size,
-    check_dataset,
-    check_isolation,
-    check_loader_kwargs,
-    check_n_trials,
-    check_picklable,
-    check_positive_number,
-    check_step_fn,
-    count_batches,
-    start_method,
-)
-from autoloader.distributed._joint import (
-    JointRunner,
-    agree_on_arguments,
-    follow,
-    node_memory_budget,
-    spare_batch,
-)
+from autoloader.checks._validation import Isolation
+from autoloader.distributed._joint import JointRunner, follow, spare_batch
 from autoloader.distributed._ranks import Ranks
 from autoloader.loader._factory import build_loader, merge_loader_kwargs
 from autoloader.loader._params import BASELINE_PARAMS
-from autoloader.measure._device import resolve_device
 from autoloader.measure._isolation import SubprocessRunner
-from autoloader.measure._memory import resolve_memory_budget
 from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.results._progress import Progress
@@ -78,12 +58,11 @@ from autoloader.search._reasons import (
     TunedJointly,
     render,
 )
-from autoloader.search._space import SearchSpace, check_search_space, resolve_space
-from autoloader.search._study import open_storage, study_name
+from autoloader.search._space import SearchSpace, resolve_space
+from autoloader.search._study import study_name
 
 _logger = logging.getLogger(__name__)
 
-DEFAULT_TIME_BUDGET = 60.0
 # A run that ends with more than this share of its budget left says why in its notes.
 _GIVEN_BACK = 0.1
 # The memory budget of a rank that is not its node's first: that one watches them all.
@@ -193,7 +172,7 @@ def tune(
     ranks = Ranks.join()
     try:
         with _stopped_by_sigterm(ranks), preserved():  # the random number generators
-            problem = _check_arguments(
+            problem = check_arguments(
                 ranks,
                 dataset,
                 step_fn,
@@ -217,37 +196,11 @@ def tune(
             ranks.close()
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """What one call of :func:`tune` asks for: its arguments, checked, and what they
-    come to on this machine."""
-
-    dataset: Dataset[Any]
-    step_fn: Callable[[Any], object]
-    dataset_length: int | None
-    batches_per_epoch: int | None
-    batch_size: int
-    budget: float
-    n_trials: int | None
-    seed: int
-    space: SearchSpace  # as given: resolved only after the checks before the search
-    fixed: dict[str, Any]
-    device: torch.device | None
-    storage: str | optuna.storages.BaseStorage | None
-    environment: Environment
-    start_method: str
-    isolation: Isolation
-    memory_budget: int | str | None  # as given
-    memory_bytes: int  # the budget in bytes; under torchrun, the node's (see _agree)
-    show_progress: bool
-    restore: tuple[Restorable, ...]
-
-
 def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
     """:func:`tune` once its arguments are checked, for this process alone (``ranks``
     is ``None``) or as one of the ranks of a torchrun job."""
     if ranks is not None:
-        problem = _agree(ranks, problem)
+        problem = agree(ranks, problem)
     in_process = _trial_runner(problem, ranks)
     if ranks is None:
         runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
@@ -267,107 +220,6 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
         found: TuneResult = follow(in_process, ranks, spare=spare)
         return dataclasses.replace(found, _in_memory_kwargs=_in_memory(problem.fixed))
     return _lead(problem, JointRunner(in_process, ranks, spare=spare), ranks, started)
-
-
-def _check_arguments(
-    ranks: Ranks | None,
-    dataset: Dataset[Any],
-    step_fn: Callable[[Any], object],
-    *,
-    batch_size: int,
-    time_budget: float | None,
-    n_trials: int | None,
-    memory_budget: int | str | None,
-    search_space: SearchSpace | Mapping[str, Any] | None,
-    loader_kwargs: Mapping[str, Any] | None,
-    device: str | torch.device | None,
-    seed: int,
-    storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None,
-    show_progress: bool,
-    isolation: object,
-    restore: object,
-) -> Problem:
-    """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
-    error is told to the others (see :func:`_agree`), so that none waits for it."""
-    try:
-        dataset_length = check_dataset(dataset)
-        batch_size = check_batch_size(batch_size, dataset_length)
-        step_fn = check_step_fn(step_fn)
-        budget = check_positive_number(
-            "time_budget",
-            DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
-            hint=" It is the seconds the whole tuning run may take.",
-        )
-        n_trials = check_n_trials(n_trials)
-        space = check_search_space(search_space)
-        fixed = check_loader_kwargs(loader_kwargs)
-        resolved_device = resolve_device(device)
-        # Only the rank that drives the study opens its storage.
-        study_storage = open_storage(storage if ranks is None or ranks.drives else None)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
-        batches_per_epoch = count_batches(dataset, batch_size, fixed)
-        environment = Environment.current(
-            world_size=ranks.world_size if ranks else 1,
-            local_world_size=ranks.local_world_size if ranks else 1,
-            node_cpus=ranks.node_cpus if ranks else None,
-        )
-        method = start_method(fixed, environment.start_method)
-        check_picklable(
-            {
-                "dataset": dataset,
-                "collate_fn": fixed.get("collate_fn"),
-                "worker_init_fn": fixed.get("worker_init_fn"),
-            },
-            method,
-        )
-        isolation = check_isolation(isolation)
-        if ranks is not None and isolation == "subprocess":
-            raise InvalidInputError(
-                'isolation="subprocess" does not work under torchrun: a trial\'s own '
-                "process is not a rank of the job, and a step_fn with DDP collectives "
-                'would wait there forever. Use isolation="in-process".'
-            )
-        memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
-        restorable = check_restorable(restore)
-    except Exception as error:
-        if ranks is not None:
-            agree_on_arguments(ranks, error=error, arguments=None)
-        raise
-    return Problem(
-        dataset=dataset,
-        step_fn=step_fn,
-        dataset_length=dataset_length,
-        batches_per_epoch=batches_per_epoch,
-        batch_size=batch_size,
-        budget=budget,
-        n_trials=n_trials,
-        seed=seed,
-        space=space,
-        fixed=fixed,
-        device=resolved_device,
-        storage=study_storage,
-        environment=environment,
-        start_method=method,
-        isolation=isolation,
-        memory_budget=memory_budget,
-        memory_bytes=memory_bytes,
-        show_progress=show_progress,
-        restore=restorable,
-    )
-
-
-def _agree(ranks: Ranks, problem: Problem) -> Problem:
-    """Check that every rank of the job was given the same problem, and size the
-    memory budget of the node's whole tree, every local rank's workers included."""
-    arguments = (
-        problem.dataset_length, problem.batches_per_epoch, problem.batch_size, problem.budget,
-        problem.n_trials, problem.seed, problem.space.as_dict(), str(problem.device),
-        problem.isolation, problem.memory_budget,
-    )  # fmt: skip
-    agree_on_arguments(ranks, error=None, arguments=arguments)
-    memory_bytes = node_memory_budget(ranks, problem.memory_budget)
-    return dataclasses.replace(problem, memory_bytes=memory_bytes)
 
 
 def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:

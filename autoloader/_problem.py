@@ -1,0 +1,168 @@
+"""What one call of :func:`autoloader.tune` asks for: its arguments, checked before
+anything runs, and what they come to on this machine (:class:`Problem`); under torchrun,
+the same problem agreed between the ranks (:func:`agree`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+import torch
+from torch.utils.data import Dataset
+
+from autoloader._exceptions import InvalidInputError
+from autoloader._preserve import Restorable, check_restorable
+from autoloader.checks._environment import Environment
+from autoloader.checks._validation import (
+    Isolation,
+    check_batch_size,
+    check_dataset,
+    check_isolation,
+    check_loader_kwargs,
+    check_n_trials,
+    check_picklable,
+    check_positive_number,
+    check_step_fn,
+    count_batches,
+    start_method,
+)
+from autoloader.distributed._joint import agree_on_arguments, node_memory_budget
+from autoloader.distributed._ranks import Ranks
+from autoloader.measure._device import resolve_device
+from autoloader.measure._memory import resolve_memory_budget
+from autoloader.search._space import SearchSpace, check_search_space
+from autoloader.search._study import open_storage
+
+DEFAULT_TIME_BUDGET = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What one call of :func:`tune` asks for: its arguments, checked, and what they
+    come to on this machine."""
+
+    dataset: Dataset[Any]
+    step_fn: Callable[[Any], object]
+    dataset_length: int | None
+    batches_per_epoch: int | None
+    batch_size: int
+    budget: float
+    n_trials: int | None
+    seed: int
+    space: SearchSpace  # as given: resolved only after the checks before the search
+    fixed: dict[str, Any]
+    device: torch.device | None
+    storage: str | optuna.storages.BaseStorage | None
+    environment: Environment
+    start_method: str
+    isolation: Isolation
+    memory_budget: int | str | None  # as given
+    memory_bytes: int  # the budget in bytes; under torchrun, the node's (see agree)
+    show_progress: bool
+    restore: tuple[Restorable, ...]
+
+
+def check_arguments(
+    ranks: Ranks | None,
+    dataset: Dataset[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    batch_size: int,
+    time_budget: float | None,
+    n_trials: int | None,
+    memory_budget: int | str | None,
+    search_space: SearchSpace | Mapping[str, Any] | None,
+    loader_kwargs: Mapping[str, Any] | None,
+    device: str | torch.device | None,
+    seed: int,
+    storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None,
+    show_progress: bool,
+    isolation: object,
+    restore: object,
+) -> Problem:
+    """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
+    error is told to the others (see :func:`agree`), so that none waits for it."""
+    try:
+        dataset_length = check_dataset(dataset)
+        batch_size = check_batch_size(batch_size, dataset_length)
+        step_fn = check_step_fn(step_fn)
+        budget = check_positive_number(
+            "time_budget",
+            DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
+            hint=" It is the seconds the whole tuning run may take.",
+        )
+        n_trials = check_n_trials(n_trials)
+        space = check_search_space(search_space)
+        fixed = check_loader_kwargs(loader_kwargs)
+        resolved_device = resolve_device(device)
+        # Only the rank that drives the study opens its storage.
+        study_storage = open_storage(storage if ranks is None or ranks.drives else None)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
+        batches_per_epoch = count_batches(dataset, batch_size, fixed)
+        environment = Environment.current(
+            world_size=ranks.world_size if ranks else 1,
+            local_world_size=ranks.local_world_size if ranks else 1,
+            node_cpus=ranks.node_cpus if ranks else None,
+        )
+        method = start_method(fixed, environment.start_method)
+        check_picklable(
+            {
+                "dataset": dataset,
+                "collate_fn": fixed.get("collate_fn"),
+                "worker_init_fn": fixed.get("worker_init_fn"),
+            },
+            method,
+        )
+        isolation = check_isolation(isolation)
+        if ranks is not None and isolation == "subprocess":
+            raise InvalidInputError(
+                'isolation="subprocess" does not work under torchrun: a trial\'s own '
+                "process is not a rank of the job, and a step_fn with DDP collectives "
+                'would wait there forever. Use isolation="in-process".'
+            )
+        memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
+        restorable = check_restorable(restore)
+    except Exception as error:
+        if ranks is not None:
+            agree_on_arguments(ranks, error=error, arguments=None)
+        raise
+    return Problem(
+        dataset=dataset,
+        step_fn=step_fn,
+        dataset_length=dataset_length,
+        batches_per_epoch=batches_per_epoch,
+        batch_size=batch_size,
+        budget=budget,
+        n_trials=n_trials,
+        seed=seed,
+        space=space,
+        fixed=fixed,
+        device=resolved_device,
+        storage=study_storage,
+        environment=environment,
+        start_method=method,
+        isolation=isolation,
+        memory_budget=memory_budget,
+        memory_bytes=memory_bytes,
+        show_progress=show_progress,
+        restore=restorable,
+    )
+
+
+def agree(ranks: Ranks, problem: Problem) -> Problem:
+    """Check that every rank of the job was given the same problem, and size the
+    memory budget of the node's whole tree, every local rank's workers included."""
+    arguments = (
+        problem.dataset_length, problem.batches_per_epoch, problem.batch_size, problem.budget,
+        problem.n_trials, problem.seed, problem.space.as_dict(), str(problem.device),
+        problem.isolation, problem.memory_budget,
+    )  # fmt: skip
+    agree_on_arguments(ranks, error=None, arguments=arguments)
+    memory_bytes = node_memory_budget(ranks, problem.memory_budget)
+    return dataclasses.replace(problem, memory_bytes=memory_bytes)
