@@ -322,10 +322,16 @@ def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
             num_workers=(0, 4), persistent_workers=True, worker_kind="processes"
         ),
     )
+    trials = [(t.params["num_workers"], t.state, t.reason) for t in result.trials]
     pruned = [t for t in result.trials if t.state == "pruned"]
-    assert pruned, [(t.params, t.state, t.reason) for t in result.trials]
-    assert all(t.reason and t.reason.startswith("memory") for t in pruned)
-    assert all(t.params["num_workers"] >= 2 for t in pruned)
+    # Every setting of two workers or more is stopped for memory, and only those: one
+    # worker fits. (One worker may still be pruned as slower or too short to measure,
+    # as any setting may: that is timing, not memory.)
+    hungry = [t for t in result.trials if t.params["num_workers"] >= 2]
+    assert hungry, trials
+    memory = [t for t in pruned if (t.reason or "").startswith("memory")]
+    assert all(t in memory for t in hungry), trials
+    assert all(t in hungry for t in memory), trials
     assert result.params["num_workers"] <= 1
     # The ladder's 4 workers come after 2 passed the budget: known to pass it, not run.
     skipped = [t for t in pruned if "not run: asks at least as much memory as" in (t.reason or "")]
