@@ -48,7 +48,7 @@ from autoloader.measure._errors import describe_error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipelines import NAMES, Pipeline, build, epoch_ids
-from revisions import CHECKOUT, checkout, setting, tune_at
+from revisions import setting, tune_now_and_before
 
 HAND_WORKERS = (0, 1, 2, 3, 4, 8)
 
@@ -227,7 +227,14 @@ def tune_side_by_side(
     a fresh process; one epoch of each loader checked. The names of the settings to
     measure with the tuned one in the final rounds."""
     extra = []
-    for which, found in tune_both(pipeline, args).items():
+    both = tune_now_and_before(
+        args.before,
+        before_first=bool(NAMES.index(pipeline.name) % 2),
+        time_budget=args.time_budget,
+        pipeline=pipeline.name,
+        data=args.data,
+    )
+    for which, found in both.items():
         name = "tuned" if which == "now" else f"tuned at {args.before}"
         row[which] = found
         if "error" in found:
@@ -244,24 +251,6 @@ def tune_side_by_side(
     row["trials"] = {}  # counted by phase only in this process's tune()
     row["tuning_seconds"] = now["seconds"]
     return extra
-
-
-def tune_both(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """What this checkout's tune() and the one at ``args.before`` choose for ``pipeline``,
-    each in a fresh process (``revisions.py``); which goes first alternates by pipeline."""
-    code = {"now": CHECKOUT, "before": checkout(args.before)}
-    order = ["now", "before"]
-    if NAMES.index(pipeline.name) % 2:
-        order.reverse()
-    found = {}
-    for which in order:
-        one = tune_at(
-            code[which], time_budget=args.time_budget, pipeline=pipeline.name, data=args.data
-        )
-        print(f"tuned {which} ({code[which].name}) in {one['seconds']:.1f} s: "
-              f"{one.get('error') or setting(one['params'])}", flush=True)  # fmt: skip
-        found[which] = one
-    return {which: found[which] for which in ("now", "before")}
 
 
 def tuned_loader(pipeline: Pipeline, params: dict[str, Any]) -> DataLoader[Any]:

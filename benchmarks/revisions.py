@@ -76,6 +76,24 @@ def tune_at(
     return found
 
 
+def tune_now_and_before(
+    before: str, *, before_first: bool, time_budget: float, **problem: Any
+) -> dict[str, dict[str, Any]]:
+    """:func:`tune_at` with this checkout (``"now"``) and with the code at git revision
+    ``before`` (``"before"``), one after the other, the revision first if
+    ``before_first`` (callers alternate it between problems); ``problem`` names the
+    workload or the pipeline as :func:`tune_at` takes it. Each line printed as it ends."""
+    code = {"now": CHECKOUT, "before": checkout(before)}
+    order = ["before", "now"] if before_first else ["now", "before"]
+    found = {}
+    for which in order:
+        one = tune_at(code[which], time_budget=time_budget, **problem)
+        chosen = one.get("error") or f"{setting(one['params'])} ({one['trials']} trials)"
+        print(f"tuned {which} ({code[which].name}) in {one['seconds']:.1f} s: {chosen}", flush=True)
+        found[which] = one
+    return {which: found[which] for which in ("now", "before")}
+
+
 def setting(params: dict[str, Any]) -> str:
     """``params`` in a few words: "6 threads, prefetch 2, persistent, batched"."""
     workers = params.get("num_workers") or 0

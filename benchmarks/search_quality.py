@@ -58,7 +58,7 @@ from autoloader.search._objective import epoch_samples_per_second
 from autoloader.search._space import SearchSpace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from revisions import CHECKOUT, checkout, setting, tune_at
+from revisions import setting, tune_now_and_before
 from workloads import WORKLOADS, Workload
 
 DEADLINES = Deadlines(first=60, each=60)
@@ -193,18 +193,15 @@ def tune_both(
     """What this checkout's tune() and the one at ``args.before`` choose for ``workload``,
     each in a fresh process (``revisions.py``); which goes first alternates by workload."""
     heading(workload)
-    code = {"now": CHECKOUT, "before": checkout(args.before)}
-    order = ["now", "before"]
-    if list(WORKLOADS).index(workload.name) % 2:
-        order.reverse()
-    found = {}
-    for which in order:
-        one = tune_at(code[which], time_budget=args.time_budget, workload=workload.name)
+    found = tune_now_and_before(
+        args.before,
+        before_first=bool(list(WORKLOADS).index(workload.name) % 2),
+        time_budget=args.time_budget,
+        workload=workload.name,
+    )
+    for which, one in found.items():
         if "error" in one:
             raise RuntimeError(f"tune() {which} refused {workload.name}: {one['error']}")
-        print(f"tuned {which} ({code[which].name}) in {one['seconds']:.1f} s "
-              f"({one['trials']} trials): {one['params']}", flush=True)  # fmt: skip
-        found[which] = one
     return found["now"], found["before"]
 
 
