@@ -48,6 +48,7 @@ class Stateful(Protocol):
 
 
 Restorable = torch.nn.Module | torch.Generator | Stateful
+_RESTORABLE = (torch.nn.Module, torch.Generator, Stateful)
 
 
 def check_restorable(objects: object) -> tuple[Restorable, ...]:
@@ -55,12 +56,10 @@ def check_restorable(objects: object) -> tuple[Restorable, ...]:
     :class:`InvalidInputError` naming the one it cannot."""
     if objects is None:
         return ()
-    if isinstance(objects, torch.nn.Module | torch.Generator | Stateful) or not isinstance(
-        objects, Sequence
-    ):
+    if isinstance(objects, _RESTORABLE) or not isinstance(objects, Sequence):
         objects = (objects,)
     for position, item in enumerate(objects):
-        if not isinstance(item, torch.nn.Module | torch.Generator | Stateful):
+        if not isinstance(item, _RESTORABLE):
             raise InvalidInputError(
                 f"restore[{position}] is a {type(item).__name__}, whose state autoloader "
                 "cannot save: give torch.nn.Module objects (the model), torch.Generator "
@@ -140,10 +139,15 @@ def _to_host(value: Any) -> Any:
     """A deep copy of a state dict, its tensors in host memory."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((key, _to_host(item)) for key, item in value.items())
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_to_host(item) for item in value)
+    if isinstance(value, dict | list):
+        # A shallow copy keeps the container's type and what it holds besides its items
+        # (a defaultdict's factory); the items are then copied one by one.
+        copied = copy.copy(value)
+        for key in copied.keys() if isinstance(copied, dict) else range(len(copied)):
+            copied[key] = _to_host(copied[key])
+        return copied
+    if type(value) is tuple:
+        return tuple(_to_host(item) for item in value)
     return copy.deepcopy(value)
 
 

@@ -6,6 +6,7 @@ without it; the random number generators draw the same numbers.
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import random
@@ -175,6 +176,30 @@ def test_a_generator_and_a_restored_optimizer_carry_on_as_an_untouched_copy_woul
     torch.manual_seed(3)
     twin.step(batch)
     assert all(torch.equal(a, b) for a, b in zip(first.state(), twin.state(), strict=True))
+
+
+class _Counts:
+    """Keeps its state in a defaultdict of tensors, as a user's stateful object may."""
+
+    def __init__(self) -> None:
+        self.seen: collections.defaultdict[str, list[torch.Tensor]] = collections.defaultdict(list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"]
+
+
+def test_a_state_dict_comes_back_with_its_containers_types() -> None:
+    counts = _Counts()
+    counts.seen["a"].append(torch.ones(2))
+    with autoloader.preserved(counts):
+        counts.seen["a"][0].add_(1)  # in place: the saved copy must not share it
+        counts.seen["b"].append(torch.zeros(1))
+    assert isinstance(counts.seen, collections.defaultdict)
+    assert sorted(counts.seen) == ["a"] and torch.equal(counts.seen["a"][0], torch.ones(2))
+    counts.seen["c"].append(torch.zeros(1))  # the factory came back too
 
 
 def test_cuda_generators_are_restored_once_cuda_is_initialised(
