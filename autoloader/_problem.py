@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -36,7 +37,7 @@ from autoloader.distributed._ranks import Ranks
 from autoloader.measure._device import resolve_device
 from autoloader.measure._memory import resolve_memory_budget
 from autoloader.search._space import SearchSpace, check_search_space
-from autoloader.search._study import open_storage
+from autoloader.search._study import open_storage, problem_key
 
 DEFAULT_TIME_BUDGET = 60.0
 
@@ -65,6 +66,22 @@ class Problem:
     memory_bytes: int  # the budget in bytes; under torchrun, the node's (see agree)
     show_progress: bool
     restore: tuple[Restorable, ...]
+    path: Path | None = None  # where the result is kept, and reused from
+
+    def key(self) -> dict[str, str]:
+        """The problem by name, part by part: what a result file keeps, so that a later
+        run reuses it only for the same problem (see :func:`problem_key`)."""
+        return problem_key(
+            self.dataset,
+            self.step_fn,
+            length=self.dataset_length,
+            batch_size=self.batch_size,
+            space=self.space,
+            # The budget asked for: a default one moves with the memory free.
+            memory_budget=None if self.memory_budget is None else self.memory_bytes,
+            fixed_loader_kwargs=self.fixed,
+            device=self.device,
+        )
 
 
 def check_arguments(
@@ -84,6 +101,7 @@ def check_arguments(
     show_progress: bool,
     isolation: object,
     restore: object,
+    path: str | os.PathLike[str] | None = None,
 ) -> Problem:
     """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
     error is told to the others (see :func:`agree`), so that none waits for it."""
@@ -128,6 +146,7 @@ def check_arguments(
             )
         memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
         restorable = check_restorable(restore)
+        result_path = check_result_path(path)
     except Exception as error:
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)
@@ -152,7 +171,25 @@ def check_arguments(
         memory_bytes=memory_bytes,
         show_progress=show_progress,
         restore=restorable,
+        path=result_path,
     )
+
+
+def check_result_path(path: object) -> Path | None:
+    """``path`` as a file path a result can be written to, or ``None``."""
+    if path is None:
+        return None
+    if not isinstance(path, str | os.PathLike):
+        raise InvalidInputError(
+            f"path must be a file path (str or os.PathLike), but got {type(path).__name__}."
+        )
+    result_path = Path(path)
+    if result_path.is_dir():
+        raise InvalidInputError(
+            f"path {str(result_path)!r} is a directory; give the JSON file's path, "
+            "e.g. path='loader.json'."
+        )
+    return result_path
 
 
 def agree(ranks: Ranks, problem: Problem) -> Problem:

@@ -23,7 +23,9 @@ import logging
 import os
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from time import perf_counter
 from types import FrameType
 from typing import Any
@@ -35,6 +37,7 @@ from torch.utils.data import Dataset
 from autoloader._exceptions import RankError
 from autoloader._preserve import Restorable, preserved
 from autoloader._problem import Problem, agree, check_arguments
+from autoloader._reuse import reused
 from autoloader.checks._facts import Checks, checks_seconds
 from autoloader.checks._validation import Isolation
 from autoloader.distributed._joint import JointRunner, follow, spare_batch
@@ -46,7 +49,13 @@ from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.results._progress import Progress
 from autoloader.results._report import describe
-from autoloader.results._result import TrialRecord, TuneResult, record_of, split_loader_kwargs
+from autoloader.results._result import (
+    TrialRecord,
+    TuneResult,
+    in_memory_kwargs,
+    record_of,
+    split_loader_kwargs,
+)
 from autoloader.search import Choice, Driver, Policy, Trial
 from autoloader.search._driver import quiet_optuna, remember_ctrl_c
 from autoloader.search._reasons import (
@@ -85,6 +94,7 @@ def tune(
     show_progress: bool = True,
     isolation: Isolation = "in-process",
     restore: Sequence[Restorable] | Restorable | None = None,
+    path: str | os.PathLike[str] | None = None,
 ) -> TuneResult:
     """Find the fastest DataLoader settings for ``dataset`` and ``step_fn`` on this machine.
 
@@ -139,6 +149,13 @@ def tune(
             ``GradScaler``, generators (see :func:`autoloader.preserved`). ``step_fn``
             runs for real, hundreds to thousands of optimizer steps: without this the
             model trains on during tuning. (default: ``None``)
+        path (str or path, optional): a JSON file that keeps the result. If it holds
+            the result of the same problem (the dataset's type and length, the step,
+            the batch size, the search space, the fixed loader options, the device)
+            measured on this machine, that result is returned and nothing is tuned;
+            otherwise the run tunes, logs why it could not reuse the file, and saves
+            the result there (under torchrun, global rank 0 reads and writes it).
+            (default: ``None``)
 
     The global random number generators (torch's, NumPy's, Python's) are always
     restored: training after ``tune()`` draws the same numbers as without it.
@@ -188,6 +205,7 @@ def tune(
                 show_progress=show_progress,
                 isolation=isolation,
                 restore=restore,
+                path=path,
             )
             with preserved(*problem.restore, rng=False):
                 return _tune(ranks, started, problem)
@@ -201,6 +219,30 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
     is ``None``) or as one of the ranks of a torchrun job."""
     if ranks is not None:
         problem = agree(ranks, problem)
+    found = reused(problem, ranks)
+    if found is not None:
+        return found
+    result = _tuned(problem, ranks, started)
+    if problem.path is not None:
+        _save(result, problem.path)
+    return result
+
+
+def _save(result: TuneResult, path: Path) -> None:
+    """``result`` saved at ``path``, or a warning: a file that cannot be written loses
+    nothing of the run, which the caller gets back."""
+    try:
+        result.save(path)
+    except OSError as error:
+        warnings.warn(
+            f"autoloader could not save the result to {path}: {error}. The tuned "
+            "settings are returned; save them with result.save(another_path).",
+            stacklevel=4,  # tune()'s caller
+        )
+
+
+def _tuned(problem: Problem, ranks: Ranks | None, started: float) -> TuneResult:
+    """The search, in this process alone or as one of the ranks."""
     in_process = _trial_runner(problem, ranks)
     if ranks is None:
         runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
@@ -218,7 +260,7 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
     )
     if not ranks.drives:
         found: TuneResult = follow(in_process, ranks, spare=spare)
-        return dataclasses.replace(found, _in_memory_kwargs=_in_memory(problem.fixed))
+        return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
     return _lead(problem, JointRunner(in_process, ranks, spare=spare), ranks, started)
 
 
@@ -428,15 +470,9 @@ def _result(
         fixed_loader_kwargs=saved,
         unsaved_loader_kwargs=unsaved,
         facts=facts,
-        _in_memory_kwargs=_in_memory(problem.fixed),
+        problem=problem.key(),
+        _in_memory_kwargs=in_memory_kwargs(problem.fixed),
     )
-
-
-def _in_memory(fixed: Mapping[str, Any]) -> dict[str, Any]:
-    """The fixed loader options a result keeps in memory only (a sampler, a collate_fn):
-    this process's own, also under torchrun where each rank has its own sampler."""
-    _, unsaved = split_loader_kwargs(fixed)
-    return {name: fixed[name] for name in unsaved}
 
 
 @contextlib.contextmanager

@@ -76,7 +76,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
         again = autoloader.load(path)
     assert again == result
     saved = json.loads(path.read_text())
-    assert saved["schema_version"] == 5
+    assert saved["schema_version"] == 6
     assert (saved["throughput"], saved["steady_throughput"]) == (700.0, 910.0)
     assert (saved["startup_seconds"], saved["startup_each_epoch"]) == (2.5, True)
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
@@ -129,8 +129,8 @@ def test_a_version_4_file_has_its_steady_rates_as_throughput_and_as_steady_rates
     assert (again.steady_throughput, again.steady_baseline) == (700.0, 150.0)
     assert again.startup_seconds is None and again.startup_each_epoch is False
     assert again.trials == _result().trials and again.params == _result().params
-    # Saved again, it is a version 5 file that reads back the same.
-    assert autoloader.load(again.save(tmp_path / "v5.json")) == again
+    # Saved again, it is a file of the current version that reads back the same.
+    assert autoloader.load(again.save(tmp_path / "current.json")) == again
 
 
 def test_a_result_without_steady_rates_round_trips(tmp_path: Path) -> None:

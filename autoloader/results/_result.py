@@ -23,14 +23,15 @@ from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
 
 _logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
 # it measured. Version 2 had no trial kinds: they are read from the reasons' words.
 # Version 3 had no worker_kind: its workers were processes. Versions 1 to 4 kept one
 # throughput and baseline, the steady rates (the settings were chosen by the epoch
 # rate, which they did not keep): those are read as the steady rates and kept as
-# throughput and baseline too; their start-up is unknown.
-_READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# throughput and baseline too; their start-up is unknown. Versions 1 to 5 did not
+# name their problem: tune(path=...) tunes again rather than reuse them.
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # How versions 1 and 2 worded the reasons of trials pruned as slower or too short.
 _V2_SLOWER = "clearly slower than the best setting so far"
 _V2_TOO_SHORT = "too short"
@@ -171,6 +172,10 @@ class TuneResult:
             :func:`autoloader.load`.
         facts: what was checked of the dataset and machine before the search (see
             ``autoloader.checks._facts``), for the report's advice.
+        problem: the tuning problem by name, part by part (the dataset's type and
+            length, the step, the batch size, the search space, the fixed options,
+            the device): ``tune(path=...)`` reuses the file only for the same problem
+            on the same machine. Empty in files of versions 1 to 5.
 
     Example::
 
@@ -196,6 +201,7 @@ class TuneResult:
     fixed_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     unsaved_loader_kwargs: tuple[str, ...] = ()
     facts: dict[str, Any] = field(default_factory=dict)
+    problem: dict[str, str] = field(default_factory=dict)
     _in_memory_kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -284,6 +290,7 @@ class TuneResult:
             "partial": self.partial,
             "environment": self.environment.as_dict(),
             "facts": dict(self.facts),
+            "problem": dict(self.problem),
             "trials": [t.as_dict() for t in self.trials],
         }
 
@@ -383,9 +390,17 @@ class TuneResult:
                     str(n) for n in _typed(data, "unsaved_loader_kwargs", list)
                 ),
                 facts=_typed({"facts": {}, **data}, "facts", dict),
+                problem=_problem(data) if version >= 6 else {},
             )
         except (TypeError, ValueError) as error:
             raise ResultFileError(f"malformed result: {error}") from None
+
+
+def _problem(data: Mapping[str, Any]) -> dict[str, str]:
+    problem = _typed(data, "problem", dict)
+    if not all(isinstance(v, str) for v in problem.values()):
+        raise ResultFileError("problem holds a value that is not a string")
+    return {str(k): v for k, v in problem.items()}
 
 
 def _v2_kind(record: Mapping[str, Any]) -> str | None:
@@ -420,6 +435,13 @@ def split_loader_kwargs(fixed: Mapping[str, Any]) -> tuple[dict[str, Any], tuple
     """Separate the fixed options a JSON file can keep from those it cannot."""
     saved = {k: v for k, v in fixed.items() if isinstance(v, _JSON_SCALARS)}
     return saved, tuple(k for k in fixed if k not in saved)
+
+
+def in_memory_kwargs(fixed: Mapping[str, Any]) -> dict[str, Any]:
+    """The fixed loader options a result keeps in memory only (a sampler, a collate_fn):
+    this process's own, also under torchrun where each rank has its own sampler."""
+    _, unsaved = split_loader_kwargs(fixed)
+    return {name: fixed[name] for name in unsaved}
 
 
 def load(path: str | os.PathLike[str]) -> TuneResult:

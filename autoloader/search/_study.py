@@ -70,6 +70,35 @@ def study_name(
     return f"autoloader-{type(dataset).__name__}-{digest}"
 
 
+def problem_key(
+    dataset: Dataset[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    length: int | None,
+    batch_size: int,
+    space: SearchSpace,
+    memory_budget: int | None,
+    fixed_loader_kwargs: Mapping[str, Any],
+    device: torch.device | None,
+) -> dict[str, str]:
+    """The tuning problem by name, part by part, as a result file keeps it: a later run
+    reuses the file's settings only where every part is the same (and the machine, which
+    the file's environment tells), and names the parts that differ where not. The
+    dataset, the step and objects among the fixed loader options are named by their
+    type or function, as in :func:`study_name`."""
+    fixed = sorted((name, _identity(value)) for name, value in fixed_loader_kwargs.items())
+    return {
+        "dataset": _identity(dataset),
+        "dataset length": str(length),
+        "step_fn": _identity(step_fn),
+        "batch size": str(batch_size),
+        "search space": str(space.as_dict()),
+        "memory budget": str(memory_budget),
+        "fixed loader options": str(fixed),
+        "device": str(device),
+    }
+
+
 def _identity(value: object) -> str:
     """What names a value across runs: a scalar itself, else its type or function name
     (a repr holds addresses that change with every process)."""

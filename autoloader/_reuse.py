@@ -1,0 +1,87 @@
+"""A result kept in a file and reused: ``tune(path=...)`` on a problem tuned before,
+on the same machine, searches nothing.
+
+A result file names its problem part by part (:attr:`TuneResult.problem`: the dataset's
+type and length, the step, the batch size, the search space asked, the fixed loader
+options, the device) and the machine it was measured on (its environment). A later run
+reuses the file only where both are the same; where not, it says which part differs,
+tunes again and replaces the file. A file that cannot be read, or whose run was
+interrupted, is tuned again too. Under torchrun, global rank 0 reads the file (it is the
+one that writes it) and every rank takes its decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
+from autoloader._problem import Problem
+from autoloader.distributed._ranks import Ranks
+from autoloader.results._result import TuneResult, in_memory_kwargs, load
+
+_logger = logging.getLogger("autoloader")
+
+
+def reused(problem: Problem, ranks: Ranks | None) -> TuneResult | None:
+    """The result kept at ``problem.path`` if it is this problem's on this machine,
+    else ``None`` (logged with the reason); the same on every rank."""
+    if problem.path is None:
+        return None
+    found = _saved(problem) if ranks is None or ranks.drives else None
+    if ranks is not None:
+        found = ranks.broadcast(found, during="reading the saved result")
+    if found is None:
+        return None
+    # The options a file cannot keep (a sampler, a collate_fn): this process's own.
+    return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
+
+
+def _saved(problem: Problem) -> TuneResult | None:
+    path = problem.path
+    assert path is not None
+    if not path.exists():
+        _logger.info("no result at %s yet: tuning, then saving the result there", path)
+        return None
+    try:
+        with warnings.catch_warnings():
+            # Told below, with the problem's differences, as the reason to tune again.
+            warnings.simplefilter("ignore", EnvironmentMismatchWarning)
+            result = load(path)
+    except ResultFileError as error:
+        _logger.warning("not reusing %s: %s. Tuning again; the file will be replaced.", path, error)
+        return None
+    differences = differences_from(result, problem)
+    if differences:
+        _logger.warning(
+            "not reusing %s, tuned for another problem or machine (%s). Tuning again; "
+            "the file will be replaced.",
+            path,
+            "; ".join(differences),
+        )
+        return None
+    _logger.info(
+        "reusing the settings in %s, tuned for this problem on this machine: %s "
+        "(%.2fx the defaults); nothing to tune",
+        path,
+        result.params,
+        result.speedup,
+    )
+    return result
+
+
+def differences_from(result: TuneResult, problem: Problem) -> list[str]:
+    """How ``problem`` differs from the one ``result`` was tuned for, one phrase per
+    difference; empty when ``result`` can be reused for it."""
+    if result.partial:
+        return ["its tuning run was interrupted before it ended"]
+    if not result.problem:
+        return ["it was saved by an earlier autoloader, which did not record the problem"]
+    now = problem.key()
+    found = [
+        f"{part}: {result.problem.get(part)} then, {now.get(part)} now"
+        for part in sorted(set(now) | set(result.problem))
+        if result.problem.get(part) != now.get(part)
+    ]
+    return found + result.environment.differences(problem.environment)

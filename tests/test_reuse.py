@@ -1,0 +1,140 @@
+"""tune(path=...): a result kept in a file is reused for the same problem on the same
+machine, and tuned again (saying why) for anything else."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import autoloader
+from autoloader import InvalidInputError, SearchSpace
+from autoloader._problem import Problem, check_arguments
+from autoloader._reuse import reused
+
+from .workloads import SleepDataset
+
+SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+
+
+class CountingStep:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, batch: object) -> None:
+        self.calls += 1
+
+
+def _tune(path: Path, step: CountingStep, *, batch_size: int = 8) -> autoloader.TuneResult:
+    return autoloader.tune(
+        SleepDataset(256, latency=0.001),
+        step,
+        batch_size=batch_size,
+        time_budget=4,
+        search_space=SPACE,
+        show_progress=False,
+        path=path,
+    )
+
+
+def test_the_same_problem_reuses_the_file_and_another_tunes_again_saying_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    first = _tune(path, CountingStep())
+    saved = json.loads(path.read_text())
+    assert saved["problem"]["batch size"] == "8"
+    assert saved["problem"]["dataset"].endswith("SleepDataset")
+
+    step = CountingStep()
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        again = _tune(path, step)
+    assert step.calls == 0, "a reused result runs no step"
+    assert again.params == first.params
+    assert again.tuning_seconds == first.tuning_seconds  # the file's run, not a new one
+    assert f"reusing the settings in {path}" in caplog.text
+
+    caplog.clear()
+    step = CountingStep()
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        other = _tune(path, step, batch_size=16)
+    assert step.calls > 0, "another batch size is another problem: it tunes"
+    assert "batch size: 8 then, 16 now" in caplog.text
+    assert json.loads(path.read_text())["batch_size"] == 16  # the file now holds it
+    assert other.batch_size == 16
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A result file's content, of a real run of ``_tune``'s problem."""
+    path = tmp_path_factory.mktemp("saved") / "loader.json"
+    _tune(path, CountingStep())
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def _problem(path: Path) -> Problem:
+    """``_tune``'s problem, as tune() checks it."""
+    return check_arguments(
+        None, SleepDataset(256, latency=0.001), CountingStep(), batch_size=8,
+        time_budget=4, n_trials=None, memory_budget=None, search_space=SPACE,
+        loader_kwargs=None, device=None, seed=0, storage=None, show_progress=False,
+        isolation="in-process", restore=None, path=path,
+    )  # fmt: skip
+
+
+def test_the_file_of_the_same_problem_is_reused(tmp_path: Path, saved: dict[str, object]) -> None:
+    path = tmp_path / "loader.json"
+    path.write_text(json.dumps(saved))
+    found = reused(_problem(path), None)
+    assert found is not None
+    assert found.params == saved["params"]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda data: data.update(schema_version=5, problem={}), "earlier autoloader"),
+        (lambda data: data.update(partial=True), "interrupted"),
+        (lambda data: data["environment"].update(cpu_count=999), "CPUs"),
+        (lambda data: data["problem"].update(device="cuda:0"), "device: cuda:0 then, None now"),
+        (lambda data: data.update(params={"num_workers": "many"}), "not reusing"),
+    ],
+    ids=["older-file", "interrupted", "other-machine", "other-device", "malformed"],
+)
+def test_a_file_that_does_not_fit_is_not_reused_and_says_why(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    saved: dict[str, object],
+    change: Callable[[dict[str, Any]], None],
+    reason: str,
+) -> None:
+    data = copy.deepcopy(saved)
+    change(data)
+    path = tmp_path / "loader.json"
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert reused(_problem(path), None) is None
+    assert reason in caplog.text
+    assert "Tuning again; the file will be replaced" in caplog.text
+
+
+def test_a_path_that_is_not_a_file_path_fails_before_any_step(tmp_path: Path) -> None:
+    step = CountingStep()
+    with pytest.raises(InvalidInputError, match="is a directory"):
+        _tune(tmp_path, step)
+    with pytest.raises(InvalidInputError, match="path must be a file path"):
+        _tune(42, step)  # type: ignore[arg-type]
+    assert step.calls == 0
+
+
+def test_a_result_that_cannot_be_saved_is_returned_with_a_warning(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="could not save the result"):
+        result = _tune(blocker / "loader.json", CountingStep())
+    assert result.params["num_workers"] in (0, 1, 2)
