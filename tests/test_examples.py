@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -33,3 +35,11 @@ def test_image_pipeline_then_training_with_its_result(tmp_path: Path) -> None:
 def test_tensor_dataset(tmp_path: Path) -> None:
     out = _run("tensor_dataset.py", "--time-budget", "5", "--items", "8192", cwd=tmp_path)
     assert "autoloader report" in out and (tmp_path / "tensor.json").exists()
+
+
+def test_lightning_fit(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    args = ("--time-budget", "4", "--items", "256", "--epochs", "1", "--out", "fit.json")
+    out = _run("lightning_fit.py", *args, cwd=tmp_path)
+    assert "autoloader report" in out and "the fit trained with num_workers=" in out
+    assert (tmp_path / "fit.json").exists()

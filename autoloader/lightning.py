@@ -1,0 +1,409 @@
+"""Tuning inside a Lightning fit: :class:`LoaderTuner`, a callback.
+
+Example::
+
+    from autoloader.lightning import LoaderTuner
+
+    trainer = lightning.Trainer(callbacks=[LoaderTuner(time_budget=60, path="loader.json")])
+    trainer.fit(model, datamodule=dm)   # tunes first, then trains with the tuned loader
+
+Like Lightning's own ``BatchSizeFinder`` it runs when the fit starts (``on_fit_start``:
+after the strategy has set up the model and optimizers, before the sanity check). It
+asks the model or datamodule for its train dataloader as the fit would (the hook, then
+Lightning's processing: a ``DistributedSampler`` under DDP), and tunes it with
+:func:`autoloader.tune` and the model's real training step: ``training_step``,
+backward and the optimizer step through Lightning's strategy and precision plugin
+(``NOTE [ One Lightning step ]``). Then the fit trains with a loader of the tuned
+settings, built from the hook's own loader each time Lightning asks for it.
+
+NOTE [ Leaving no trace on the fit ]
+Tuning runs hundreds of real optimizer steps. Around them the callback keeps, and puts
+back bit for bit: the module's parameters, buffers, gradients and modes, every
+optimizer, every LR scheduler, the precision plugin's state (a ``GradScaler``), the
+generators of the loader and its sampler, the global random number generators, the fit
+loop's progress counters (``global_step``) and the logged results. Other callbacks
+are left out of the tuning steps (as ``BatchSizeFinder`` does): their batch hooks do
+not run. The module's own hooks do: they are its step. A fit with the tuner then
+trains as one without it: on the CPU, with a fixed seed, a deterministic dataset and
+``in_order=True`` (the default), the final weights are equal bit for bit. Persistent
+workers would draw one number fewer per epoch from the RNG than the untuned loader;
+the tuned loader makes that draw (``NOTE [ Persistent workers and the RNG stream ]``).
+What a step changes outside these (a Python counter on the module) cannot be known
+from outside and is not restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+    from lightning.pytorch.loops.loop import _Loop
+    from lightning.pytorch.loops.progress import _BaseProgress
+    from lightning.pytorch.trainer import call
+    from lightning.pytorch.trainer.connectors.data_connector import (
+        _DataLoaderSource,
+        _process_dataloader,
+        _request_dataloader,
+    )
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+except ImportError as error:  # pragma: no cover: the extra is not installed
+    raise ImportError(
+        "autoloader.lightning needs Lightning 2.6 or later: pip install "
+        "'torch-autoloader[lightning]'"
+    ) from error
+
+from autoloader._exceptions import InvalidInputError
+from autoloader._preserve import Restorable, preserved
+from autoloader._tune import tune
+from autoloader.loader._draws import same_draws
+from autoloader.results._result import TuneResult
+
+__all__ = ["LoaderTuner"]
+
+_logger = logging.getLogger("autoloader")
+
+MIN_VERSION = (2, 6)
+# Strategies that shard the model or optimizer: their state is not the module's
+# parameters and the optimizers' state dicts, which the callback restores.
+_SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+
+def check_version(found: str) -> None:
+    """Raise :class:`InvalidInputError` if Lightning ``found`` is older than supported."""
+    parts = tuple(int(p) for p in found.split("+")[0].split(".")[:2] if p.isdigit())
+    if parts < MIN_VERSION:
+        raise InvalidInputError(
+            f"autoloader.lightning supports Lightning {'.'.join(map(str, MIN_VERSION))} or "
+            f"later; this is {found}. Upgrade: pip install -U 'lightning>=2.6'."
+        )
+
+
+class LoaderTuner(pl.Callback):
+    """Tune the fit's train dataloader when the fit starts, then train with it.
+
+    Args:
+        time_budget (float, optional): seconds tuning may take. (default: ``60``)
+        path (str or path, optional): a JSON file that keeps the result: reused without
+            tuning when it holds this problem's result on this machine, else written
+            after tuning (see ``tune(path=...)``). (default: ``None``)
+        **tune_kwargs: other :func:`autoloader.tune` arguments (``search_space``,
+            ``memory_budget``, ``n_trials``, ``storage``, ``show_progress``...). Not
+            ``dataset``, ``step_fn``, ``batch_size``, ``loader_kwargs`` or ``restore``,
+            which the fit gives.
+
+    Attributes:
+        result (TuneResult or None): the tuning result, once the fit has started.
+
+    Under DDP every rank runs the callback and the ranks tune together, as
+    :func:`autoloader.tune` does under torchrun; the settings are the same on every
+    rank. Tuning is skipped, with a warning, under ``fast_dev_run``,
+    ``overfit_batches`` or ``limit_train_batches=0``.
+
+    Raises:
+        InvalidInputError: Lightning older than 2.6, or ``tune_kwargs`` naming what the
+            fit gives (on construction); at the fit's start, before any trial: no
+            ``train_dataloader``, several train dataloaders, a loader made with a
+            ``batch_sampler`` instead of ``batch_size``, or a strategy that shards the
+            model (FSDP, DeepSpeed).
+    """
+
+    def __init__(
+        self,
+        time_budget: float = 60.0,
+        path: str | os.PathLike[str] | None = None,
+        **tune_kwargs: Any,
+    ) -> None:
+        with contextlib.suppress(PackageNotFoundError):  # imported above: found
+            check_version(version("lightning"))
+        given = {"dataset", "step_fn", "batch_size", "loader_kwargs", "restore"} & set(tune_kwargs)
+        if given:
+            raise InvalidInputError(
+                f"LoaderTuner takes {', '.join(sorted(given))} from the fit: leave "
+                f"{'it' if len(given) == 1 else 'them'} out."
+            )
+        self.time_budget = time_budget
+        self.path = path
+        self.tune_kwargs = tune_kwargs
+        self.result: TuneResult | None = None
+        self._source: _DataLoaderSource | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if _skipped(trainer):
+            return
+        source = trainer.fit_loop._data_source
+        _check_fit(trainer, pl_module, source)
+        loader = _processed(trainer, source)
+        result = self._tune(trainer, pl_module, loader)
+        self.result = result
+        self._source = source
+        trainer.fit_loop._data_source = _TunedSource(
+            source.instance,
+            source.name,
+            inner=source,
+            build=functools.partial(_tuned, trainer, result),
+        )
+        _logger.info(
+            "LoaderTuner: training with %s (%.2fx the defaults)", result.params, result.speedup
+        )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._give_back(trainer)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._give_back(trainer)
+
+    def _give_back(self, trainer: pl.Trainer) -> None:
+        """The fit loop's own data source again, for a later fit with this trainer."""
+        if self._source is not None:
+            trainer.fit_loop._data_source, self._source = self._source, None
+
+    def _tune(
+        self, trainer: pl.Trainer, module: pl.LightningModule, loader: DataLoader[Any]
+    ) -> TuneResult:
+        """The tuning run, leaving no trace on the fit (``NOTE [ Leaving no trace on
+        the fit ]``)."""
+        # Trainer's connectors set callbacks, fast_dev_run and overfit_batches: untyped.
+        connected: Any = trainer
+        callbacks, progress = connected.callbacks, copy.deepcopy(trainer.fit_loop.state_dict())
+        results = trainer.fit_loop._results
+        logged = list(results.items())
+        connected.callbacks = []
+        try:
+            with preserved(*_generators(loader)):
+                return tune(
+                    loader.dataset,
+                    _training_step(trainer, module),
+                    batch_size=_batch_size(loader),
+                    time_budget=self.time_budget,
+                    path=self.path,
+                    loader_kwargs=_fixed(loader),
+                    restore=_state(trainer, module),
+                    **{
+                        "device": _device(trainer, module),
+                        **self._search(trainer),
+                        **self.tune_kwargs,
+                    },
+                )
+        finally:
+            connected.callbacks = callbacks
+            _load_progress(trainer.fit_loop, progress)
+            results.clear()
+            results.update(logged)
+            trainer._logger_connector.reset_results()
+            trainer._logger_connector.reset_metrics()
+
+    def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The search space: under a distributed sampler, no batched fetch (Lightning
+        would wrap the batch sampler that batched fetch puts in the sampler's place)."""
+        if "search_space" in self.tune_kwargs or trainer.world_size < 2:
+            return {}
+        if not trainer._accelerator_connector.use_distributed_sampler:
+            return {}
+        return {"search_space": {"batched_fetch": False}}
+
+
+def _skipped(trainer: pl.Trainer) -> bool:
+    """Whether this fit is one not to tune (said with a warning)."""
+    why = None
+    connected: Any = trainer  # fast_dev_run and overfit_batches are set by connectors
+    if connected.fast_dev_run:
+        why = "fast_dev_run runs a few batches only"
+    elif connected.overfit_batches:
+        why = "overfit_batches replaces the sampler"
+    elif trainer.limit_train_batches == 0:
+        why = "limit_train_batches=0 trains nothing"
+    if why is not None:
+        warnings.warn(f"LoaderTuner does not tune this fit: {why}.", UserWarning, stacklevel=2)
+    return why is not None
+
+
+def _check_fit(trainer: pl.Trainer, module: pl.LightningModule, source: _DataLoaderSource) -> None:
+    """:class:`InvalidInputError` for a fit the callback cannot tune, before any trial."""
+    strategy = type(trainer.strategy).__name__
+    if strategy in _SHARDED:
+        raise InvalidInputError(
+            f"LoaderTuner does not support {strategy}: it shards the model and optimizer "
+            "state, which tuning's steps would change. Tune with DDP or one device, and "
+            "reuse the saved settings (path=...) under this strategy."
+        )
+    if not source.is_defined():
+        raise InvalidInputError(
+            "LoaderTuner: the model and datamodule define no train_dataloader() to tune. "
+            "Define train_dataloader(), or pass train_dataloaders= to fit()."
+        )
+
+
+def _processed(trainer: pl.Trainer, source: _DataLoaderSource) -> DataLoader[Any]:
+    """The train loader as the fit would use it: the hook's, then Lightning's processing
+    (its distributed sampler, its worker seeding), without starting an iterator."""
+    loader = _request_dataloader(source)
+    if isinstance(loader, CombinedLoader):
+        if len(loader.flattened) != 1:
+            raise InvalidInputError(
+                f"LoaderTuner tunes one train dataloader; this fit has {len(loader.flattened)}."
+            )
+        (loader,) = loader.flattened
+    if not isinstance(loader, DataLoader):
+        raise InvalidInputError(
+            f"LoaderTuner tunes a torch DataLoader; train_dataloader() returned "
+            f"{type(loader).__name__}."
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on num_workers: ours to give
+        processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
+    assert isinstance(processed, DataLoader)
+    return processed
+
+
+def _batch_size(loader: DataLoader[Any]) -> int:
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise InvalidInputError(
+            "LoaderTuner tunes a DataLoader made with batch_size=...; this one has a "
+            f"batch_sampler ({type(loader.batch_sampler).__name__}), which it cannot "
+            "rebuild."
+        )
+    return loader.batch_size
+
+
+def _fixed(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The options of ``loader`` that tuning keeps (not its worker settings, which it
+    tunes): sampler, collate_fn, drop_last, timeout, the user's worker_init_fn,
+    generator, start method."""
+    fixed: dict[str, Any] = {"drop_last": loader.drop_last}
+    if not isinstance(loader.dataset, IterableDataset):
+        fixed["sampler"] = loader.sampler
+    if loader.collate_fn is not torch.utils.data.default_collate:
+        fixed["collate_fn"] = loader.collate_fn
+    if loader.timeout:
+        fixed["timeout"] = loader.timeout
+    init = loader.worker_init_fn
+    # Lightning's own seeding (seed_everything(workers=True)) is added back to the
+    # loader the fit uses; left out here, it would rule out thread workers.
+    if init is not None and getattr(init, "func", None) is not pl_worker_init_function:
+        fixed["worker_init_fn"] = init
+    for name in ("generator", "multiprocessing_context"):
+        if getattr(loader, name) is not None:
+            fixed[name] = getattr(loader, name)
+    return fixed
+
+
+def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
+    """The generators tuning draws from besides the global one: the loader's and its
+    sampler's (a datamodule may keep one across calls of its hook)."""
+    found = [loader.generator, getattr(loader.sampler, "generator", None)]
+    return [g for g in found if isinstance(g, torch.Generator)]
+
+
+def _state(trainer: pl.Trainer, module: pl.LightningModule) -> list[Restorable]:
+    """What a training step changes and tuning restores (``NOTE [ Leaving no trace on
+    the fit ]``)."""
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    return [module, *trainer.optimizers, *schedulers, trainer.precision_plugin]
+
+
+def _device(trainer: pl.Trainer, module: pl.LightningModule) -> torch.device | None:
+    """Where tune() moves each batch, so that it can synchronise the accelerator at the
+    edges of its timing windows: the root device, unless the module changes its
+    batches on the host first (``on_before_batch_transfer``), or the CPU."""
+    device = trainer.strategy.root_device
+    overridden = (
+        type(module).on_before_batch_transfer is not pl.LightningModule.on_before_batch_transfer
+    )
+    return None if device.type == "cpu" or overridden else device
+
+
+# NOTE [ One Lightning step ]
+# The training epoch loop's step (TrainingEpochLoop.advance, lightning 2.6) without its
+# fetching, callbacks and counters: the batch through the precision plugin, the
+# module's on_before_batch_transfer and the strategy's transfer, then the optimization
+# (automatic: a closure of zero_grad, training_step and backward, then
+# LightningModule.optimizer_step through the strategy and precision plugin; manual:
+# training_step, which steps its optimizers itself). batch_idx 0 makes every step
+# zero_grad, step and optimizer step, whatever accumulate_grad_batches says.
+def _training_step(trainer: pl.Trainer, module: pl.LightningModule) -> Callable[[Any], None]:
+    loop = trainer.fit_loop.epoch_loop
+
+    def step(batch: Any) -> None:
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=0)
+        trainer._logger_connector.on_batch_start(batch)
+        kwargs = loop._build_kwargs(OrderedDict(), batch, 0)
+        if module.automatic_optimization:
+            loop.automatic_optimization.run(trainer.optimizers[0], 0, kwargs)
+        else:
+            loop.manual_optimization.run(kwargs)
+
+    return step
+
+
+def _load_progress(loop: _Loop, saved: dict[str, Any], prefix: str = "") -> None:
+    """The loop's progress counters as ``saved`` (``loop.state_dict()``) has them.
+    Not ``Loop.load_state_dict``, which marks the loops as resuming from a checkpoint."""
+    for name, value in vars(loop).items():
+        key = prefix + name
+        if isinstance(value, _BaseProgress) and key in saved:
+            value.load_state_dict(saved[key])
+        elif isinstance(value, _Loop):
+            _load_progress(value, saved, key + ".")
+
+
+@dataclass
+class _TunedSource(_DataLoaderSource):
+    """The fit loop's data source, giving a tuned loader built from the hook's own
+    each time Lightning asks (at setup, and on ``reload_dataloaders_every_n_epochs``):
+    the hook is called when it would be, as often."""
+
+    inner: _DataLoaderSource | None = field(default=None, kw_only=True)
+    build: Callable[[Any], Any] | None = field(default=None, kw_only=True)
+
+    def dataloader(self) -> Any:
+        assert self.inner is not None and self.build is not None
+        return self.build(self.inner.dataloader())
+
+
+def _tuned(trainer: pl.Trainer, result: TuneResult, raw: Any) -> Any:
+    """A loader of ``result``'s settings with ``raw``'s dataset and options, its sampler
+    the one Lightning would give ``raw`` (a ``DistributedSampler`` under DDP)."""
+    loader = raw.flattened[0] if isinstance(raw, CombinedLoader) else raw
+    fixed = _fixed(loader)
+    if "sampler" in fixed:
+        fixed["sampler"] = trainer._data_connector._resolve_sampler(
+            loader, shuffle=True, mode=RunningStage.TRAINING
+        )
+    seeding = loader.worker_init_fn
+    if (
+        "worker_init_fn" not in fixed
+        and seeding is None
+        and int(os.environ.get("PL_SEED_WORKERS", 0))
+        and result.params.get("worker_threads") is not None
+        and result.params.get("worker_kind") != "threads"
+    ):
+        # Lightning adds its seeding only to a loader without a worker_init_fn; the one
+        # that limits the workers' threads calls it.
+        fixed["worker_init_fn"] = functools.partial(
+            pl_worker_init_function, rank=trainer.global_rank
+        )
+    tuned = same_draws(result.make_loader(loader.dataset, batch_size=loader.batch_size, **fixed))
+    if isinstance(raw, CombinedLoader):
+        raw.flattened = [tuned]
+        return raw
+    return tuned

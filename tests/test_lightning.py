@@ -1,0 +1,212 @@
+"""LoaderTuner in real Lightning fits: the fit trains with the tuned loader, bit for bit
+as without the tuner, reuses a saved result, and refuses what it cannot tune."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from autoloader import InvalidInputError  # noqa: E402
+from autoloader.lightning import LoaderTuner, check_version  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class SlowItems(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Deterministic items that take ``latency`` seconds each: a loader with workers
+    pays."""
+
+    def __init__(self, length: int = 96, latency: float = 0.002) -> None:
+        self.length, self.latency = length, latency
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.latency)
+        x = torch.arange(8, dtype=torch.float32) * (index % 7) / 7
+        return x, x.sum(dim=0, keepdim=True)
+
+
+class Regression(pl.LightningModule):
+    """Dropout (the RNG matters), momentum (the optimizer's state matters), a scheduler
+    and logging: everything a tuning step touches."""
+
+    def __init__(self, loader_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+        )
+        self.loader_kwargs = loader_kwargs or {}
+        self.seen_workers: set[int] = set()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)]
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(SlowItems(), batch_size=8, shuffle=True, **self.loader_kwargs)
+
+
+def _fit(callbacks: list[Any], *, epochs: int = 2) -> tuple[Regression, Any]:
+    pl.seed_everything(0, verbose=False)
+    model = Regression()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_loader(
+    tmp_path: Path,
+) -> None:
+    plain, plain_trainer = _fit([])
+
+    path = tmp_path / "loader.json"
+    tuner = LoaderTuner(time_budget=8, path=path, show_progress=False)
+    tuned, trainer = _fit([tuner])
+    result = tuner.result
+    assert result is not None
+    assert result.params["num_workers"] > 0, "a latency-bound dataset wants workers"
+    used = trainer.train_dataloader
+    assert used.num_workers == result.params["num_workers"]
+    assert type(used).__name__ == (
+        "ThreadLoader" if result.params["worker_kind"] == "threads" else "SameDraws"
+        if result.params["persistent_workers"] else "DataLoader"
+    )  # fmt: skip
+    for (name, a), b in zip(plain.state_dict().items(), tuned.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after a fit with the tuner"
+    assert trainer.global_step == plain_trainer.global_step
+    assert trainer.callback_metrics["loss_epoch"] == plain_trainer.callback_metrics["loss_epoch"]
+    assert trainer.fit_loop._data_source is not None
+    assert type(trainer.fit_loop._data_source).__name__ == "_DataLoaderSource"  # given back
+    assert json.loads(path.read_text())["params"] == result.params
+
+    # The same problem again: the file's settings, no tuning, the same training.
+    again = LoaderTuner(time_budget=8, path=path, show_progress=False)
+    reused, _ = _fit([again])
+    assert again.result is not None
+    assert again.result.tuning_seconds == result.tuning_seconds
+    for a, b in zip(plain.state_dict().values(), reused.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
+    with pytest.raises(InvalidInputError, match="takes batch_size from the fit"):
+        LoaderTuner(batch_size=8)
+    with pytest.raises(InvalidInputError, match=r"Lightning 2\.6 or later; this is 2\.5\.2"):
+        check_version("2.5.2")
+    check_version("2.6.6")
+    check_version("3.0.0rc1")
+
+    class NoLoader(Regression):
+        train_dataloader = pl.LightningModule.train_dataloader  # type: ignore[assignment]
+
+    class BatchSamplerLoader(Regression):
+        def train_dataloader(self) -> DataLoader[Any]:
+            items = SlowItems(latency=0)
+            sampler = torch.utils.data.BatchSampler(range(len(items)), 8, drop_last=False)
+            return DataLoader(items, batch_sampler=sampler)
+
+    for model, message in [
+        (NoLoader(), "define no train_dataloader"),
+        (BatchSamplerLoader(), "made with batch_size"),
+    ]:
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=1, callbacks=[LoaderTuner(time_budget=5)],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        )  # fmt: skip
+        with pytest.raises(InvalidInputError, match=message):
+            trainer.fit(model)
+
+
+def test_a_fast_dev_run_is_not_tuned() -> None:
+    tuner = LoaderTuner(time_budget=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", fast_dev_run=2, callbacks=[tuner], logger=False,
+        enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="does not tune this fit: fast_dev_run"):
+        trainer.fit(Regression())
+    assert tuner.result is None
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import lightning.pytorch as pl
+    from autoloader.lightning import LoaderTuner
+    from tests.test_lightning import Regression
+
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        model = Regression()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, callbacks=callbacks,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        return model, trainer
+
+    plain, _ = fit([])
+    tuner = LoaderTuner(time_budget=10, show_progress=False)
+    tuned, trainer = fit([tuner])
+    used = trainer.train_dataloader
+    print(json.dumps({
+        "rank": trainer.global_rank,
+        "params": tuner.result.params,
+        "ranks": tuner.result.environment.world_size,
+        "used_workers": used.num_workers,
+        "sampler": type(used.sampler).__name__,
+        "same_weights": all(torch.equal(a, b) for a, b in
+                            zip(plain.state_dict().values(), tuned.state_dict().values())),
+    }), flush=True)
+    """
+)
+
+
+def test_a_ddp_fit_tunes_every_rank_together(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=150,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["rank"] for s in said) == [0, 1], done.stdout
+    assert said[0]["params"] == said[1]["params"], "every rank trains with the same settings"
+    for rank in said:
+        assert rank["ranks"] == 2
+        assert rank["used_workers"] == rank["params"]["num_workers"]
+        assert rank["sampler"] == "DistributedSampler"
+        assert rank["same_weights"], f"rank {rank['rank']}: the weights differ with the tuner"
