@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +135,20 @@ def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
             sampler = torch.utils.data.BatchSampler(range(len(items)), 8, drop_last=False)
             return DataLoader(items, batch_sampler=sampler)
 
+    class Unsharded(torch.utils.data.IterableDataset[torch.Tensor]):
+        """Every worker yields every item: DataLoader would repeat them."""
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return (SlowItems(latency=0)[i] for i in range(64))
+
+    class UnshardedLoader(Regression):
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(Unsharded(), batch_size=8)
+
     for model, message in [
         (NoLoader(), "define no train_dataloader"),
         (BatchSamplerLoader(), "made with batch_size"),
+        (UnshardedLoader(), "repeat"),
     ]:
         trainer = pl.Trainer(
             accelerator="cpu", max_epochs=1, callbacks=[LoaderTuner(time_budget=5)],
