@@ -26,8 +26,9 @@ are left out of the tuning steps (as ``BatchSizeFinder`` does): their batch hook
 not run. The module's own hooks do: they are its step. A fit with the tuner then
 trains as one without it: on the CPU, with a fixed seed, a deterministic dataset and
 ``in_order=True`` (the default), the final weights are equal bit for bit. Persistent
-workers would draw one number fewer per epoch from the RNG than the untuned loader;
-the tuned loader makes that draw (``NOTE [ Persistent workers and the RNG stream ]``).
+workers draw one number fewer per epoch from the RNG than a loader without them: the
+tuned loader makes the draws the hook's own loader would (``NOTE [ A tuned loader's
+draws ]``).
 What a step changes outside these (a Python counter on the module) cannot be known
 from outside and is not restored.
 """
@@ -71,7 +72,7 @@ except ImportError as error:  # pragma: no cover: the extra is not installed
 from autoloader._exceptions import InvalidInputError
 from autoloader._preserve import Restorable, preserved
 from autoloader._tune import tune
-from autoloader.loader._draws import same_draws
+from autoloader.loader._draws import drawing_as
 from autoloader.results._result import TuneResult
 
 __all__ = ["LoaderTuner"]
@@ -402,7 +403,10 @@ def _tuned(trainer: pl.Trainer, result: TuneResult, raw: Any) -> Any:
         fixed["worker_init_fn"] = functools.partial(
             pl_worker_init_function, rank=trainer.global_rank
         )
-    tuned = same_draws(result.make_loader(loader.dataset, batch_size=loader.batch_size, **fixed))
+    fixed.pop("generator", None)  # the tuned loader's is its own: see drawing_as()
+    kwargs = result.loader_kwargs(loader.dataset, batch_size=loader.batch_size, **fixed)
+    threads = result.params["worker_kind"] == "threads"
+    tuned = drawing_as(loader, loader.dataset, kwargs, threads=threads)
     if isinstance(raw, CombinedLoader):
         raw.flattened = [tuned]
         return raw

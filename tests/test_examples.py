@@ -43,3 +43,11 @@ def test_lightning_fit(tmp_path: Path) -> None:
     out = _run("lightning_fit.py", *args, cwd=tmp_path)
     assert "autoloader report" in out and "the fit trained with num_workers=" in out
     assert (tmp_path / "fit.json").exists()
+
+
+def test_hf_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    args = ("--time-budget", "4", "--steps", "20", "--out", "hf.json")
+    out = _run("hf_trainer.py", *args, cwd=tmp_path)
+    assert "autoloader report" in out and "train() loaded with" in out
+    assert (tmp_path / "hf.json").exists()

@@ -97,10 +97,9 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
     assert result.params["num_workers"] > 0, "a latency-bound dataset wants workers"
     used = trainer.train_dataloader
     assert used.num_workers == result.params["num_workers"]
-    assert type(used).__name__ == (
-        "ThreadLoader" if result.params["worker_kind"] == "threads" else "SameDraws"
-        if result.params["persistent_workers"] else "DataLoader"
-    )  # fmt: skip
+    threads = result.params["worker_kind"] == "threads"
+    assert type(used).__name__ == ("DrawingThreadLoader" if threads else "DrawingLoader")
+    assert used.persistent_workers == result.params["persistent_workers"]
     for (name, a), b in zip(plain.state_dict().items(), tuned.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name} differs after a fit with the tuner"
     assert trainer.global_step == plain_trainer.global_step

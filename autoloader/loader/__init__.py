@@ -3,6 +3,9 @@
 Modules, from the top down, one job each::
 
     _factory         build_loader(): a DataLoader or ThreadLoader from a setting
+    _draws           a tuned loader drawing from the RNGs as the user's own would
+                     (NOTE [ A tuned loader's draws ]), for the framework adapters
+    _batch_items     BatchItems: a per-item sampler over a batch sampler's batches
     _batched         a whole batch fetched with one indexing (NOTE [ Batched fetch ])
     _thread_loader   ThreadLoader: a DataLoader whose workers are threads
     _worker_threads  LimitThreads: native thread pools held to one thread per worker
