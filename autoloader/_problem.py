@@ -6,6 +6,7 @@ the same problem agreed between the ranks (:func:`agree`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from autoloader.distributed._joint import agree_on_arguments, node_memory_budget
 from autoloader.distributed._ranks import Ranks
 from autoloader.measure._device import resolve_device
 from autoloader.measure._memory import resolve_memory_budget
+from autoloader.results._result import SCHEMA_VERSION
 from autoloader.search._space import SearchSpace, check_search_space
 from autoloader.search._study import open_storage, problem_key
 
@@ -175,6 +177,17 @@ def check_arguments(
     )
 
 
+def shared_arguments(problem: Problem) -> tuple[Any, ...]:
+    """What every rank of a job must give alike. The device by its kind only: each rank
+    moves batches to its own (cuda:0, cuda:1...)."""
+    return (
+        problem.dataset_length, problem.batches_per_epoch, problem.batch_size, problem.budget,
+        problem.n_trials, problem.seed, problem.space.as_dict(),
+        None if problem.device is None else problem.device.type,
+        problem.isolation, problem.memory_budget,
+    )  # fmt: skip
+
+
 def check_result_path(path: object) -> Path | None:
     """``path`` as a file path a result can be written to, or ``None``."""
     if path is None:
@@ -189,17 +202,37 @@ def check_result_path(path: object) -> Path | None:
             f"path {str(result_path)!r} is a directory; give the JSON file's path, "
             "e.g. path='loader.json'."
         )
+    if result_path.exists():
+        _check_replaceable(result_path)
     return result_path
+
+
+def _check_replaceable(path: Path) -> None:
+    """Raise :class:`InvalidInputError` unless ``path`` holds a result autoloader may
+    replace: a file of another kind (a mistyped path, a config file) is never
+    overwritten, nor one a newer autoloader wrote. A result it cannot use (malformed,
+    of another problem) is replaced by the run's."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise InvalidInputError(
+            f"path {str(path)!r} holds a file that is not an autoloader result; it "
+            "would be overwritten. Give another path, or delete the file."
+        )
+    if version > SCHEMA_VERSION:
+        raise InvalidInputError(
+            f"path {str(path)!r} holds a result of schema version {version}, written by "
+            f"a newer autoloader (this one writes {SCHEMA_VERSION}); it would be "
+            "overwritten. Give another path, or upgrade autoloader."
+        )
 
 
 def agree(ranks: Ranks, problem: Problem) -> Problem:
     """Check that every rank of the job was given the same problem, and size the
     memory budget of the node's whole tree, every local rank's workers included."""
-    arguments = (
-        problem.dataset_length, problem.batches_per_epoch, problem.batch_size, problem.budget,
-        problem.n_trials, problem.seed, problem.space.as_dict(), str(problem.device),
-        problem.isolation, problem.memory_budget,
-    )  # fmt: skip
-    agree_on_arguments(ranks, error=None, arguments=arguments)
+    agree_on_arguments(ranks, error=None, arguments=shared_arguments(problem))
     memory_bytes = node_memory_budget(ranks, problem.memory_budget)
     return dataclasses.replace(problem, memory_bytes=memory_bytes)

@@ -233,7 +233,7 @@ def _save(result: TuneResult, path: Path) -> None:
     nothing of the run, which the caller gets back."""
     try:
         result.save(path)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a figure JSON cannot hold
         warnings.warn(
             f"autoloader could not save the result to {path}: {error}. The tuned "
             "settings are returned; save them with result.save(another_path).",

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
+import inspect
 import logging
 import os
 import warnings
@@ -55,6 +57,7 @@ try:
     from lightning.fabric.utilities.seed import pl_worker_init_function
     from lightning.pytorch.loops.loop import _Loop
     from lightning.pytorch.loops.progress import _BaseProgress
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
     from lightning.pytorch.trainer import call
     from lightning.pytorch.trainer.connectors.data_connector import (
         _DataLoaderSource,
@@ -63,6 +66,8 @@ try:
     )
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+    from torchmetrics import Metric
 except ImportError as error:  # pragma: no cover: the extra is not installed
     raise ImportError(
         "autoloader.lightning needs Lightning 2.6 or later: pip install "
@@ -74,6 +79,7 @@ from autoloader._preserve import Restorable, preserved
 from autoloader._tune import tune
 from autoloader.loader._draws import drawing_as
 from autoloader.results._result import TuneResult
+from autoloader.search._space import SearchSpace, check_search_space
 
 __all__ = ["LoaderTuner"]
 
@@ -82,7 +88,11 @@ _logger = logging.getLogger("autoloader")
 MIN_VERSION = (2, 6)
 # Strategies that shard the model or optimizer: their state is not the module's
 # parameters and the optimizers' state dicts, which the callback restores.
-_SHARDED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+_SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
+# tune()'s arguments that the fit gives, or that cannot work inside it: a trial's own
+# process ("isolation") would not hold the model the steps train.
+_FROM_THE_FIT = ("dataset", "step_fn", "batch_size", "loader_kwargs", "restore", "device")
+_NOT_IN_A_FIT = ("isolation",)
 
 
 def check_version(found: str) -> None:
@@ -116,12 +126,16 @@ class LoaderTuner(pl.Callback):
     rank. Tuning is skipped, with a warning, under ``fast_dev_run``,
     ``overfit_batches`` or ``limit_train_batches=0``.
 
+    Ctrl-C while tuning stops the fit (a ``KeyboardInterrupt``, which Lightning ends
+    gracefully), rather than training with the best of the trials so far.
+
     Raises:
         InvalidInputError: Lightning older than 2.6, or ``tune_kwargs`` naming what the
-            fit gives (on construction); at the fit's start, before any trial: no
+            fit gives, what ``tune()`` does not take, or a search space that cannot be
+            (on construction); at the fit's start, before any trial: no
             ``train_dataloader``, several train dataloaders, a loader made with a
-            ``batch_sampler`` instead of ``batch_size``, or a strategy that shards the
-            model (FSDP, DeepSpeed).
+            ``batch_sampler`` instead of ``batch_size``, a ``training_step`` that takes
+            ``dataloader_iter``, or a strategy that shards the model (FSDP, DeepSpeed).
     """
 
     def __init__(
@@ -132,12 +146,7 @@ class LoaderTuner(pl.Callback):
     ) -> None:
         with contextlib.suppress(PackageNotFoundError):  # imported above: found
             check_version(version("lightning"))
-        given = {"dataset", "step_fn", "batch_size", "loader_kwargs", "restore"} & set(tune_kwargs)
-        if given:
-            raise InvalidInputError(
-                f"LoaderTuner takes {', '.join(sorted(given))} from the fit: leave "
-                f"{'it' if len(given) == 1 else 'them'} out."
-            )
+        _check_tune_kwargs(tune_kwargs)
         self.time_budget = time_budget
         self.path = path
         self.tune_kwargs = tune_kwargs
@@ -149,9 +158,14 @@ class LoaderTuner(pl.Callback):
             return
         source = trainer.fit_loop._data_source
         _check_fit(trainer, pl_module, source)
-        loader = _processed(trainer, source)
+        # The hook is called once more than without the tuner: what it draws from the
+        # RNGs (a random split) is drawn again, as then, when the fit calls it.
+        with preserved():
+            loader = _processed(trainer, source)
         result = self._tune(trainer, pl_module, loader)
         self.result = result
+        if result.partial:  # Ctrl-C: the user stops the fit, not only the tuning
+            raise KeyboardInterrupt
         self._source = source
         trainer.fit_loop._data_source = _TunedSource(
             source.instance,
@@ -191,17 +205,14 @@ class LoaderTuner(pl.Callback):
             with preserved(*_generators(loader)):
                 return tune(
                     loader.dataset,
-                    _training_step(trainer, module),
+                    _TrainingStep(trainer, module),
                     batch_size=_batch_size(loader),
                     time_budget=self.time_budget,
                     path=self.path,
                     loader_kwargs=_fixed(loader),
                     restore=_state(trainer, module),
-                    **{
-                        "device": _device(trainer, module),
-                        **self._search(trainer),
-                        **self.tune_kwargs,
-                    },
+                    device=_device(trainer, module),
+                    **{**self.tune_kwargs, **_search(trainer, self.tune_kwargs)},
                 )
         finally:
             connected.callbacks = callbacks
@@ -211,14 +222,42 @@ class LoaderTuner(pl.Callback):
             trainer._logger_connector.reset_results()
             trainer._logger_connector.reset_metrics()
 
-    def _search(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """The search space: under a distributed sampler, no batched fetch (Lightning
-        would wrap the batch sampler that batched fetch puts in the sampler's place)."""
-        if "search_space" in self.tune_kwargs or trainer.world_size < 2:
-            return {}
-        if not trainer._accelerator_connector.use_distributed_sampler:
-            return {}
-        return {"search_space": {"batched_fetch": False}}
+
+def _check_tune_kwargs(tune_kwargs: dict[str, Any]) -> None:
+    """:class:`InvalidInputError` for ``tune()`` arguments the callback cannot pass."""
+    known = set(inspect.signature(tune).parameters) - {"time_budget", "path"}
+    for name in tune_kwargs:
+        if name in _FROM_THE_FIT:
+            raise InvalidInputError(f"LoaderTuner takes {name!r} from the fit: leave it out.")
+        if name in _NOT_IN_A_FIT:
+            raise InvalidInputError(
+                f"LoaderTuner cannot pass {name!r}: the trials run the model's steps in "
+                "the fit's own processes."
+            )
+        if name not in known:
+            raise InvalidInputError(
+                f"LoaderTuner got {name!r}, which autoloader.tune() does not take."
+            )
+    if "search_space" in tune_kwargs:
+        check_search_space(tune_kwargs["search_space"])
+
+
+def _search(trainer: pl.Trainer, tune_kwargs: dict[str, Any]) -> dict[str, SearchSpace]:
+    """The search space asked for, without batched fetch where Lightning puts a
+    distributed sampler in the loader: it would wrap the batch sampler that batched
+    fetch puts in the sampler's place, splitting each rank's batches again."""
+    connector = trainer._accelerator_connector
+    if not (connector.is_distributed and connector.use_distributed_sampler):
+        return {}
+    space = check_search_space(tune_kwargs.get("search_space"))
+    if space.batched_fetch not in (None, (False,)):
+        raise InvalidInputError(
+            "LoaderTuner cannot tune batched_fetch=True under a distributed strategy: "
+            "Lightning's DistributedSampler would wrap the whole batches. Leave "
+            "batched_fetch unset, or set use_distributed_sampler=False and give each "
+            "rank its sampler."
+        )
+    return {"search_space": dataclasses.replace(space, batched_fetch=False)}
 
 
 def _skipped(trainer: pl.Trainer) -> bool:
@@ -238,12 +277,18 @@ def _skipped(trainer: pl.Trainer) -> bool:
 
 def _check_fit(trainer: pl.Trainer, module: pl.LightningModule, source: _DataLoaderSource) -> None:
     """:class:`InvalidInputError` for a fit the callback cannot tune, before any trial."""
-    strategy = type(trainer.strategy).__name__
-    if strategy in _SHARDED:
+    if isinstance(trainer.strategy, _SHARDED):
+        strategy = type(trainer.strategy).__name__
         raise InvalidInputError(
             f"LoaderTuner does not support {strategy}: it shards the model and optimizer "
             "state, which tuning's steps would change. Tune with DDP or one device, and "
             "reuse the saved settings (path=...) under this strategy."
+        )
+    if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+        raise InvalidInputError(
+            "LoaderTuner times a training_step that takes a batch; this one takes "
+            "dataloader_iter and fetches its own. Tune with autoloader.tune() and a "
+            "step of your own, then set the loader's settings from the result."
         )
     if not source.is_defined():
         raise InvalidInputError(
@@ -317,43 +362,98 @@ def _state(trainer: pl.Trainer, module: pl.LightningModule) -> list[Restorable]:
     """What a training step changes and tuning restores (``NOTE [ Leaving no trace on
     the fit ]``)."""
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-    return [module, *trainer.optimizers, *schedulers, trainer.precision_plugin]
+    metrics = [_MetricState(m) for m in module.modules() if isinstance(m, Metric)]
+    return [module, *trainer.optimizers, *schedulers, trainer.precision_plugin, *metrics]
+
+
+class _MetricState:
+    """A torchmetrics ``Metric``'s accumulated state, which is neither a parameter nor
+    a buffer (its states are plain attributes), as a state dict: a metric logged with
+    ``on_epoch=True`` would otherwise count the tuning steps into the first epoch."""
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def state_dict(self) -> dict[str, Any]:
+        metric = self.metric
+        return {
+            "states": {name: getattr(metric, name) for name in metric._defaults},
+            "update_count": metric._update_count,
+            "computed": metric._computed,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        metric = self.metric
+        for name, value in saved["states"].items():
+            # Copied to host memory by preserved(): back where the metric keeps it.
+            setattr(metric, name, _to_device(value, metric.device))
+        metric._update_count = saved["update_count"]
+        metric._computed = _to_device(saved["computed"], metric.device)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    return value
 
 
 def _device(trainer: pl.Trainer, module: pl.LightningModule) -> torch.device | None:
     """Where tune() moves each batch, so that it can synchronise the accelerator at the
-    edges of its timing windows: the root device, unless the module changes its
-    batches on the host first (``on_before_batch_transfer``), or the CPU."""
+    edges of its timing windows: the root device, unless the module handles its
+    batches on the way there (``on_before_batch_transfer``, ``transfer_batch_to_device``),
+    or the CPU."""
     device = trainer.strategy.root_device
-    overridden = (
-        type(module).on_before_batch_transfer is not pl.LightningModule.on_before_batch_transfer
+    overridden = any(
+        getattr(type(module), hook) is not getattr(pl.LightningModule, hook)
+        for hook in ("on_before_batch_transfer", "transfer_batch_to_device")
     )
     return None if device.type == "cpu" or overridden else device
 
 
-# NOTE [ One Lightning step ]
-# The training epoch loop's step (TrainingEpochLoop.advance, lightning 2.6) without its
-# fetching, callbacks and counters: the batch through the precision plugin, the
-# module's on_before_batch_transfer and the strategy's transfer, then the optimization
-# (automatic: a closure of zero_grad, training_step and backward, then
-# LightningModule.optimizer_step through the strategy and precision plugin; manual:
-# training_step, which steps its optimizers itself). batch_idx 0 makes every step
-# zero_grad, step and optimizer step, whatever accumulate_grad_batches says.
-def _training_step(trainer: pl.Trainer, module: pl.LightningModule) -> Callable[[Any], None]:
-    loop = trainer.fit_loop.epoch_loop
+class _TrainingStep:
+    """One step of the training epoch loop (NOTE [ One Lightning step ]).
 
-    def step(batch: Any) -> None:
+    NOTE [ One Lightning step ]
+    The training epoch loop's step (``TrainingEpochLoop.advance``, lightning 2.6)
+    without its fetching, callbacks and logging: the batch through the precision
+    plugin, the module's ``on_before_batch_transfer`` and the strategy's transfer, then
+    the optimization (automatic: a closure of zero_grad, ``training_step`` and backward,
+    then ``LightningModule.optimizer_step`` through the strategy and precision plugin;
+    manual: ``training_step``, which steps its optimizers itself). Each step counts a
+    batch as ready, as the loop does, and passes its index: with
+    ``accumulate_grad_batches=N`` the optimizer steps (and DDP reduces gradients) once
+    in N batches, as in training. The counters are put back after tuning.
+    """
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+        self.batches = 0
+        # The step's name where a result file records the problem it was tuned for
+        # (tune(path=...)): the module's class and what changes a step's cost.
+        parameters = sum(p.numel() for p in module.parameters())
+        self.__module__ = type(module).__module__
+        self.__qualname__ = (
+            f"{type(module).__qualname__}.training_step of {parameters} parameters, "
+            f"precision {trainer.precision}, accumulate_grad_batches "
+            f"{trainer.accumulate_grad_batches}, {type(trainer.strategy).__name__}"
+        )
+
+    def __call__(self, batch: Any) -> None:
+        trainer, module = self.trainer, self.module
+        loop = trainer.fit_loop.epoch_loop
         batch = trainer.precision_plugin.convert_input(batch)
         batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
         batch = call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=0)
+        loop.batch_progress.increment_ready()
         trainer._logger_connector.on_batch_start(batch)
-        kwargs = loop._build_kwargs(OrderedDict(), batch, 0)
+        kwargs = loop._build_kwargs(OrderedDict(), batch, self.batches)
         if module.automatic_optimization:
-            loop.automatic_optimization.run(trainer.optimizers[0], 0, kwargs)
+            loop.automatic_optimization.run(trainer.optimizers[0], self.batches, kwargs)
         else:
             loop.manual_optimization.run(kwargs)
-
-    return step
+        self.batches += 1
 
 
 def _load_progress(loop: _Loop, saved: dict[str, Any], prefix: str = "") -> None:

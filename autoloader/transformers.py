@@ -231,6 +231,12 @@ def _check_trainer(trainer: Trainer) -> None:
             "tune_trainer tunes the Trainer's train loader, but the Trainer has no "
             "train_dataset: give one, Trainer(..., train_dataset=dataset)."
         )
+    if trainer.args.n_gpu > 1:
+        raise InvalidInputError(
+            f"tune_trainer does not support DataParallel over {trainer.args.n_gpu} GPUs in "
+            "one process: each tuning step would run on one. Launch with torchrun, one "
+            "process per GPU; the ranks then tune together."
+        )
     for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
         if getattr(trainer, flag, False):
             raise InvalidInputError(
@@ -410,8 +416,13 @@ class _TrainingStep:
         # The step's name where a result file records the problem it was tuned for
         # (tune(path=...)): the Trainer's class and the model's.
         self.__module__ = type(trainer).__module__
+        args = trainer.args
+        precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+        parameters = sum(p.numel() for p in trainer.model.parameters())
         self.__qualname__ = (
-            f"{type(trainer).__qualname__}.training_step of {type(trainer.model).__qualname__}"
+            f"{type(trainer).__qualname__}.training_step of {type(trainer.model).__qualname__} "
+            f"with {parameters} parameters, {precision}, gradient_accumulation_steps "
+            f"{self.accumulation}"
         )
 
     def restorable(self) -> list[Restorable]:

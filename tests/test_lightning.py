@@ -3,8 +3,10 @@ as without the tuner, reuses a saved result, and refuses what it cannot tune."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,9 +20,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 pl = pytest.importorskip("lightning.pytorch")
+torchmetrics = pytest.importorskip("torchmetrics")
 
 from autoloader import InvalidInputError  # noqa: E402
-from autoloader.lightning import LoaderTuner, check_version  # noqa: E402
+from autoloader.lightning import LoaderTuner, _TrainingStep, check_version  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,13 +54,21 @@ class Regression(pl.LightningModule):
             torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(16, 1)
         )
         self.loader_kwargs = loader_kwargs or {}
-        self.seen_workers: set[int] = set()
+        # Its state is neither a parameter nor a buffer.
+        self.mean_loss = torchmetrics.MeanMetric()
+        self.epoch_losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss, on_step=True, on_epoch=True)
+        self.mean_loss.update(loss)
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        # Computed by hand, not logged as a Metric (which Lightning resets on its own).
+        self.epoch_losses.append(float(self.mean_loss.compute()))
+        self.mean_loss.reset()
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -104,6 +115,7 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
         assert torch.equal(a, b), f"{name} differs after a fit with the tuner"
     assert trainer.global_step == plain_trainer.global_step
     assert trainer.callback_metrics["loss_epoch"] == plain_trainer.callback_metrics["loss_epoch"]
+    assert tuned.epoch_losses == plain.epoch_losses  # each epoch's own batches only
     assert trainer.fit_loop._data_source is not None
     assert type(trainer.fit_loop._data_source).__name__ == "_DataLoaderSource"  # given back
     assert json.loads(path.read_text())["params"] == result.params
@@ -118,8 +130,14 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
 
 
 def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
-    with pytest.raises(InvalidInputError, match="takes batch_size from the fit"):
+    with pytest.raises(InvalidInputError, match="takes 'batch_size' from the fit"):
         LoaderTuner(batch_size=8)
+    with pytest.raises(InvalidInputError, match="cannot pass 'isolation'"):
+        LoaderTuner(isolation="subprocess")
+    with pytest.raises(InvalidInputError, match=r"'n_trail', which autoloader\.tune"):
+        LoaderTuner(n_trail=5)
+    with pytest.raises(InvalidInputError, match="num_workers"):
+        LoaderTuner(search_space={"num_workers": (4, 2)})
     with pytest.raises(InvalidInputError, match=r"Lightning 2\.6 or later; this is 2\.5\.2"):
         check_version("2.5.2")
     check_version("2.6.6")
@@ -144,8 +162,13 @@ def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
         def train_dataloader(self) -> DataLoader[Any]:
             return DataLoader(Unsharded(), batch_size=8)
 
+    class IteratorStep(Regression):
+        def training_step(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:  # type: ignore[override]
+            return super().training_step(next(dataloader_iter), 0)
+
     for model, message in [
         (NoLoader(), "define no train_dataloader"),
+        (IteratorStep(), "takes dataloader_iter"),
         (BatchSamplerLoader(), "made with batch_size"),
         (UnshardedLoader(), "repeat"),
     ]:
@@ -155,6 +178,57 @@ def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
         )  # fmt: skip
         with pytest.raises(InvalidInputError, match=message):
             trainer.fit(model)
+
+
+def test_tuning_steps_accumulate_gradients_as_the_fit_does() -> None:
+    class Probe(pl.Callback):
+        """Runs four tuning steps at the fit's start, counting optimizer steps."""
+
+        def on_fit_start(self, trainer: Any, module: Any) -> None:
+            optimizer = trainer.optimizers[0]
+            real, self.stepped = optimizer.step, []
+            step = _TrainingStep(trainer, module)
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.stepped.append(step.batches)
+                return real(*args, **kwargs)
+
+            optimizer.step = counted
+            batch = next(iter(DataLoader(SlowItems(latency=0), batch_size=8)))
+            for _ in range(4):
+                step(batch)
+            optimizer.step = real
+            self.ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+    probe = Probe()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, accumulate_grad_batches=2, callbacks=[probe],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(Regression())
+    assert probe.stepped == [1, 3]  # after the 2nd and 4th batches
+    assert probe.ready == 4
+
+
+def test_ctrl_c_while_tuning_stops_the_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_result import _result
+
+    interrupted = dataclasses.replace(_result(), partial=True)
+    monkeypatch.setattr("autoloader.lightning.tune", lambda *args, **kwargs: interrupted)
+    tuner = LoaderTuner(time_budget=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, callbacks=[tuner], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        # Lightning ends a fit interrupted by Ctrl-C with exit code 1.
+        with pytest.raises(SystemExit):
+            trainer.fit(Regression())
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores Ctrl-C after one
+    assert tuner.result is interrupted
+    assert trainer.global_step == 0
 
 
 def test_a_fast_dev_run_is_not_tuned() -> None:
@@ -171,6 +245,7 @@ def test_a_fast_dev_run_is_not_tuned() -> None:
 DDP_SCRIPT = textwrap.dedent(
     """
     import json, sys
+    from pathlib import Path
     import torch
     import lightning.pytorch as pl
     from autoloader.lightning import LoaderTuner
@@ -188,10 +263,11 @@ DDP_SCRIPT = textwrap.dedent(
         return model, trainer
 
     plain, _ = fit([])
-    tuner = LoaderTuner(time_budget=10, show_progress=False)
+    tuner = LoaderTuner(time_budget=6, show_progress=False)
     tuned, trainer = fit([tuner])
     used = trainer.train_dataloader
-    print(json.dumps({
+    out = Path(sys.argv[1]) / f"rank{trainer.global_rank}.json"
+    out.write_text(json.dumps({
         "rank": trainer.global_rank,
         "params": tuner.result.params,
         "ranks": tuner.result.environment.world_size,
@@ -199,7 +275,7 @@ DDP_SCRIPT = textwrap.dedent(
         "sampler": type(used.sampler).__name__,
         "same_weights": all(torch.equal(a, b) for a, b in
                             zip(plain.state_dict().values(), tuned.state_dict().values())),
-    }), flush=True)
+    }))
     """
 )
 
@@ -209,12 +285,12 @@ def test_a_ddp_fit_tunes_every_rank_together(tmp_path: Path) -> None:
     script.write_text(DDP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=150,
+        [sys.executable, str(script), str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=150,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert sorted(s["rank"] for s in said) == [0, 1], done.stdout
+    said = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [s["rank"] for s in said] == [0, 1]
     assert said[0]["params"] == said[1]["params"], "every rank trains with the same settings"
     for rank in said:
         assert rank["ranks"] == 2

@@ -4,6 +4,7 @@ machine, and tuned again (saying why) for anything else."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -11,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import autoloader
 from autoloader import InvalidInputError, SearchSpace
-from autoloader._problem import Problem, check_arguments
+from autoloader._problem import Problem, check_arguments, shared_arguments
 from autoloader._reuse import reused
 
 from .workloads import SleepDataset
@@ -101,7 +103,7 @@ def test_the_file_of_the_same_problem_is_reused(tmp_path: Path, saved: dict[str,
         (lambda data: data.update(schema_version=5, problem={}), "earlier autoloader"),
         (lambda data: data.update(partial=True), "interrupted"),
         (lambda data: data["environment"].update(cpu_count=999), "CPUs"),
-        (lambda data: data["problem"].update(device="cuda:0"), "device: cuda:0 then, None now"),
+        (lambda data: data["problem"].update(device="cuda"), "device: cuda then, None now"),
         (lambda data: data.update(params={"num_workers": "many"}), "not reusing"),
     ],
     ids=["older-file", "interrupted", "other-machine", "other-device", "malformed"],
@@ -130,6 +132,36 @@ def test_a_path_that_is_not_a_file_path_fails_before_any_step(tmp_path: Path) ->
     with pytest.raises(InvalidInputError, match="path must be a file path"):
         _tune(42, step)  # type: ignore[arg-type]
     assert step.calls == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"lr": 0.1}', "not an autoloader result"),
+        ("epochs: 3\n", "not an autoloader result"),
+        ('{"schema_version": 99}', "schema version 99, written by a newer autoloader"),
+    ],
+    ids=["other-json", "not-json", "newer-schema"],
+)
+def test_a_file_that_is_not_a_result_to_replace_is_refused_and_kept(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    step = CountingStep()
+    with pytest.raises(InvalidInputError, match=message):
+        _tune(path, step)
+    assert step.calls == 0 and path.read_text() == content
+
+
+def test_ranks_agree_on_the_device_by_its_kind(tmp_path: Path) -> None:
+    problem = _problem(tmp_path / "loader.json")
+    on = {
+        name: shared_arguments(dataclasses.replace(problem, device=torch.device(name)))
+        for name in ("cuda:0", "cuda:1", "cpu")
+    }
+    assert on["cuda:0"] == on["cuda:1"] != on["cpu"]
+    assert dataclasses.replace(problem, device=torch.device("cuda:1")).key()["device"] == "cuda"
 
 
 def test_a_result_that_cannot_be_saved_is_returned_with_a_warning(tmp_path: Path) -> None:

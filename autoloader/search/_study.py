@@ -95,7 +95,8 @@ def problem_key(
         "search space": str(space.as_dict()),
         "memory budget": str(memory_budget),
         "fixed loader options": str(fixed),
-        "device": str(device),
+        # Its kind: under torchrun each rank has its own (cuda:0, cuda:1...).
+        "device": str(None if device is None else device.type),
     }
 
 
