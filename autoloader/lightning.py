@@ -471,7 +471,7 @@ def _load_progress(loop: _Loop, saved: dict[str, Any], prefix: str = "") -> None
 class _TunedSource(_DataLoaderSource):
     """The fit loop's data source, giving a tuned loader built from the hook's own
     each time Lightning asks (at setup, and on ``reload_dataloaders_every_n_epochs``):
-    the hook is called when it would be, as often."""
+    the hook is called when it would be (and once more, at the fit's start, to tune)."""
 
     inner: _DataLoaderSource | None = field(default=None, kw_only=True)
     build: Callable[[Any], Any] | None = field(default=None, kw_only=True)

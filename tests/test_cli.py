@@ -1,10 +1,14 @@
-"""The ``autoloader`` command, run as a real subprocess."""
+"""The ``autoloader`` command: end to end as a real subprocess (``python -m
+autoloader``), and its usage errors and help in this process (``main([...])``), which
+spares starting an interpreter and importing torch for each."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,24 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         cwd=cwd,
         timeout=120,
     )
+
+
+def _main(
+    *args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """``autoloader ARGS`` run in this process from ``cwd``, as :func:`_run` runs it."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))  # as python -m puts the working directory first
+    monkeypatch.delitem(sys.modules, "pipe", raising=False)  # another test's pipe.py
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets it
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit:  # argparse's usage errors and --help
+        code = exit.code if isinstance(exit.code, int) else 1
+    said = capsys.readouterr()
+    monkeypatch.delitem(sys.modules, "pipe", raising=False)
+    return subprocess.CompletedProcess(args, code, said.out, said.err)
 
 
 PIPELINE = """
@@ -94,38 +116,49 @@ def test_tune_show_and_plot_a_user_pipeline(tmp_path: Path) -> None:
     assert image.read_bytes().startswith(b"\x89PNG")
 
 
-def test_a_factory_that_raises_is_one_line_and_exit_1(tmp_path: Path) -> None:
+def test_a_factory_that_raises_is_one_line_and_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "pipe.py").write_text(PIPELINE)
-    done = _run("tune", "pipe:broken", "pipe:step", "--batch-size", "8", "-q", cwd=tmp_path)
+    done = _main(
+        "tune", "pipe:broken", "pipe:step", "--batch-size", "8", "-q",
+        cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys,
+    )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.strip() == (
         "autoloader: error: broken() raised RuntimeError: no data directory"
     )
 
 
-def test_names_that_do_not_import_are_usage_errors(tmp_path: Path) -> None:
+def test_names_that_do_not_import_are_usage_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "pipe.py").write_text(PIPELINE)
+    run = functools.partial(_main, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     for spec, message in (
         ("pipe", "is not MODULE:NAME"),
         ("pipe:nothing", "'pipe' has no 'nothing'"),
         ("missing_module:make", "cannot import 'missing_module'"),
         ("missing.py:make", "missing.py: no such file"),
     ):
-        done = _run("tune", spec, "pipe:step", "--batch-size", "8", cwd=tmp_path)
+        done = run("tune", spec, "pipe:step", "--batch-size", "8")
         assert done.returncode == 2 and message in done.stderr, (spec, done.stderr)
     # --batch-size is required
-    assert _run("tune", "pipe:make_dataset", "pipe:step", cwd=tmp_path).returncode == 2
+    assert run("tune", "pipe:make_dataset", "pipe:step").returncode == 2
 
 
-def test_show_of_a_missing_or_broken_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    missing = _run("show", "nothere.json", cwd=tmp_path)
+def test_show_of_a_missing_or_broken_file_is_one_line_and_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = functools.partial(_main, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    missing = run("show", "nothere.json")
     assert missing.returncode == 1
     assert missing.stderr.strip() == (
         "autoloader: error: cannot read nothere.json: No such file or directory"
     )
     (tmp_path / "bad.json").write_text("{}")
     for command in ("show", "plot"):
-        bad = _run(command, "bad.json", cwd=tmp_path)
+        bad = run(command, "bad.json")
         assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -136,17 +169,23 @@ def test_library_errors_are_one_line_and_exit_1(tmp_path: Path) -> None:
     assert not (tmp_path / "autoloader-demo.json").exists()
 
 
-def test_usage_errors_exit_2(tmp_path: Path) -> None:
-    assert _run("frobnicate", cwd=tmp_path).returncode == 2
-    assert _run("demo", "--time-budget", "soon", cwd=tmp_path).returncode == 2
+def test_usage_errors_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = functools.partial(_main, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert run("frobnicate").returncode == 2
+    assert run("demo", "--time-budget", "soon").returncode == 2
 
 
-def test_help_lists_every_command_and_each_has_its_own(tmp_path: Path) -> None:
-    done = _run("--help", cwd=tmp_path)
+def test_help_lists_every_command_and_each_has_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = functools.partial(_main, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    done = run("--help")
     assert done.returncode == 0
     for command in ("tune", "show", "plot", "demo"):
         assert command in done.stdout
-        helped = _run(command, "--help", cwd=tmp_path)
+        helped = run(command, "--help")
         assert helped.returncode == 0 and helped.stdout.startswith(f"usage: autoloader {command}")
 
 
