@@ -154,20 +154,15 @@ def transformers_run(
         trainer = transformers.Trainer(
             model=Regressor(), args=arguments, train_dataset=dataset, callbacks=[timer]
         )
+        trainer.remove_callback(transformers.PrinterCallback)  # its metrics on stdout
         tuning = None
         if num_workers is None:
-            started = time.perf_counter()
-            result = tune_trainer(
-                trainer, time_budget=ARGS.time_budget, path=path, show_progress=False
-            )
-            if not _reused(result, path):
+            started, saved = time.perf_counter(), path.exists()
+            tune_trainer(trainer, time_budget=ARGS.time_budget, path=path, show_progress=False)
+            if not saved:
                 tuning = time.perf_counter() - started
         trainer.train()
     return timer.seconds, tuning
-
-
-def _reused(result: autoloader.TuneResult, path: Path) -> bool:
-    return path.exists() and autoloader.load(path).tuning_seconds == result.tuning_seconds
 
 
 # --- the table ------------------------------------------------------------------------
