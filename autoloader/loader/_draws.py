@@ -78,17 +78,9 @@ class DrawingLoader(DataLoader[Any]):
         return super().__iter__()
 
 
-class DrawingThreadLoader(ThreadLoader[Any]):
+class DrawingThreadLoader(DrawingLoader, ThreadLoader[Any]):
     """A :class:`ThreadLoader` that makes the user's loader's random draws
-    (:class:`RandomDraws`)."""
-
-    def __init__(self, dataset: Dataset[Any], *, draws: RandomDraws, **kwargs: Any) -> None:
-        super().__init__(dataset, generator=draws.generator, **kwargs)
-        self.draws = draws
-
-    def __iter__(self) -> BaseDataLoaderIter:
-        self.draws.draw()
-        return super().__iter__()
+    (:class:`RandomDraws`): :class:`DrawingLoader`'s, over the thread workers'."""
 
 
 def drawing_as(
