@@ -205,6 +205,7 @@ def test_tune_saves_the_result_before_it_prints_the_report(
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "pipeline_for_save.py").write_text(PIPELINE)
     out = tmp_path / "best.json"
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets it
     with pytest.raises(BrokenPipeError):
         main(["tune", "pipeline_for_save:make_dataset", "pipeline_for_save:step",
               "--batch-size", "4", "--out", str(out)])  # fmt: skip

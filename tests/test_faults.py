@@ -106,12 +106,19 @@ def test_the_alarm_gives_back_a_timer_already_set() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def _open_fds() -> int:
+def _fd_targets() -> list[str]:
+    """What each open descriptor points at ("pipe:[123]", a path...), to name a leak."""
     gc.collect()  # pipes of earlier tests' loaders, not this one's, are closed here
-    return len(os.listdir("/proc/self/fd"))
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return sorted(found)
 
 
-def _open_fds_after_warm_up() -> int:
+def _fd_targets_after_warm_up() -> list[str]:
     """Descriptors open once the process has run workers: what a leak grows from.
 
     The first workers in a process open a few process-wide descriptors once; counting
@@ -119,7 +126,7 @@ def _open_fds_after_warm_up() -> int:
     """
     runner = TrialRunner(SleepDataset(64), noop_step, batch_size=2, memory_budget=2**40)
     runner.measure(PARAMS, max_seconds=0.3, deadlines=GENEROUS)
-    return _open_fds()
+    return _fd_targets()
 
 
 def _tune_where_a_second_worker_meets(
@@ -129,7 +136,7 @@ def _tune_where_a_second_worker_meets(
 
     Whatever the trials went through, no descriptor may be left open.
     """
-    before = _open_fds_after_warm_up()
+    before = _fd_targets_after_warm_up()
     result = autoloader.tune(
         FaultInWorkersDataset(fault, from_worker=1),
         noop_step,
@@ -139,7 +146,14 @@ def _tune_where_a_second_worker_meets(
         search_space={"num_workers": (0, max_workers), "worker_kind": "processes"},
         show_progress=False,
     )
-    assert _open_fds() == before
+    # A leak stays; a descriptor another thread holds for a moment (a /proc file read
+    # by a watcher) does not: look again for a second before calling it one.
+    settled = time.monotonic() + 1.0
+    while len(after := _fd_targets()) != len(before) and time.monotonic() < settled:
+        time.sleep(0.05)
+    assert len(after) == len(before), f"opened: {set(after) - set(before)}, trials: " + str(
+        [(t.params["num_workers"], t.state, t.reason) for t in result.trials]
+    )
     return result
 
 

@@ -36,7 +36,7 @@ from autoloader.transformers import tune_trainer  # noqa: E402
 ITEMS, BATCH, LATENCY = 96, 4, 0.004
 # Into the second epoch: its first draws are where a loader's persistence shows.
 STEPS, EPOCHS = ITEMS // BATCH + 4, 2
-BUDGET = 6.0
+BUDGET = 4.5
 
 
 class SlowTokens(Dataset[dict[str, torch.Tensor]]):
