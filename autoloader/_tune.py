@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import signal
@@ -34,7 +35,7 @@ import optuna
 import torch
 from torch.utils.data import Dataset
 
-from autoloader._exceptions import RankError
+from autoloader._exceptions import InvalidInputError, RankError
 from autoloader._preserve import Restorable, preserved
 from autoloader._problem import Problem, agree, check_arguments
 from autoloader._reuse import reused
@@ -212,6 +213,29 @@ def tune(
     finally:
         if ranks is not None:
             ranks.close()
+
+
+def check_passed_through(
+    tune_kwargs: Mapping[str, Any],
+    *,
+    caller: str,
+    given: Mapping[str, str],
+    refused: Mapping[str, str] | None = None,
+) -> None:
+    """:class:`InvalidInputError` for ``tune()`` arguments that a framework adapter
+    (``caller``) cannot pass through: those it gives itself (``given``: name to the
+    message's end), those that cannot work there (``refused``: name to the reason), and
+    names :func:`tune` does not take. ``time_budget`` and ``path`` are the adapters' own."""
+    known = set(inspect.signature(tune).parameters) - {"time_budget", "path"}
+    for name in tune_kwargs:
+        if name in given:
+            raise InvalidInputError(f"{caller} takes {name!r} {given[name]}")
+        if refused and name in refused:
+            raise InvalidInputError(f"{caller} cannot pass {name!r}: {refused[name]}")
+        if name not in known:
+            raise InvalidInputError(
+                f"{caller} got {name!r}, which autoloader.tune() does not take."
+            )
 
 
 def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
-import inspect
 import logging
 import os
 import warnings
@@ -76,10 +74,10 @@ except ImportError as error:  # pragma: no cover: the extra is not installed
 
 from autoloader._exceptions import InvalidInputError
 from autoloader._preserve import Restorable, preserved
-from autoloader._tune import tune
+from autoloader._tune import check_passed_through, tune
 from autoloader.loader._draws import drawing_as
 from autoloader.results._result import TuneResult
-from autoloader.search._space import SearchSpace, check_search_space
+from autoloader.search._space import SearchSpace, check_search_space, without_batched_fetch
 
 __all__ = ["LoaderTuner"]
 
@@ -89,10 +87,8 @@ MIN_VERSION = (2, 6)
 # Strategies that shard the model or optimizer: their state is not the module's
 # parameters and the optimizers' state dicts, which the callback restores.
 _SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
-# tune()'s arguments that the fit gives, or that cannot work inside it: a trial's own
-# process ("isolation") would not hold the model the steps train.
+# tune()'s arguments that the fit gives.
 _FROM_THE_FIT = ("dataset", "step_fn", "batch_size", "loader_kwargs", "restore", "device")
-_NOT_IN_A_FIT = ("isolation",)
 
 
 def check_version(found: str) -> None:
@@ -225,19 +221,12 @@ class LoaderTuner(pl.Callback):
 
 def _check_tune_kwargs(tune_kwargs: dict[str, Any]) -> None:
     """:class:`InvalidInputError` for ``tune()`` arguments the callback cannot pass."""
-    known = set(inspect.signature(tune).parameters) - {"time_budget", "path"}
-    for name in tune_kwargs:
-        if name in _FROM_THE_FIT:
-            raise InvalidInputError(f"LoaderTuner takes {name!r} from the fit: leave it out.")
-        if name in _NOT_IN_A_FIT:
-            raise InvalidInputError(
-                f"LoaderTuner cannot pass {name!r}: the trials run the model's steps in "
-                "the fit's own processes."
-            )
-        if name not in known:
-            raise InvalidInputError(
-                f"LoaderTuner got {name!r}, which autoloader.tune() does not take."
-            )
+    check_passed_through(
+        tune_kwargs,
+        caller="LoaderTuner",
+        given={name: "from the fit: leave it out." for name in _FROM_THE_FIT},
+        refused={"isolation": "the trials run the model's steps in the fit's own processes."},
+    )
     if "search_space" in tune_kwargs:
         check_search_space(tune_kwargs["search_space"])
 
@@ -249,15 +238,14 @@ def _search(trainer: pl.Trainer, tune_kwargs: dict[str, Any]) -> dict[str, Searc
     connector = trainer._accelerator_connector
     if not (connector.is_distributed and connector.use_distributed_sampler):
         return {}
-    space = check_search_space(tune_kwargs.get("search_space"))
-    if space.batched_fetch not in (None, (False,)):
-        raise InvalidInputError(
-            "LoaderTuner cannot tune batched_fetch=True under a distributed strategy: "
-            "Lightning's DistributedSampler would wrap the whole batches. Leave "
-            "batched_fetch unset, or set use_distributed_sampler=False and give each "
-            "rank its sampler."
-        )
-    return {"search_space": dataclasses.replace(space, batched_fetch=False)}
+    space = without_batched_fetch(
+        tune_kwargs.get("search_space"),
+        refusal="LoaderTuner cannot tune batched_fetch=True under a distributed strategy: "
+        "Lightning's DistributedSampler would wrap the whole batches. Leave "
+        "batched_fetch unset, or set use_distributed_sampler=False and give each "
+        "rank its sampler.",
+    )
+    return {"search_space": space}
 
 
 def _skipped(trainer: pl.Trainer) -> bool:

@@ -45,9 +45,7 @@ The tuned loader draws from the random number generators as the Trainer's own wo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -61,12 +59,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from autoloader._exceptions import InvalidInputError
 from autoloader._preserve import Restorable, preserved
-from autoloader._tune import tune
+from autoloader._tune import check_passed_through, tune
 from autoloader.loader._batch_items import BatchItems
 from autoloader.loader._draws import drawing_as, persistent
 from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs
 from autoloader.results._result import TuneResult
-from autoloader.search._space import SearchSpace, check_search_space
+from autoloader.search._space import SearchSpace, without_batched_fetch
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments
@@ -204,18 +202,15 @@ def _check_versions() -> None:
 
 
 def _check_arguments(tune_kwargs: Mapping[str, Any]) -> None:
-    known = set(inspect.signature(tune).parameters) - {"time_budget", "path"}
-    for name in tune_kwargs:
-        if name in _FROM_THE_TRAINER:
-            raise InvalidInputError(
-                f"tune_trainer takes {name!r} from the Trainer; drop it. To tune another "
-                "loader, build it in the Trainer (a subclass's get_train_dataloader()), "
-                "or call autoloader.tune()."
-            )
-        if name not in known:
-            raise InvalidInputError(
-                f"tune_trainer got {name!r}, which autoloader.tune() does not take."
-            )
+    check_passed_through(
+        tune_kwargs,
+        caller="tune_trainer",
+        given={
+            name: "from the Trainer; drop it. To tune another loader, build it in the "
+            "Trainer (a subclass's get_train_dataloader()), or call autoloader.tune()."
+            for name in _FROM_THE_TRAINER
+        },
+    )
 
 
 def _check_trainer(trainer: Trainer) -> None:
@@ -250,14 +245,12 @@ def _check_trainer(trainer: Trainer) -> None:
 def _space(asked: object) -> SearchSpace:
     """The search space asked for, without batched fetch: it fetches whole batches by
     one indexing, without a collate_fn, and the Trainer always collates."""
-    space = check_search_space(asked)
-    if space.batched_fetch not in (None, (False,)):
-        raise InvalidInputError(
-            "SearchSpace.batched_fetch=True cannot be tuned for a Trainer: it fetches "
-            "whole batches without a collate_fn, and the Trainer always collates with its "
-            "data collator. Leave batched_fetch unset."
-        )
-    return dataclasses.replace(space, batched_fetch=False)
+    return without_batched_fetch(
+        asked,
+        refusal="SearchSpace.batched_fetch=True cannot be tuned for a Trainer: it fetches "
+        "whole batches without a collate_fn, and the Trainer always collates with its "
+        "data collator. Leave batched_fetch unset.",
+    )
 
 
 def _device(args: TrainingArguments) -> torch.device | None:

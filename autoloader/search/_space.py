@@ -454,3 +454,16 @@ def check_search_space(search_space: object) -> SearchSpace:
         f"search_space must be an autoloader.SearchSpace or a dict of its fields, but got "
         f"{type(search_space).__name__}."
     )
+
+
+def without_batched_fetch(asked: object, *, refusal: str) -> SearchSpace:
+    """The search space ``asked`` for (checked), with batched fetch fixed off: for a
+    loader whose batches must come from a collate_fn or a sampler of its own.
+
+    Raises:
+        InvalidInputError: ``asked`` asks for batched fetch; its message is ``refusal``.
+    """
+    space = check_search_space(asked)
+    if space.batched_fetch not in (None, (False,)):
+        raise InvalidInputError(refusal)
+    return dataclasses.replace(space, batched_fetch=False)
