@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from autoloader.checks._batched_fetch import same_batch
 from autoloader.checks._environment import Environment
 from autoloader.loader._params import normalize_params
 from autoloader.loader._worker_threads import LimitThreads
+from autoloader.search._space import default_max_workers
 
 from .workloads import SleepDataset
 
@@ -279,7 +283,7 @@ def test_malformed_files_are_rejected(tmp_path: Path, content: str, message: str
         ("batch_size", True, "field 'batch_size' has the wrong type"),
         ("partial", "yes", "field 'partial' has the wrong type"),
         ("trials", [{"number": 0}], "malformed trial record"),
-        ("params", {"num_workers": 2, "evil": "__import__('os')"}, "params has keys other than"),
+        ("params", {"num_workers": 2, "evil": "__import__('os')"}, "unknown key 'evil'"),
         ("fixed_loader_kwargs", {"collate_fn": {"py/function": "os.system"}}, "not a scalar"),
     ],
 )
@@ -336,3 +340,206 @@ def test_a_version_3_file_loads_with_worker_processes(tmp_path: Path) -> None:
     del data["params"]["worker_kind"]
     path.write_text(json.dumps(data))
     assert autoloader.load(path).params["worker_kind"] == "processes"
+
+
+def _load_changed(tmp_path: Path, change: Callable[[dict[str, Any]], object]) -> TuneResult:
+    """``autoloader.load`` of ``_result()``'s file, edited by ``change``."""
+    path = _result().save(tmp_path / "best.json")
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return autoloader.load(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("num_workers", -1, "an int >= 0"),
+        ("num_workers", 1_000_000_000, "more workers than a search would try"),
+        ("num_workers", "4", "an int >= 0"),
+        ("num_workers", True, "an int >= 0"),
+        ("num_workers", 2.5, "an int >= 0"),
+        ("prefetch_factor", 0, "an int >= 1"),
+        ("prefetch_factor", -1, "an int >= 1"),
+        ("prefetch_factor", "2", "an int >= 1"),
+        ("prefetch_factor", None, "with num_workers 3 it must be an int >= 1"),
+        ("worker_kind", "gpu", '"processes" or "threads"'),
+        ("persistent_workers", "yes", "true or false"),
+        ("pin_memory", 1, "true or false"),
+        ("batched_fetch", None, "true or false"),
+        ("worker_threads", 0, "an int >= 1, or null"),
+        ("worker_threads", 1.0, "an int >= 1, or null"),
+        ("in_order", None, "true or false"),
+    ],
+)
+def test_a_tampered_setting_is_refused_naming_the_field_and_the_value(
+    tmp_path: Path, key: str, value: object, rule: str
+) -> None:
+    """A file edited by hand or damaged: make_loader() would fail with DataLoader's bare
+    error, start a billion threads, or quietly build another loader than the file says."""
+    with pytest.raises(ResultFileError) as caught:
+        _load_changed(tmp_path, lambda data: data["params"].update({key: value}))
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / 'best.json'}: ")
+    assert f"field 'params.{key}' is {json.dumps(value)}" in message
+    assert rule in message
+    assert "autoloader.tune()" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("prefetch_factor", 0),
+        ("prefetch_factor", "2"),
+        ("worker_threads", -3),
+        ("in_order", "no"),
+        ("worker_kind", "gpu"),
+    ],
+)
+def test_a_worker_option_without_workers_is_checked_too(
+    tmp_path: Path, key: str, value: object
+) -> None:
+    with pytest.raises(ResultFileError, match=f"field 'params.{key}' is "):
+        _load_changed(tmp_path, lambda data: data["params"].update(num_workers=0, **{key: value}))
+
+
+def test_valid_worker_options_without_workers_are_dropped(tmp_path: Path) -> None:
+    """Setting num_workers to 0 by hand needs no other edit: the worker options left
+    behind are valid values that no loader without workers uses."""
+    again = _load_changed(tmp_path, lambda data: data["params"].update(num_workers=0))
+    assert again.params == normalize_params({"num_workers": 0})
+    assert again.params["prefetch_factor"] is None
+
+
+def test_an_unknown_setting_is_named_with_the_one_meant(tmp_path: Path) -> None:
+    def misspell(data: dict[str, Any]) -> None:
+        data["params"]["num_worker"] = data["params"].pop("num_workers")
+
+    with pytest.raises(ResultFileError, match=r"unknown key 'num_worker' \(did you mean 'num_wo"):
+        _load_changed(tmp_path, misspell)
+
+
+def test_a_result_must_say_how_many_workers(tmp_path: Path) -> None:
+    with pytest.raises(ResultFileError, match="field 'params' has no 'num_workers'"):
+        _load_changed(tmp_path, lambda data: data["params"].pop("num_workers"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("batch_size", 0, "an int >= 1"),
+        ("memory_budget", -1, "an int >= 0"),
+        ("throughput", -700.0, "a finite number >= 0"),
+        ("throughput", math.nan, "a finite number >= 0"),
+        ("baseline", math.inf, "a finite number >= 0"),
+        ("steady_throughput", -1.0, "a finite number >= 0, or null"),
+        ("startup_seconds", math.nan, "a finite number >= 0, or null"),
+        ("tuning_seconds", -31.5, "a finite number >= 0"),
+    ],
+)
+def test_a_figure_out_of_range_is_refused(
+    tmp_path: Path, key: str, value: object, rule: str
+) -> None:
+    with pytest.raises(ResultFileError) as caught:
+        _load_changed(tmp_path, lambda data: data.update({key: value}))
+    assert f"field {key!r} is {json.dumps(value)}, but it must be {rule}" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda trials: trials[1].update(params="fast"), "field 'trials[1].params' has the wrong"),
+        (
+            lambda trials: trials[1]["params"].update(num_workers=-2),
+            "field 'trials[1].params.num_workers' is -2",
+        ),
+        (
+            lambda trials: trials[0]["params"].update(workers=2),
+            "field 'trials[0].params' has unknown key 'workers'",
+        ),
+        (lambda trials: trials[0].update(number="0"), "field 'trials[0].number' has the wrong"),
+        (lambda trials: trials[0].update(state=None), "field 'trials[0].state' has the wrong"),
+        (
+            lambda trials: trials[0].update(samples_per_second="fast"),
+            "field 'trials[0].samples_per_second' has the wrong",
+        ),
+        (lambda trials: trials[1].update(reason=7), "field 'trials[1].reason' has the wrong"),
+    ],
+)
+def test_a_damaged_trial_record_is_refused(
+    tmp_path: Path, change: Callable[[list[dict[str, Any]]], None], message: str
+) -> None:
+    with pytest.raises(ResultFileError, match=re.escape(message)):
+        _load_changed(tmp_path, lambda data: change(data["trials"]))
+
+
+@pytest.mark.parametrize(("key", "value"), [("usable_cpus", 0), ("cpu_count", "64")])
+def test_a_damaged_environment_is_refused(tmp_path: Path, key: str, value: object) -> None:
+    with pytest.raises(ResultFileError, match=re.escape(f"field 'environment.{key}'")):
+        _load_changed(tmp_path, lambda data: data["environment"].update({key: value}))
+
+
+def test_an_absurd_worker_count_says_what_this_machine_runs_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ResultFileError) as caught:
+        _load_changed(tmp_path, lambda data: data["params"].update(num_workers=10**9))
+    message = str(caught.value)
+    cpus = Environment.current().usable_cpus
+    assert f"at most {default_max_workers(cpus)} on this machine's {cpus} usable CPUs" in message
+    assert "Tune again on this machine with autoloader.tune()" in message
+    assert "pass num_workers=1000000000 to make_loader()" in message
+
+
+def test_a_count_beyond_the_default_bound_loads_where_its_trials_measured_it(
+    tmp_path: Path,
+) -> None:
+    """A search space of one's own may go past the default bound (a dataset waiting on
+    the network): the count a complete trial measured is one tune() could choose, and a
+    file that tune(path=...) cannot read back would be tuned again on every run."""
+    workers = default_max_workers(Environment.current().usable_cpus) + 8
+    params = normalize_params({"num_workers": workers, "prefetch_factor": 2})
+    measured = TrialRecord(number=2, phase="search", params=params, state="complete")
+    result = _result(params=params, trials=(*_result().trials, measured))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same machine: nothing to say
+        assert autoloader.load(result.save(tmp_path / "measured.json")) == result
+    pruned = dataclasses.replace(measured, state="pruned")
+    unmeasured = _result(params=params, trials=(*_result().trials, pruned))
+    with pytest.raises(ResultFileError, match=f"field 'params.num_workers' is {workers}, more"):
+        autoloader.load(unmeasured.save(tmp_path / "unmeasured.json"))
+
+
+def test_a_result_of_a_bigger_machine_loads_and_warns_of_its_worker_count(
+    tmp_path: Path,
+) -> None:
+    """48 workers tuned on 64 CPUs, loaded on 2, run there, slowly: refused, a result
+    kept with the code would not load on a laptop or a CI machine at all."""
+    here = Environment.current()
+    most = default_max_workers(here.usable_cpus)
+    workers = most + 32  # 48 on 2 CPUs
+    there = dataclasses.replace(here, usable_cpus=workers + 16, cpu_count=workers + 16)
+    params = normalize_params({"num_workers": workers, "prefetch_factor": 2})
+    path = _result(params=params, environment=there).save(tmp_path / "best.json")
+    with pytest.warns(EnvironmentMismatchWarning) as caught:
+        again = autoloader.load(path)
+    assert again.params["num_workers"] == workers
+    message = str(caught[0].message)
+    for part in (
+        f"its {workers} workers are more than this machine's {here.usable_cpus} usable CPUs",
+        f"a search here tries at most {most}",
+        "autoloader.tune() again on this machine",
+        "pass num_workers= to make_loader()",
+    ):
+        assert part in message
+
+
+def test_a_result_of_a_smaller_machine_says_nothing_of_its_worker_count(
+    tmp_path: Path,
+) -> None:
+    here = Environment.current()
+    there = dataclasses.replace(here, usable_cpus=1, cpu_count=here.cpu_count + 1)
+    path = _result(environment=there).save(tmp_path / "best.json")
+    with pytest.warns(EnvironmentMismatchWarning) as caught:
+        autoloader.load(path)
+    assert "workers are more than" not in str(caught[0].message)

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch.utils.data import DataLoader, Dataset
 
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader.checks._environment import Environment, world
+from autoloader.checks._environment import Environment, usable_cpus, world
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
-from autoloader.loader._params import TUNED_KEYS, normalize_params
+from autoloader.loader._params import TUNED_KEYS, WORKER_KINDS, Params, normalize_params
 from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
+from autoloader.search._space import default_max_workers
 
 _logger = logging.getLogger(__name__)
 
@@ -329,8 +331,17 @@ class TuneResult:
     def from_dict(cls, data: Mapping[str, Any]) -> TuneResult:
         """Rebuild a result from :meth:`as_dict` output.
 
+        Every setting is checked as strictly as :class:`~autoloader.SearchSpace` checks
+        its own, and every figure for its type and range, so that content edited by hand
+        or damaged is refused here rather than by the loader it would build. A worker
+        option given without workers is dropped if its value is valid (see
+        :func:`~autoloader.loader._params.normalize_params`).
+
         Raises:
-            ResultFileError: the content is not a result of a known schema version.
+            ResultFileError: the content is not a result of a known schema version, a
+                field is missing, of the wrong type or out of range (the message names
+                it and its value), or it asks for more workers than any search would
+                have tried for it (see ``NOTE [ A saved worker count ]``).
         """
         if not isinstance(data, Mapping):
             raise ResultFileError("a result must be a JSON object")
@@ -341,34 +352,27 @@ class TuneResult:
                 f"{', '.join(map(str, _READABLE_VERSIONS))}; tune again with this version"
             )
         try:
-            params = normalize_params(_typed(data, "params", dict))
-            if set(_typed(data, "params", dict)) - set(TUNED_KEYS):
-                raise ResultFileError(f"params has keys other than {', '.join(TUNED_KEYS)}")
-            record_names = {f.name for f in fields(TrialRecord)}
-            trials = []
-            for raw in _typed(data, "trials", list):
-                if not isinstance(raw, dict) or not {"number", "phase", "params", "state"} <= set(
-                    raw
-                ):
-                    raise ResultFileError(f"malformed trial record {raw!r}")
-                record = {k: v for k, v in raw.items() if k in record_names}
-                if version < 3:
-                    record["kind"] = _v2_kind(record)
-                trials.append(TrialRecord(**record))
+            params = _settings(_typed(data, "params", dict))
+            trials = tuple(
+                _trial(raw, index, version)
+                for index, raw in enumerate(_typed(data, "trials", list))
+            )
+            environment = _environment(data)
+            _check_worker_count(params["num_workers"], environment=environment, trials=trials)
             fixed = _typed(data, "fixed_loader_kwargs", dict)
             if not all(isinstance(v, _JSON_SCALARS) for v in fixed.values()):
                 raise ResultFileError("fixed_loader_kwargs holds a value that is not a scalar")
-            throughput = float(_typed(data, "throughput", int | float))
-            baseline = float(_typed(data, "baseline", int | float))
+            throughput = _amount(data, "throughput")
+            baseline = _amount(data, "baseline")
             steady_throughput: float | None
             steady_baseline: float | None
             if version < 5:  # they kept the steady rates only, as throughput and baseline
                 steady_throughput, steady_baseline = throughput, baseline
                 startup, each_epoch = None, False
             else:
-                steady_throughput = _optional_float(data, "steady_throughput")
-                steady_baseline = _optional_float(data, "steady_baseline")
-                startup = _optional_float(data, "startup_seconds")
+                steady_throughput = _optional_amount(data, "steady_throughput")
+                steady_baseline = _optional_amount(data, "steady_baseline")
+                startup = _optional_amount(data, "startup_seconds")
                 each_epoch = _typed(data, "startup_each_epoch", bool)
             return cls(
                 params=params,
@@ -378,11 +382,11 @@ class TuneResult:
                 steady_baseline=steady_baseline,
                 startup_seconds=startup,
                 startup_each_epoch=each_epoch,
-                batch_size=_typed(data, "batch_size", int),
-                trials=tuple(trials),
-                environment=Environment.from_dict(_typed(data, "environment", dict)),
-                tuning_seconds=float(_typed(data, "tuning_seconds", int | float)),
-                memory_budget=_typed(data, "memory_budget", int),
+                batch_size=_count(data, "batch_size", least=1),
+                trials=trials,
+                environment=environment,
+                tuning_seconds=_amount(data, "tuning_seconds"),
+                memory_budget=_count(data, "memory_budget", least=0),
                 notes=tuple(str(n) for n in _typed(data, "notes", list)),
                 partial=_typed({"partial": False, **data}, "partial", bool),
                 fixed_loader_kwargs=fixed,
@@ -394,6 +398,150 @@ class TuneResult:
             )
         except (TypeError, ValueError) as error:
             raise ResultFileError(f"malformed result: {error}") from None
+
+
+# What to do about a field that fails a check.
+_FIX = "tune again with autoloader.tune(), or correct the field"
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+# What each tuned setting may hold, by SearchSpace's rules (search/_space.py), and the
+# rule in words.
+_SETTING_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "num_workers": (
+        lambda v: _is_int(v) and v >= 0,
+        "an int >= 0 (0 loads in the main process)",
+    ),
+    "prefetch_factor": (
+        lambda v: v is None or (_is_int(v) and v >= 1),
+        "an int >= 1 (null without workers)",
+    ),
+    "persistent_workers": (_is_bool, "true or false"),
+    "pin_memory": (_is_bool, "true or false"),
+    "batched_fetch": (_is_bool, "true or false"),
+    "worker_threads": (
+        lambda v: v is None or (_is_int(v) and v >= 1),
+        "an int >= 1, or null to leave the workers' thread pools as they are",
+    ),
+    "in_order": (_is_bool, "true or false"),
+    "worker_kind": (
+        lambda v: isinstance(v, str) and v in WORKER_KINDS,
+        " or ".join(json.dumps(kind) for kind in WORKER_KINDS),
+    ),
+}
+
+# The JSON types of a trial record's fields; the others are numbers or null.
+_RECORD_TYPES: dict[str, Any] = {
+    "number": int,
+    "phase": str,
+    "params": dict,
+    "state": str,
+    "reason": str | None,
+    "kind": str | None,
+}
+_RECORD_NAMES = frozenset(f.name for f in fields(TrialRecord))
+
+
+def _check_settings(settings: Mapping[str, Any], *, label: str) -> None:
+    """Refuse a setting ``settings`` (the field ``label`` of the file) has no rule for, or
+    a value its rule does not allow."""
+    for name, value in settings.items():
+        if name not in _SETTING_RULES:
+            close = difflib.get_close_matches(str(name), TUNED_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ResultFileError(
+                f"field {label!r} has unknown key {name!r}{hint}; the settings are "
+                f"{', '.join(TUNED_KEYS)}; {_FIX}"
+            )
+        allows, rule = _SETTING_RULES[name]
+        if not allows(value):
+            raise ResultFileError(
+                f"field '{label}.{name}' is {_shown(value)}, but it must be {rule}; {_FIX}"
+            )
+
+
+def _settings(raw: Mapping[str, Any]) -> Params:
+    """The result's settings, checked, in canonical form. Settings a version predates
+    take the defaults it measured."""
+    _check_settings(raw, label="params")
+    if "num_workers" not in raw:
+        raise ResultFileError(
+            f"field 'params' has no 'num_workers': the file does not say how many workers "
+            f"to run; {_FIX}"
+        )
+    workers = raw["num_workers"]
+    if workers > 0 and "prefetch_factor" in raw and raw["prefetch_factor"] is None:
+        raise ResultFileError(
+            f"field 'params.prefetch_factor' is null, but with num_workers {workers} it must "
+            f"be an int >= 1 (DataLoader's default is 2); {_FIX}"
+        )
+    return normalize_params(raw)
+
+
+def _trial(raw: object, index: int, version: int) -> TrialRecord:
+    if not isinstance(raw, dict) or not {"number", "phase", "params", "state"} <= set(raw):
+        raise ResultFileError(f"malformed trial record {raw!r}")
+    label = f"trials[{index}]"
+    record = {k: v for k, v in raw.items() if k in _RECORD_NAMES}
+    for key in record:
+        _typed(record, key, _RECORD_TYPES.get(key, int | float | None), label=f"{label}.{key}")
+    _check_settings(record["params"], label=f"{label}.params")
+    if version < 3:
+        record["kind"] = _v2_kind(record)
+    return TrialRecord(**record)
+
+
+def _environment(data: Mapping[str, Any]) -> Environment:
+    raw = _typed(data, "environment", dict)
+    for key in ("cpu_count", "usable_cpus", "world_size", "local_world_size"):
+        if key in raw:
+            _count(raw, key, least=1, label=f"environment.{key}")
+    if "memory_total" in raw:
+        _count(raw, "memory_total", least=0, label="environment.memory_total")
+    return Environment.from_dict(raw)
+
+
+# NOTE [ A saved worker count ]
+# A result file asks for a number of worker processes or threads, and a damaged or
+# hand-edited one may ask for a billion. load() refuses a count that no search would
+# have tried for the file: more than the search space's default bound on this machine
+# (default_max_workers) and on the machine it was measured on (a result tuned on 64
+# CPUs rightly asks for 48 workers), and more than any complete trial of the file
+# measured (a search space of one's own may go past the default bound: without that,
+# tune(path=...) would refuse its own file and tune again on every run). A count within
+# those but past this machine's bound loads, with a word in load()'s
+# EnvironmentMismatchWarning: a result kept with the code is loaded on laptops and CI
+# machines too, where it runs, slowly, and make_loader(num_workers=...) runs fewer.
+
+
+def _check_worker_count(
+    workers: int, *, environment: Environment, trials: Sequence[TrialRecord]
+) -> None:
+    """Refuse more workers than any search would have tried for the file (see
+    ``NOTE [ A saved worker count ]``)."""
+    cpus = usable_cpus(local_world_size=world()[2])
+    here, there = default_max_workers(cpus), default_max_workers(environment.usable_cpus)
+    complete = [t.params.get("num_workers", 0) for t in trials if t.state == "complete"]
+    measured = max(complete, default=0)
+    ceiling = max(here, there, measured)
+    if workers <= ceiling:
+        return
+    by_trials = f"; its complete trials measured {measured}" if measured > max(here, there) else ""
+    raise ResultFileError(
+        f"field 'params.num_workers' is {workers}, more workers than a search would try "
+        f"for this result: at most {here} on this machine's {cpus} usable CPUs, and {there} "
+        f"on the {environment.usable_cpus} of the machine it was measured on{by_trials}. "
+        f"Tune again on this machine with autoloader.tune(); or, to run that many anyway, "
+        f"set the field to at most {ceiling} and pass num_workers={workers} to make_loader() "
+        "or loader_kwargs()"
+    )
 
 
 def _problem(data: Mapping[str, Any]) -> dict[str, str]:
@@ -417,18 +565,54 @@ def _v2_kind(record: Mapping[str, Any]) -> str | None:
     return reason.split(":", 1)[0] if reason.startswith(("memory", "killed")) else None
 
 
-def _typed(data: Mapping[str, Any], key: str, kind: Any) -> Any:
+def _typed(data: Mapping[str, Any], key: str, kind: Any, *, label: str | None = None) -> Any:
+    """``data[key]``, refused unless of type ``kind`` (a bool is no number); ``label``
+    names the field where it is not at the top of the file."""
+    name = label or key
     if key not in data:
-        raise ResultFileError(f"missing field {key!r}")
+        raise ResultFileError(f"missing field {name!r}")
     value = data[key]
     if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise ResultFileError(f"field {key!r} has the wrong type: {value!r}")
+        raise ResultFileError(f"field {name!r} has the wrong type: {_shown(value)}; {_FIX}")
     return value
 
 
-def _optional_float(data: Mapping[str, Any], key: str) -> float | None:
+def _count(data: Mapping[str, Any], key: str, *, least: int, label: str | None = None) -> int:
+    value: int = _typed(data, key, int, label=label)
+    if value < least:
+        raise ResultFileError(
+            f"field {label or key!r} is {value}, but it must be an int >= {least}; {_FIX}"
+        )
+    return value
+
+
+def _amount(data: Mapping[str, Any], key: str) -> float:
+    value = _typed(data, key, int | float)
+    if not (math.isfinite(value) and value >= 0):
+        raise ResultFileError(
+            f"field {key!r} is {_shown(value)}, but it must be a finite number >= 0; {_FIX}"
+        )
+    return float(value)
+
+
+def _optional_amount(data: Mapping[str, Any], key: str) -> float | None:
     value = _typed(data, key, int | float | None)
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    if not (math.isfinite(value) and value >= 0):
+        raise ResultFileError(
+            f"field {key!r} is {_shown(value)}, but it must be a finite number >= 0, or null; "
+            f"{_FIX}"
+        )
+    return float(value)
+
+
+def _shown(value: object) -> str:
+    """``value`` as the file spells it."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def split_loader_kwargs(fixed: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -452,8 +636,14 @@ def load(path: str | os.PathLike[str]) -> TuneResult:
     one the result was measured on (CPUs, memory, torch version, accelerator), or for
     another number of torchrun ranks (each rank's share of the node differs).
 
+    A result that asks for more workers than this machine can sensibly run, tuned on
+    a bigger one, loads and says so in that warning; one that asks for more than any
+    search would have tried for it, or holds a setting or figure out of range, is
+    refused (see :meth:`TuneResult.from_dict`).
+
     Raises:
-        ResultFileError: the file is missing, not JSON, or not a result.
+        ResultFileError: the file is missing, not JSON, or not a result, or a field in it
+            is out of range; the message names the path, the field and its value.
     """
     path = Path(path)
     try:
@@ -470,11 +660,29 @@ def load(path: str | os.PathLike[str]) -> TuneResult:
     here = Environment.current(world_size=world_size, local_world_size=local_world_size)
     differences = result.environment.differences(here)
     if differences:
+        doubt = "its settings may not be the best here"
+        advice = "Run autoloader.tune() again on this machine"
+        excess = _excess_workers(result, here)
+        if excess:
+            doubt += f", and {excess}"
+            advice += ", or pass num_workers= to make_loader() for fewer"
         warnings.warn(
             f"{path} was measured on a different machine ({'; '.join(differences)}); "
-            "its settings may not be the best here. Run autoloader.tune() again on this "
-            "machine.",
+            f"{doubt}. {advice}.",
             EnvironmentMismatchWarning,
             stacklevel=2,
         )
     return result
+
+
+def _excess_workers(result: TuneResult, here: Environment) -> str | None:
+    """Words on a worker count tuned on a bigger machine that a search here would not
+    try (see ``NOTE [ A saved worker count ]``), if it is one."""
+    workers = result.params["num_workers"]
+    most = default_max_workers(here.usable_cpus)
+    if workers <= most or here.usable_cpus >= result.environment.usable_cpus:
+        return None
+    return (
+        f"its {workers} workers are more than this machine's {here.usable_cpus} usable CPUs "
+        f"can sensibly run (a search here tries at most {most})"
+    )

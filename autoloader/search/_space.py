@@ -30,6 +30,12 @@ _MIN_DEFAULT_MAX_WORKERS = 16
 _WORKERS_PER_CPU = 2
 
 
+def default_max_workers(usable_cpus: int) -> int:
+    """The most workers a search tries by default on ``usable_cpus`` CPUs, before the
+    cap at the batches in one epoch."""
+    return max(_MIN_DEFAULT_MAX_WORKERS, _WORKERS_PER_CPU * usable_cpus)
+
+
 def _int_range(name: str, value: object) -> tuple[int, int]:
     if isinstance(value, bool) or not isinstance(value, int | tuple | list):
         raise InvalidInputError(
@@ -384,7 +390,7 @@ def resolve_space(
     notes: list[SpaceNote] = []
     num_workers = space.num_workers
     if num_workers is None:
-        high = max(_MIN_DEFAULT_MAX_WORKERS, _WORKERS_PER_CPU * usable_cpus)
+        high = default_max_workers(usable_cpus)
         if batches_per_epoch is not None and batches_per_epoch < high:
             # More workers than batches in an epoch never have anything to do.
             high = batches_per_epoch
