@@ -59,6 +59,7 @@ from autoloader.results._result import (
 )
 from autoloader.search import Choice, Driver, Policy, Trial
 from autoloader.search._driver import quiet_optuna, remember_ctrl_c
+from autoloader.search._objective import trial_seconds
 from autoloader.search._reasons import (
     BudgetGivenBack,
     Interrupted,
@@ -68,7 +69,7 @@ from autoloader.search._reasons import (
     TunedJointly,
     render,
 )
-from autoloader.search._space import SearchSpace, resolve_space
+from autoloader.search._space import SearchSpace, Startup, resolve_space
 from autoloader.search._study import study_name
 
 _logger = logging.getLogger(__name__)
@@ -340,6 +341,7 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
             batches_per_epoch=problem.batches_per_epoch,
             n_trials=problem.n_trials,
             usable_cpus=problem.environment.usable_cpus,
+            worker_start=facts.get("worker_start_seconds"),
         )
 
         def on_trial(trial: Trial) -> None:
@@ -376,20 +378,35 @@ def _check_before_search(problem: Problem) -> tuple[SearchSpace, list[SpaceNote]
     asked = problem.space
     if asked.num_workers != (0, 0):  # with no workers, nothing can repeat
         checks.repeated_samples()
+    batched_fetch_problem = (
+        checks.batched_fetch_problem() if asked.batched_fetch != (False,) else None
+    )
+    threads_problem = checks.threads_problem() if asked.worker_kind != ("processes",) else None
+    facts = checks.facts(
+        problem.dataset_length,
+        start_method=problem.start_method,
+        processes=asked.num_workers != (0, 0) and asked.worker_kind != ("threads",),
+    )
     space, notes = resolve_space(
         asked,
         usable_cpus=problem.environment.usable_cpus,
         has_accelerator=problem.environment.accelerator is not None,
         batches_per_epoch=problem.batches_per_epoch,
-        batched_fetch_problem=(
-            checks.batched_fetch_problem() if asked.batched_fetch != (False,) else None
-        ),
-        threads_problem=checks.threads_problem() if asked.worker_kind != ("processes",) else None,
+        batched_fetch_problem=batched_fetch_problem,
+        threads_problem=threads_problem,
+        startup=_startup(problem, facts),
     )
-    facts = checks.facts(problem.dataset_length, start_method=problem.start_method)
     for name, why in facts["missing"].items():
         _logger.warning("not checked before the search, %s: %s", name, why)
     return space, notes, facts
+
+
+def _startup(problem: Problem, facts: dict[str, Any]) -> Startup | None:
+    """Worker start-up as the checks measured it (``NOTE [ Worker start-up ]``)."""
+    seconds = facts.get("worker_start_seconds")
+    if seconds is None:
+        return None
+    return Startup(seconds, problem.start_method, problem.budget, trial_seconds(problem.budget))
 
 
 def _study(problem: Problem, space: SearchSpace) -> optuna.Study:

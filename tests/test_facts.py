@@ -93,7 +93,7 @@ def test_the_probe_reads_safely_after_this_process_ran_torchs_thread_pool() -> N
     ("where", "hung"),
     [
         ("probe", ["copy_on_read"]),
-        ("workers", ["workers_repeat_randomness"]),
+        ("workers", ["workers_repeat_randomness", "worker_start"]),
         ("list", ["batched_fetch"]),
         ("item 0 here", ["batched_fetch", "random_items"]),
     ],

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from autoloader.loader._params import normalize_params
-from autoloader.measure._deadlines import Deadlines, TrialTimeout
+from autoloader.loader._torch_compat import awaited_batch
+from autoloader.measure._deadlines import Deadlines, SiblingPace, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
@@ -27,6 +28,7 @@ from autoloader.measure._timing_loop import Epochs
 from .workloads import (
     FailingDataset,
     FaultInWorkersDataset,
+    GrowsWhileHanging,
     LeakingDataset,
     MemoryHogDataset,
     SleepDataset,
@@ -34,6 +36,7 @@ from .workloads import (
     noop_step,
     oom_step,
     sleep_step,
+    slow_start,
 )
 
 GiB = 1024**3
@@ -163,6 +166,109 @@ def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> No
         runner.measure(_params(2), max_seconds=120, deadlines=Deadlines(first=60, each=60))
     assert isinstance(info.value.error, TrialTimeout)
     assert "no progress for 2 s" in str(info.value.error)
+
+
+def test_a_hung_worker_is_found_from_its_siblings_pace_before_any_timing_window() -> None:
+    """Workers 2 and up hang on their first item while workers 0 and 1 deliver: the
+    batch of worker 2 is called hung a second after the siblings' later batches came
+    (NOTE [ Sibling pace ]), not at the 60 s deadline, and the error names the worker."""
+    dataset = FaultInWorkersDataset("hang", length=4096, from_worker=2)
+    before = _children()
+    with pytest.raises(TrialError) as info:
+        _runner(dataset).measure(
+            _params(4),
+            max_seconds=120,
+            deadlines=Deadlines(first=60, each=60, sibling=1.0, start_each=0.2),
+        )
+    timeout = info.value.error
+    assert isinstance(timeout, TrialTimeout)
+    assert timeout.detail is not None
+    assert re.match(
+        r"worker 2 is hung: its batch 2 is \d+\.\d s overdue while workers 0, 1 delivered "
+        r"\d+ batches given out after it",
+        str(timeout),
+    ), str(timeout)
+    assert _children() <= before
+
+
+class _Iterator:
+    """What SiblingPace reads of a DataLoader iterator: batch -> (worker,) or (worker,
+    data), and the batch awaited."""
+
+    def __init__(self, tasks: dict[int, tuple[Any, ...]], awaited: int) -> None:
+        self._task_info = tasks
+        self._rcvd_idx = awaited
+        self._in_order = True
+
+
+def test_the_sibling_rule_waits_from_the_first_later_delivery_and_for_later_starts() -> None:
+    now = [0.0]
+    # Worker 3 awaited at its first batch; worker 1 (started before it) delivered.
+    iterator = _Iterator({3: (3,), 4: (0,), 5: (1, "data")}, awaited=3)
+    pace = SiblingPace(iterator, 1.0, start_each=0.5, workers=4, clock=lambda: now[0])
+    pace()  # the first sight of a later delivery starts the clock
+    now[0] = 1.9
+    pace()  # 1 s, plus 2 workers' start-ups: worker 3 started two after worker 1
+    now[0] = 2.05
+    with pytest.raises(TrialTimeout, match=r"^worker 3 is hung: its batch 3 is 2\.0 s overdue"):
+        pace()
+    # A later batch of its own, or none delivered by another worker: no sibling pace.
+    for tasks in ({3: (3,), 7: (3, "data")}, {3: (3,), 4: (0,)}):
+        quiet = SiblingPace(_Iterator(tasks, 3), 0.1, start_each=0, workers=4, clock=lambda: 0)
+        quiet()
+        quiet._since = -100.0
+        quiet()
+    out_of_order = _Iterator({3: (3,), 5: (1, "data")}, awaited=3)
+    out_of_order._in_order = False
+    assert awaited_batch(out_of_order) is None
+
+
+def test_siblings_that_deliver_do_not_call_a_hang_on_a_slow_but_working_worker() -> None:
+    """Every worker is slow to start (worker_init_fn) but then works: no hang, the trial
+    is measured; the siblings' rule waits for a worker's start-up behind theirs."""
+    dataset = SleepDataset(4096, latency=0.002)
+    m = _runner(dataset).measure(
+        _params(2),
+        max_seconds=2,
+        deadlines=Deadlines(first=60, each=60, sibling=0.3, start_each=1.0),
+    )
+    assert m.batches > 0
+
+
+def test_memory_that_grows_while_a_batch_is_overdue_is_a_memory_fault() -> None:
+    """A worker stuck filling memory at 200 MB/s passes its 2.5 s deadline before the
+    budget (700 MB over what the tree uses), and before the end of the trial (2.6 s), to
+    which the watch projects the growth (520 MB, under the budget): projected over another
+    such wait, the growth passes the budget, so the trial ends as a memory fault, not as
+    a hang (NOTE [ Memory growth against the hang deadline ])."""
+    budget = tree_memory() + 700 * 1024**2
+    runner = _runner(GrowsWhileHanging(200 * 1024**2), memory_budget=budget)
+    before = _children()
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        runner.measure(_params(1), max_seconds=2.6, deadlines=Deadlines(first=2.5, each=2.5))
+    assert info.value.projected is not None and info.value.projected > budget
+    assert info.value.peak < budget
+    assert _children() <= before
+
+
+def test_a_hang_without_memory_growth_stays_a_hang() -> None:
+    runner = _runner(FaultInWorkersDataset("hang"))
+    with pytest.raises(TrialError) as info:
+        runner.measure(_params(1), max_seconds=2.0, deadlines=Deadlines(first=1.5, each=1.5))
+    assert isinstance(info.value.error, TrialTimeout)
+
+
+def test_workers_slower_to_start_than_the_trial_leave_nothing_measured() -> None:
+    """Workers that take 30 s to start (a slow worker_init_fn) against a 1 s trial: the
+    trial ends at its time with no batch (judged too short), not at the 60 s deadline,
+    and not as a hang."""
+    runner = _runner(SleepDataset(2048), fixed_kwargs={"worker_init_fn": slow_start})
+    before = _children()
+    m = runner.measure(_params(2), max_seconds=1.0, deadlines=Deadlines(first=60, each=60))
+    assert (m.batches, m.samples_per_second) == (0, 0.0)
+    assert m.too_short
+    assert 1.0 <= m.duration < 60
+    assert _children() <= before
 
 
 def test_a_measured_trial_is_kept_when_its_workers_are_slow_to_stop(

@@ -61,9 +61,10 @@ from autoloader.search._reasons import (
     TrialCap,
     TunedJointly,
     WorkersCappedAtEpoch,
+    WorkersCappedAtStartup,
     render,
 )
-from autoloader.search._space import SearchSpace, resolve_space
+from autoloader.search._space import SearchSpace, Startup, resolve_space
 
 
 def _measurement(rate: float, *, ttfb: float = 1.0, restart: float | None = None) -> Measurement:
@@ -894,3 +895,133 @@ def test_the_space_gives_its_notes_typed_and_resolve_gives_them_in_words() -> No
         **facts, batched_fetch_problem="no", threads_problem=None
     )
     assert words == [render(note) for note in typed]
+
+
+# Worker start-up and deadlines (NOTE [ Worker start-up ], NOTE [ Sibling pace ]) ----------
+
+
+def test_a_trial_gets_its_workers_start_up_on_top_of_its_measuring_time() -> None:
+    """Workers measured to take 1.5 s each to start (spawn): a trial of 4 gets 6 s more
+    than one without workers, and its first batch may wait 3 x 1.5 s per worker."""
+    runner = FakeRunner(_peaks_at_5)
+    asked: list[tuple[int, float, Any]] = []
+    measure = runner.measure
+
+    def recording(params: Mapping[str, Any], **kwargs: Any) -> Measurement:
+        asked.append((params["num_workers"], kwargs["max_seconds"], kwargs["deadlines"]))
+        return measure(params, **kwargs)
+
+    runner.measure = recording  # type: ignore[method-assign]
+    policy = Policy(space=_space(), time_budget=60, batch_size=8, usable_cpus=2, worker_start=1.5)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
+    driver = Driver(policy, runner, study, deadline=60, clock=runner.clock)
+    driver._trial(policy.next([], seconds_left=60))  # type: ignore[arg-type]
+    driver._trial(policy.next(driver.history, seconds_left=59))  # type: ignore[arg-type]
+    _, (workers, seconds, deadlines) = asked
+    assert workers > 0
+    assert seconds == pytest.approx(trial_seconds(60) + 1.5 * workers)
+    assert deadlines.start_each == pytest.approx(4.5)
+    assert deadlines.first == pytest.approx(deadlines.each + 4.5 * workers)
+
+
+def test_start_up_is_the_slowest_per_worker_start_seen() -> None:
+    """A trial whose first batch came 9 s after the start, with 4 workers, started them
+    at about 2.2 s each: slower than the 1 s measured alone (four starting at once), so
+    later trials get that."""
+    policy = _policy(worker_start=1.0)
+    history = [_baseline(), _done(1, _params(2), 300.0)]  # first batch after 1 s: 0.25 s each
+    assert policy.start_each(history) == pytest.approx(1.0)
+    slow = Trial(
+        2,
+        Phase.SEARCH,
+        _params(4),
+        Completed(dataclasses.replace(_measurement(300.0), time_to_first_batch=9.0), 300.0),
+    )
+    assert policy.start_each([*history, slow]) == pytest.approx((9.0 - 0.5) / 4)
+    assert policy.startup_seconds(_params(4), [*history, slow]) == pytest.approx(9.0 - 0.5)
+    threads = normalize_params({"num_workers": 4, "worker_kind": "threads"})
+    assert policy.startup_seconds(threads, history) == 0.0
+    assert _policy().startup_seconds(_params(4), history) == 0.0  # not measured
+
+
+def test_a_batch_late_by_its_siblings_pace_gets_a_multiple_of_a_workers_load_time() -> None:
+    """The baseline loads a batch in 0.5 s, mostly waiting (no CPU): a worker takes
+    about that whatever the count, and a batch whose siblings have delivered later ones
+    is hung after 20 x 0.5 s. Loading that is CPU work slows with more workers than
+    CPUs, and the deadline with it."""
+    waiting = _baseline()
+    deadlines = _policy().deadlines(_params(8), [waiting])
+    assert deadlines.sibling == pytest.approx(10.0)
+    busy = dataclasses.replace(
+        waiting,
+        outcome=Completed(dataclasses.replace(_measurement(100.0), load_cpu_seconds=0.45), 100.0),
+    )
+    deadlines = _policy().deadlines(_params(8), [busy])
+    assert deadlines.sibling == pytest.approx(40.0)  # 8 workers on 2 CPUs: 4x slower
+    quick = dataclasses.replace(
+        waiting,
+        outcome=Completed(dataclasses.replace(_measurement(100.0), load_seconds=0.001), 100.0),
+    )
+    assert _policy().deadlines(_params(8), [quick]).sibling == 1.0  # the floor
+
+
+def test_workers_too_slow_to_start_cap_the_default_range_with_a_note() -> None:
+    startup = Startup(3.0, "spawn", 60.0, trial_seconds(60.0))
+    assert startup.most_workers() == 4  # 2 trials of 6 s: 12 s of start-up
+    space, notes = resolve_space(
+        SearchSpace(),
+        usable_cpus=2,
+        has_accelerator=False,
+        batches_per_epoch=None,
+        batched_fetch_problem=None,
+        threads_problem=None,
+        startup=startup,
+    )
+    assert space.num_workers == (0, 4)
+    (capped,) = [n for n in notes if isinstance(n, WorkersCappedAtStartup)]
+    assert render(capped) == (
+        "num_workers searched up to 4: starting a worker takes 3.0 s here (spawn), and more "
+        "workers would spend more of the 60 s budget starting than measuring; a larger "
+        "time_budget lets more be measured."
+    )
+    fork, notes = resolve_space(
+        SearchSpace(),
+        usable_cpus=2,
+        has_accelerator=False,
+        batches_per_epoch=None,
+        batched_fetch_problem=None,
+        threads_problem=None,
+        startup=Startup(0.02, "fork", 60.0, trial_seconds(60.0)),
+    )
+    assert fork.num_workers == (0, 16)
+    assert not any(isinstance(n, WorkersCappedAtStartup) for n in notes)
+    asked, _ = resolve_space(
+        SearchSpace(num_workers=(0, 8)),
+        usable_cpus=2,
+        has_accelerator=False,
+        batches_per_epoch=None,
+        batched_fetch_problem=None,
+        threads_problem=None,
+        startup=startup,
+    )
+    assert asked.num_workers == (0, 8)  # a range asked for is the user's to keep
+
+
+def test_a_trial_whose_workers_delivered_nothing_is_too_short_and_says_why() -> None:
+    unstarted = Measurement(
+        samples_per_second=0.0,
+        relative_error=math.inf,
+        data_wait_fraction=1.0,
+        load_seconds=0.0,
+        step_seconds=0.0,
+        time_to_first_batch=6.4,
+        epoch_restart_seconds=None,
+        batches=0,
+        duration=6.4,
+        peak_memory=1,
+    )
+    outcome = _policy().judge(Phase.SEARCH, _params(4), unstarted, [_baseline()])
+    assert isinstance(outcome, Pruned) and outcome.kind is PruneKind.TOO_SHORT
+    assert outcome.reason.startswith(
+        "too short: its workers had not delivered a first batch when the trial's 6.4 s ran out"
+    )

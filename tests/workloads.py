@@ -456,3 +456,25 @@ class GetItemsDataset(SleepDataset):
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         self.calls += 1
         return [self[i] for i in indices]
+
+
+class GrowsWhileHanging(SleepDataset):
+    """A worker's first item never returns: it keeps ``bytes_per_second`` more memory
+    every second, as a decoder stuck filling a buffer would."""
+
+    def __init__(self, bytes_per_second: int, length: int = 512) -> None:
+        super().__init__(length, latency=0.001)
+        self.bytes_per_second = bytes_per_second
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if get_worker_info() is not None:
+            kept = []
+            while True:
+                kept.append(torch.ones(self.bytes_per_second // 10, dtype=torch.uint8))
+                time.sleep(0.1)
+        return super().__getitem__(index)
+
+
+def slow_start(worker_id: int) -> None:
+    """A worker_init_fn that takes 30 s: workers slower to start than a trial lasts."""
+    time.sleep(30)

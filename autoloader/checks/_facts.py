@@ -11,6 +11,12 @@ Measured once, before the search, and saved with the result (``TuneResult.facts`
   different workers gave the same result. A dataset that holds its own random generator
   (``self.rng = np.random.default_rng()``) has it copied into every worker, so the
   workers draw the same "random" numbers; ``None`` if not checked.
+- ``worker_start_seconds``: seconds to start one worker process with the user's loader
+  options (its start method, ``worker_init_fn``) and get its first item, less the time
+  to read that item here (see ``NOTE [ Worker start-up ]``); ``None`` if not measured
+  (no worker processes searched). ``worker_start_at_least``: the check ran out of its
+  time first, so the figure is the time it had, a lower bound. ``start_method``: how
+  the user's loader starts worker processes (``fork``, ``spawn``, ``forkserver``).
 - ``copy_on_read``: with fork, bytes of its parent's memory a forked process copies per
   item it reads for the first time (see ``NOTE [ Copy-on-read probe ]``), and
   ``copy_on_read_items``, how many items that was measured over; ``None`` if not
@@ -32,6 +38,21 @@ trial's watchdog, deadline and clean-up), in the forked probe by waiting for it 
 longer and killing it. A check that overruns costs its share and no more; its fact is
 recorded missing with the reason, the run goes on, and the report says what was not
 checked.
+
+NOTE [ Worker start-up ]
+Under fork a worker starts in a few milliseconds. Under spawn and forkserver (Windows,
+macOS, Python 3.14's default on Linux) every worker imports torch and unpickles the
+dataset, serially in the parent's pickling: 3 s a worker on the development VM for a
+dataset of 300,000 Python records, 12 s for 4 workers, 27 s for 8. A search that does
+not know this spends its budget starting workers: its first guess (16 workers) took 52
+s of a 60 s budget to its first batch. So before the search one worker is started the
+way the user's loader starts them, and its time to the first item, less that item's
+read, is the start-up per worker: the search then sizes trials and deadlines with it,
+and searches no more workers than it can start in the time of two trials (see
+``resolve_space``). It also reads item 0 in a second worker where the items are random,
+for ``workers_repeat_randomness``. Under fork the other checks need the time; under
+another start method the copy-on-read probe does not run, and this check gets what
+the checks have left.
 
 NOTE [ Forked processes ]
 A process forked from one that has run torch's intra-op thread pool (OpenMP: any op on
@@ -100,7 +121,7 @@ _SHARES = {
     "batched_fetch": 0.15,
     "threads": 0.2,
     "random_items": 0.05,
-    "workers_repeat_randomness": 0.15,
+    "workers": 0.15,
     "copy_on_read": 0.45,
     "repeated_samples": 0.5,
 }
@@ -111,6 +132,8 @@ _SHARES = {
 _THREAD_CHECK_BATCHES = 3
 _THREAD_CHECK_ITEMS = 4
 _THREAD_CHECK_THREADS = 2
+# How the reason of a check that ran out of its time begins.
+_OUT_OF_TIME = "the check did not finish within"
 # A check given less time than this is not started.
 _MIN_CHECK_SECONDS = 0.05
 
@@ -164,6 +187,9 @@ class Checks:
         self.seconds = seconds
         self.missing: dict[str, str] = {}
         self._ends = time.monotonic() + seconds
+        self._unused = 0.0  # seconds earlier checks left of their shares
+        self._item_seconds = 0.0  # to read item 0 here, once read before
+        self._allotted = 0.0  # seconds the check under way was given
         self._runner = TrialRunner(
             dataset,
             _no_step,
@@ -172,24 +198,31 @@ class Checks:
             fixed_kwargs=fixed,
         )
 
-    def _run(self, name: str, check: Callable[[float], _T]) -> _T | None:
-        """``check(seconds)`` within its share of the time left; ``None``, with the reason
-        in :attr:`missing`, if it overran it or failed."""
-        seconds = min(_SHARES[name] * self.seconds, self._ends - time.monotonic())
+    def _run(self, name: str, check: Callable[[float], _T], *, last: bool = False) -> _T | None:
+        """``check(seconds)`` within its share of the checks' time, and what earlier
+        checks left of theirs (all that is left, for the ``last``); ``None``, with the
+        reason in :attr:`missing`, if it overran it or failed."""
+        left = self._ends - time.monotonic()
+        share = _SHARES[name] * self.seconds + self._unused
+        seconds = left if last else min(share, left)
         if seconds < _MIN_CHECK_SECONDS:
             self.missing[name] = "not checked: the checks before the search ran out of time"
             return None
+        started = time.monotonic()
+        self._allotted = seconds
         try:
             return check(seconds)
         except Exception as error:  # out of time, or a broken dataset (the baseline says)
             self.missing[name] = self._why(error, seconds)
             return None
+        finally:
+            self._unused = max(0.0, seconds - (time.monotonic() - started))
 
     def _why(self, error: Exception, seconds: float) -> str:
         cause = error.error if isinstance(error, TrialError) else error
         if isinstance(cause, TrialTimeout):
             return (
-                f"the check did not finish within {seconds:.1f} s, its share of the "
+                f"{_OUT_OF_TIME} {seconds:.1f} s, its share of the "
                 f"{self.seconds:.1f} s the checks before the search may take"
             )
         if isinstance(error, TrialError):
@@ -314,15 +347,31 @@ class Checks:
                 "only seem faster. Shard it, then tune again."
             )
 
-    def facts(self, dataset_length: int | None, *, start_method: str) -> dict[str, Any]:
-        """Measure the facts of the module docstring; none of them raises."""
+    def facts(
+        self, dataset_length: int | None, *, start_method: str, processes: bool = True
+    ) -> dict[str, Any]:
+        """Measure the facts of the module docstring; none of them raises.
+
+        Args:
+            dataset_length: items in the dataset, ``None`` without ``__len__``.
+            start_method: how the user's loader starts its worker processes.
+            processes: whether worker processes are searched: without them no worker
+                is started.
+        """
         random_items = self._random_items(dataset_length)
+        start, at_least, repeat = None, False, None
+        if processes or random_items:
+            # Under fork the copy-on-read probe comes next and needs its share.
+            start, at_least, repeat = self._workers(
+                bool(random_items), last=start_method != "fork", start_method=start_method
+            )
         facts = {
             "shm_bytes": shm_bytes(),
             "random_items": random_items,
-            "workers_repeat_randomness": (
-                self._workers_repeat_randomness() if random_items else None
-            ),
+            "workers_repeat_randomness": repeat,
+            "worker_start_seconds": start,
+            "worker_start_at_least": at_least,
+            "start_method": start_method,
             **self.copy_on_read(dataset_length, start_method=start_method),
         }
         facts["missing"] = dict(self.missing)
@@ -352,25 +401,61 @@ class Checks:
             with time_limit(seconds, "reading item 0 twice"):
                 # Collated, so that numpy arrays and numbers compare as tensors.
                 first = default_collate([self.dataset[0]])
+                started = time.perf_counter()
                 second = default_collate([self.dataset[0]])
+                self._item_seconds = time.perf_counter() - started
             return not same_batch(first, second)
 
         return self._run("random_items", check)
 
-    def _workers_repeat_randomness(self) -> bool | None:
-        """Read item 0 first in each of two workers and compare what they returned."""
+    def _workers(
+        self, random_items: bool, *, last: bool, start_method: str
+    ) -> tuple[float | None, bool, bool | None]:
+        """Start a worker as the user's loader would and time its first item (see ``NOTE
+        [ Worker start-up ]``); with ``random_items``, read item 0 first in each of two
+        workers and compare what they returned. Returns the start-up per worker, whether
+        that is only a lower bound (the check ran out of time before the first item),
+        and whether the workers repeat each other's randomness (``None`` if unchecked)."""
         options = {k: self.fixed[k] for k in _WORKER_OPTIONS if k in self.fixed}
+        count = 2 if random_items else 1
 
         def build() -> DataLoader[Any]:
             return new_loader(
-                self.dataset, {"batch_size": 1, "sampler": [0, 0], "num_workers": 2, **options}
+                self.dataset,
+                {"batch_size": 1, "sampler": [0] * count, "num_workers": count, **options},
             )
 
-        def check(seconds: float) -> bool | None:
-            batches = self._runner.first_batches(build, 2, seconds=seconds)
-            return bool(same_batch(*batches)) if len(batches) == 2 else None
+        def check(seconds: float) -> tuple[float, bool, bool | None]:
+            arrived: list[float] = []
+            try:
+                batches = self._runner.first_batches(build, count, seconds=seconds, times=arrived)
+            except TrialError as error:
+                if not isinstance(error.error, TrialTimeout):
+                    raise
+                if not arrived:
+                    raise
+                # The first worker started; the second did not deliver in time.
+                self.missing["workers_repeat_randomness"] = self._why(error, seconds)
+                return max(0.0, arrived[0] - self._item_seconds), False, None
+            start = max(0.0, arrived[0] - self._item_seconds)
+            return start, False, bool(same_batch(*batches)) if len(batches) == 2 else None
 
-        return self._run("workers_repeat_randomness", check)
+        measured = self._run("workers", check, last=last)
+        if measured is not None:
+            return measured
+        why = self.missing.pop("workers")
+        if random_items:
+            self.missing["workers_repeat_randomness"] = why
+        if not why.startswith(_OUT_OF_TIME):
+            self.missing["worker_start"] = why
+            return None, False, None
+        # Not one worker delivered in the time: the start-up is at least that.
+        seconds = self._allotted
+        self.missing["worker_start"] = (
+            f"{why}; starting a worker ({start_method}) takes more than that, and the "
+            f"search takes {seconds:.1f} s as its start-up"
+        )
+        return seconds, True, None
 
 
 class _ProbeFailed(Exception):

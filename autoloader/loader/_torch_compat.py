@@ -61,6 +61,32 @@ def worker_processes(iterator: object) -> list[BaseProcess]:
     return list(getattr(iterator, "_workers", None) or ())
 
 
+def awaited_batch(iterator: object) -> tuple[int, int, dict[int, int]] | None:
+    """The batch an in-order DataLoader iterator waits for: its index, the worker it was
+    given to, and for each other worker the batches given out after it that this worker
+    has delivered (kept until their turn comes). ``None`` without worker processes, out
+    of order, or when the awaited batch has arrived.
+
+    Relies on ``_MultiProcessingDataLoaderIter``'s ``_task_info`` (index -> ``(worker,)``
+    until the batch arrives, then ``(worker, data)``), ``_rcvd_idx`` and ``_in_order``
+    (torch 2.6 to 2.13). Only the main thread changes them, so reading them there (in a
+    signal handler) sees them whole.
+    """
+    tasks = getattr(iterator, "_task_info", None)
+    if not isinstance(tasks, dict) or not getattr(iterator, "_in_order", True):
+        return None
+    index = getattr(iterator, "_rcvd_idx", None)
+    awaited = tasks.get(index)
+    if not isinstance(index, int) or not awaited or len(awaited) != 1:
+        return None
+    worker = awaited[0]
+    later: dict[int, int] = {}
+    for task, info in list(tasks.items()):
+        if task > index and len(info) == 2 and info[0] != worker:
+            later[info[0]] = later.get(info[0], 0) + 1
+    return index, worker, later
+
+
 def shutdown_workers(
     iterator: object, loader: DataLoader[Any] | None, *, abandon: bool = False
 ) -> None:

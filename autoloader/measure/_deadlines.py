@@ -4,29 +4,35 @@ it when it overruns."""
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
+from autoloader.loader._torch_compat import awaited_batch
+
 
 class TrialTimeout(Exception):
-    """One step of the loop (loading a batch, or step_fn) overran its deadline."""
+    """One step of the loop (loading a batch, or step_fn) overran its deadline;
+    ``detail``, where given, says who was late and how that was told."""
 
-    def __init__(self, stage: str, seconds: float) -> None:
+    def __init__(self, stage: str, seconds: float, detail: str | None = None) -> None:
         shown = f"{seconds:.1f}" if seconds < 1 else f"{seconds:.0f}"
-        super().__init__(f"no progress for {shown} s while {stage}")
+        super().__init__(detail or f"no progress for {shown} s while {stage}")
         self.stage = stage
         self.seconds = seconds
+        self.detail = detail
 
-    def __reduce__(self) -> tuple[type[TrialTimeout], tuple[str, float]]:
-        return type(self), (self.stage, self.seconds)
+    def __reduce__(self) -> tuple[type[TrialTimeout], tuple[str, float, str | None]]:
+        return type(self), (self.stage, self.seconds, self.detail)
 
 
-# Seconds each worker may take to start, on top of the first batch's deadline.
-_STARTUP_PER_WORKER = 3.0
+# Seconds each worker may take to start, on top of the first batch's deadline, where
+# the start-up was not measured (see Deadlines.per_batch).
+STARTUP_PER_WORKER = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +42,101 @@ class Deadlines:
     Attributes:
         first: for the first batch of an epoch, worker start-up included.
         each: for any later batch: loading it plus running ``step_fn`` on it.
+        sibling: for a batch whose worker is late while other workers of the trial have
+            delivered batches given out after it (``NOTE [ Sibling pace ]``); ``None``
+            leaves it to ``first`` and ``each``.
+        start_each: seconds one worker may take to start: a worker's first batch may be
+            that much later than those of workers started before it.
     """
 
     first: float
     each: float
+    sibling: float | None = None
+    start_each: float = STARTUP_PER_WORKER
 
     @classmethod
-    def per_batch(cls, each: float, *, workers: int) -> Deadlines:
+    def per_batch(
+        cls,
+        each: float,
+        *,
+        workers: int,
+        sibling: float | None = None,
+        start_each: float = STARTUP_PER_WORKER,
+    ) -> Deadlines:
         """``each`` for every batch, and time for ``workers`` to start on the first."""
-        return cls(first=each + _STARTUP_PER_WORKER * workers, each=each)
+        return cls(
+            first=each + start_each * workers, each=each, sibling=sibling, start_each=start_each
+        )
+
+
+# NOTE [ Sibling pace ]
+# A worker that hangs (a fault at worker index k and above, a deadlock in its copy of a
+# library) stalls an in-order loader at its batch while the other workers deliver the
+# batches given out after it, and then wait. DataLoader knows which worker owns which
+# batch, so the stall can be told from the siblings' pace, before a timing window has
+# set the trial's own pace (NOTE [ Pace deadline ]) and without waiting for a deadline
+# sized for the slowest legitimate batch and for worker start-up: once another worker
+# has delivered a batch given out after the awaited one, the awaited one may take
+# ``Deadlines.sibling`` seconds more (a multiple of the time a worker takes per batch,
+# from the baseline), plus, for a worker's first batch of the epoch, the time to start
+# the workers started after those that delivered (start-up is serial). Polled every
+# _POLL seconds by the trial's alarm, in the main thread: nothing runs on the side.
+_POLL = 0.25
+
+
+class SiblingPace:
+    """Raises :class:`TrialTimeout` when the batch ``iterator`` waits for is late by
+    its siblings' pace (see ``NOTE [ Sibling pace ]``); called by :class:`Alarm`.
+
+    Args:
+        iterator: the trial's current DataLoader iterator.
+        seconds: ``Deadlines.sibling``.
+        start_each: ``Deadlines.start_each``.
+        workers: the trial's worker count.
+        clock: seconds (a fake one in tests).
+    """
+
+    def __init__(
+        self,
+        iterator: object,
+        seconds: float,
+        *,
+        start_each: float,
+        workers: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.iterator = iterator
+        self.seconds = seconds
+        self.start_each = start_each
+        self.workers = workers
+        self._clock = clock
+        self._index: int | None = None
+        self._since = 0.0
+
+    def __call__(self) -> None:
+        found = awaited_batch(self.iterator)
+        if found is None or not found[2]:
+            self._index = None
+            return
+        index, worker, later = found
+        now = self._clock()
+        if self._index != index:
+            self._index, self._since = index, now
+            return
+        allowed = self.seconds
+        if index < self.workers and worker > max(later):  # its first batch; started later
+            allowed += self.start_each * (worker - max(later))
+        waited = now - self._since
+        if waited < allowed:
+            return
+        names = ", ".join(map(str, sorted(later)))
+        raise TrialTimeout(
+            "loading a batch",
+            waited,
+            f"worker {worker} is hung: its batch {index} is {waited:.1f} s overdue while "
+            f"worker{'s' if len(later) > 1 else ''} {names} delivered "
+            f"{sum(later.values())} batches given out after it",
+        )
 
 
 class Alarm:
@@ -61,6 +153,8 @@ class Alarm:
         self.enabled = threading.current_thread() is threading.main_thread()
         self._stage = ""
         self._seconds = 0.0
+        self._due = math.inf
+        self._poll: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Alarm]:
@@ -79,17 +173,33 @@ class Alarm:
                 left = max(delay - (time.monotonic() - started), 1e-3)
                 signal.setitimer(signal.ITIMER_REAL, left, interval)
 
-    def arm(self, stage: str, seconds: float | None) -> None:
-        if self.enabled and seconds is not None:
-            self._stage, self._seconds = stage, seconds
-            signal.setitimer(signal.ITIMER_REAL, seconds)
+    def arm(
+        self, stage: str, seconds: float | None, *, poll: Callable[[], None] | None = None
+    ) -> None:
+        """Raise :class:`TrialTimeout` once ``stage`` has run ``seconds`` (``None``: no
+        limit), and call ``poll`` every ``_POLL`` seconds until then: it may raise."""
+        if not self.enabled or (seconds is None and poll is None):
+            return
+        self._stage, self._seconds, self._poll = stage, seconds or 0.0, poll
+        self._due = math.inf if seconds is None else time.monotonic() + seconds
+        self._next_tick(seconds if seconds is not None else math.inf)
 
     def disarm(self) -> None:
         if self.enabled:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            self._poll = None
+
+    def _next_tick(self, left: float) -> None:
+        delay = min(left, _POLL) if self._poll is not None else left
+        signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-4))
 
     def _fire(self, signum: int, frame: FrameType | None) -> None:
-        raise TrialTimeout(self._stage, self._seconds)
+        left = self._due - time.monotonic()
+        if left <= 1e-3:
+            raise TrialTimeout(self._stage, self._seconds)
+        if self._poll is not None:
+            self._poll()
+        self._next_tick(left)
 
 
 @contextlib.contextmanager

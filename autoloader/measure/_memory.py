@@ -194,6 +194,11 @@ class Growth:
     def reset(self) -> None:
         self._samples.clear()
 
+    @property
+    def latest(self) -> int | None:
+        """The last sample's bytes, ``None`` before one."""
+        return self._samples[-1][1] if self._samples else None
+
     def rate(self) -> float | None:
         """Bytes per second, or ``None`` until the samples span ``min_span``."""
         if len(self._samples) < 3:
@@ -388,6 +393,23 @@ class MemoryWatch:
         self._exact_at = time.monotonic()
         self._exact_every = (self._exact_at - started) / self._CALIBRATION_DUTY
         return self._exact
+
+    def outgrows(self, seconds: float) -> MemoryBudgetExceeded | None:
+        """The error to report if the tree's sustained growth passes the budget within
+        ``seconds`` (``NOTE [ Growth projection ]``); ``None`` if it does not. Asked when
+        a batch overran its deadline: the growth is the fault, not the wait. The trial's
+        workers are left to the runner to stop."""
+        rate, used = self._growth.rate(), self._growth.latest
+        if rate is None or rate <= 0 or used is None or used + rate * seconds <= self.budget:
+            return None
+        self.projected = int(used + rate * seconds)
+        self._exceeded.set()
+        _logger.info(
+            "memory growing %s/s, projected to reach %s; stopping the trial",
+            format_bytes(int(rate)),
+            format_bytes(self.projected),
+        )
+        return self.claim()
 
     def check(self) -> None:
         """Raise :class:`MemoryBudgetExceeded` the first time this finds the budget passed."""

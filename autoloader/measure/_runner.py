@@ -159,11 +159,17 @@ class TrialRunner:
         return self._measure(lambda: loader, params, max_seconds, None, deadlines, None, Alone())
 
     def first_batches(
-        self, build: Callable[[], DataLoader[Any]], count: int, *, seconds: float
+        self,
+        build: Callable[[], DataLoader[Any]],
+        count: int,
+        *,
+        seconds: float,
+        times: list[float] | None = None,
     ) -> list[Any]:
         """The first ``count`` batches of the loader ``build`` makes (fewer if it ends
         first), all within ``seconds``, under the same watchdog as a trial: the checks
         made before the search read through it. Its workers are stopped at the end.
+        ``times``, if given, gets the seconds from the start to each batch, as they come.
 
         Raises:
             MemoryBudgetExceeded: the process tree passed the memory budget.
@@ -179,6 +185,8 @@ class TrialRunner:
                 guard.alarm.arm("loading a batch", max(1e-3, ends - perf_counter()))
                 try:
                     batches.append(next(iterator))
+                    if times is not None:
+                        times.append(perf_counter() - guard.started)
                 except StopIteration:
                     break
                 except Exception as error:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from autoloader.measure._deadlines import SiblingPace, TrialTimeout
 from autoloader.measure._device import move_to_device, synchronize
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
@@ -126,6 +127,15 @@ _PACE_FACTOR = 20.0
 _MIN_PACE_SECONDS = 2.0
 
 
+# Seconds past the trial's time its first batch may come before the trial is given up
+# as too short (its workers still starting).
+_FIRST_BATCH_GRACE = 0.5
+
+
+class _NotStarted(Exception):
+    """The trial's time ran out before its workers delivered a first batch."""
+
+
 def pace_limit(total: Totals, workers: int) -> float:
     per_batch = total.seconds / total.batches if total.batches else math.inf
     return max(_MIN_PACE_SECONDS, _PACE_FACTOR * max(1, workers) * per_batch)
@@ -231,6 +241,17 @@ class TimingLoop:
         self.window_batches = max(2, self.workers)
         self.first_limit = deadlines.first if deadlines else None
         self.each_limit = deadlines.each if deadlines else None  # tightened by the pace
+        # NOTE [ Sibling pace ]: with two worker processes or more, in order.
+        self.sibling_limit = (
+            deadlines.sibling
+            if deadlines is not None
+            and self.workers >= 2
+            and params.get("worker_kind", "processes") == "processes"
+            and params.get("in_order", True)
+            else None
+        )
+        self.start_each = deadlines.start_each if deadlines else 0.0
+        self.max_seconds = max_seconds
         # NOTE [ Warm-up ]
         # At start-up every worker loads prefetch_factor batches at once, so the first
         # workers * prefetch_factor batches arrive faster than the steady rate. They are
@@ -264,7 +285,10 @@ class TimingLoop:
             TrialError: the dataset, collate_fn or step_fn raised or hung.
             PeerFailed: another process of a joint trial failed.
         """
-        self._begin()
+        try:
+            self._begin()
+        except _NotStarted:
+            return self._unstarted()
         agreed = self._checkpoint()
         while not agreed.time_up:
             now, ready, last = self._next_batch()
@@ -291,12 +315,48 @@ class TimingLoop:
         """Start the loader's iterator, and fetch and step the first batch."""
         self.iterator = self.guard.iterator = self.guard.deaths.start(self.loader)
         self.lockstep.begin()
-        self.batch = self._fetch(self.first_limit)
+        self.batch = self._first_fetch()
         self.time_to_first_batch = perf_counter() - self.guard.started
         self.batch_bytes = tensor_bytes(self.batch)
         self._step(self.batch)
         self.epochs = Epochs(loader_length(self.loader), in_flight=self.warmup)
         self.checkpoint_at = perf_counter()
+
+    def _first_fetch(self) -> Any:
+        """The first batch, within its deadline; and, with workers, within the trial's
+        time: workers too slow to start before it ends leave nothing to measure, which
+        is no hang (``_NotStarted``). A joint trial waits for its deadline: its
+        processes must agree on what each fetched."""
+        cut = self.deadline + _FIRST_BATCH_GRACE - perf_counter()
+        if (
+            not self.workers
+            or self.lockstep.joint
+            or (self.first_limit is not None and self.first_limit <= cut)
+        ):
+            return self._fetch(self.first_limit)
+        try:
+            return self._fetch(max(cut, 1e-3))
+        except TrialError as error:
+            timeout = error.error
+            if isinstance(timeout, TrialTimeout) and timeout.detail is None:
+                raise _NotStarted from None
+            raise
+
+    def _unstarted(self) -> Measurement:
+        """The measurement of a trial whose workers delivered no batch in its time."""
+        waited = perf_counter() - self.guard.started
+        return Measurement(
+            samples_per_second=0.0,
+            relative_error=math.inf,
+            data_wait_fraction=1.0,
+            load_seconds=0.0,
+            step_seconds=0.0,
+            time_to_first_batch=waited,
+            epoch_restart_seconds=None,
+            batches=0,
+            duration=waited,
+            peak_memory=self.guard.watch.peak,
+        )
 
     def _next_batch(self) -> tuple[float, bool, bool]:
         """Fetch, step and count the next batch (the first of a new epoch, once one
@@ -376,7 +436,10 @@ class TimingLoop:
         if self.lockstep.decide(stop):
             return mine
         if self.each_limit is not None and self.workers > 0:
-            self.each_limit = min(self.each_limit, pace_limit(self.total, self.workers))
+            pace = pace_limit(self.total, self.workers)
+            self.each_limit = min(self.each_limit, pace)
+            if self.sibling_limit is not None:
+                self.sibling_limit = min(self.sibling_limit, pace)
         self.window, self.window_start = Totals(), end
         return None
 
@@ -427,12 +490,27 @@ class TimingLoop:
         failure in a joint trial, the spare batch."""
         if self.failure is not None:
             return self.lockstep.spare
-        self.guard.alarm.arm("loading a batch", limit)
+        poll = None
+        if self.sibling_limit is not None:
+            poll = SiblingPace(
+                self.iterator, self.sibling_limit, start_each=self.start_each, workers=self.workers
+            )
+        self.guard.alarm.arm("loading a batch", limit, poll=poll)
         try:
             with self.guard.deaths.fetching():
                 return next(self.iterator)
         except StopIteration:
             raise
+        except TrialTimeout as error:
+            # NOTE [ Memory growth against the hang deadline ]
+            # A worker that fills memory slowly delivers nothing while it grows: the tree
+            # would pass the budget soon after the deadline. If it grows that fast, the
+            # memory watch would have stopped it given the time: it is a memory fault.
+            horizon = max(error.seconds, self.deadline - perf_counter())
+            grown = self.guard.watch.outgrows(horizon)
+            if grown is not None:
+                return self._fail(grown, None)
+            return self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
         except Exception as error:
             return self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
         finally:

@@ -130,6 +130,7 @@ def report(result: TuneResult) -> str:
             f"{result.baseline:,.0f} with the defaults: {result.speedup:.2f}x",
         ),
         *_steady_rows(result),
+        *_worker_start_row(result),
     ]
     if baseline and chosen and baseline.data_wait_fraction is not None:
         rows.append(
@@ -190,6 +191,7 @@ _CHECKS = {
     "batched_fetch": "whether whole batches can be fetched at once",
     "random_items": "whether items are random",
     "workers_repeat_randomness": "whether workers repeat each other's randomness",
+    "worker_start": "how long a worker process takes to start",
     "copy_on_read": "copy-on-read in forked workers",
     "repeated_samples": "whether workers repeat each other's samples",
     "threads": "whether thread workers read the dataset as one thread does",
@@ -227,8 +229,37 @@ def advise(result: TuneResult) -> Iterator[str]:
         _shared_memory_advice,
         _still_waiting_advice,
         _randomness_advice,
+        _persistent_advice,
     ):
         yield from advice(result)
+
+
+# Worker start-up per epoch worth a word: this many seconds, and this share of an epoch.
+_RESTART_WORTH_SECONDS = 0.5
+_RESTART_WORTH_SHARE = 0.02
+
+
+def _persistent_advice(result: TuneResult) -> Iterator[str]:
+    """Where the chosen workers start again every epoch, and that costs seconds."""
+    params = result.params
+    workers = params.get("num_workers") or 0
+    each = result.facts.get("worker_start_seconds")
+    length = result.facts.get("dataset_length")
+    if not workers or params.get("worker_kind") == "threads" or params.get("persistent_workers"):
+        return
+    if each is None or not length or not result.throughput:
+        return
+    restart = each * workers
+    epoch = length / result.throughput
+    if restart < _RESTART_WORTH_SECONDS or restart < _RESTART_WORTH_SHARE * epoch:
+        return
+    method = result.facts.get("start_method") or "?"
+    yield (
+        f"The {workers} workers start again every epoch: about {restart:.1f} s an epoch here "
+        f"({each:.2f} s a worker, {method}), {restart / epoch:.0%} of an epoch of about "
+        f"{epoch:.0f} s. persistent_workers=True starts them once per training run and "
+        "keeps them (and the memory they hold) between epochs."
+    )
 
 
 def _batched_fetch_advice(result: TuneResult) -> Iterator[str]:
@@ -414,6 +445,22 @@ def _steady_rows(result: TuneResult) -> list[tuple[str, str]]:
             )
         rows.append(("start-up", f"{seconds:.2f} s {when}"))
     return rows
+
+
+def _worker_start_row(result: TuneResult) -> list[tuple[str, str]]:
+    """The start-up of one worker process, as measured before the search."""
+    seconds = result.facts.get("worker_start_seconds")
+    if seconds is None:
+        return []
+    method = result.facts.get("start_method") or "?"
+    bound = "more than " if result.facts.get("worker_start_at_least") else ""
+    return [
+        (
+            "worker start",
+            f"{bound}{seconds:.2f} s to start one worker process ({method}) and get its "
+            "first item, measured before the search",
+        )
+    ]
 
 
 def _differs(rate: float, headline: float) -> bool:

@@ -141,7 +141,14 @@ class Driver:
             phase=plan.phase,
             params=params,
             # A plan is made before its trial runs: hold it to the time actually left.
-            max_seconds=max(0.5, min(plan.max_seconds, self._seconds_left())),
+            # Measuring starts once the workers have: they get their start-up on top.
+            max_seconds=max(
+                0.5,
+                min(
+                    plan.max_seconds + self.policy.startup_seconds(params, self.history),
+                    self._seconds_left(),
+                ),
+            ),
             deadlines=self.policy.deadlines(params, self.history),
         )
         asked.set_user_attr("phase", spec.phase.value)

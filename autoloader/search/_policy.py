@@ -28,7 +28,7 @@ from typing import Any
 
 from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader.loader._params import BASELINE_PARAMS, Params
-from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines
 from autoloader.measure._measurement import Measurement
 from autoloader.search._cost_model import guess_threads, guess_workers, loads_on_several_threads
 from autoloader.search._known_failures import bisection, known_failure, params_key
@@ -81,6 +81,16 @@ _TIE_TOLERANCE = 0.02
 # deadline (NOTE [ Pace deadline ] in measure/_timing_loop.py).
 _TIMEOUT_FACTOR = 20.0
 _MIN_BATCH_TIMEOUT = 3.0
+# A batch late by its sibling workers' pace (NOTE [ Sibling pace ] in
+# measure/_deadlines.py) gets _TIMEOUT_FACTOR times a worker's time per batch, at least
+# _MIN_SIBLING_TIMEOUT: the other workers' deliveries show that the loop itself moves.
+_MIN_SIBLING_TIMEOUT = 1.0
+# A worker may take this many times the measured start-up to start, and at least
+# _MIN_START_TIMEOUT seconds, before its first batch is overdue.
+_START_TIMEOUT_FACTOR = 3.0
+_MIN_START_TIMEOUT = 0.5
+# Loading whose CPU time is at least this share of its time competes for the CPUs.
+_CPU_BOUND_SHARE = 0.5
 _BASELINE_TIMEOUT = 60.0
 # NOTE [ Enough searching ]
 # Once the starting points (the cost model's guesses and the ladder) are measured, the
@@ -173,6 +183,8 @@ class Policy:
         batches_per_epoch: ``len(loader)``, or ``None`` if unknown.
         n_trials: cap on this run's search trials, or ``None``.
         usable_cpus: CPUs this process may run on.
+        worker_start: seconds to start one worker process, as measured before the
+            search (``NOTE [ Worker start-up ]`` in ``checks/_facts.py``), or ``None``.
     """
 
     space: SearchSpace
@@ -181,6 +193,7 @@ class Policy:
     batches_per_epoch: int | None = None
     n_trials: int | None = None
     usable_cpus: int = 1
+    worker_start: float | None = None
 
     # The next trial -------------------------------------------------------------
 
@@ -337,7 +350,45 @@ class Policy:
         per_batch = measured.load_seconds + measured.step_seconds
         slowdown = max(1.0, workers / self.usable_cpus)
         each = max(_MIN_BATCH_TIMEOUT, _TIMEOUT_FACTOR * per_batch * slowdown)
-        return Deadlines.per_batch(each, workers=workers)
+        # A worker loads a batch in the baseline's load time, slower only where loading
+        # is CPU work and the workers outnumber the CPUs (NOTE [ Sibling pace ]).
+        cpu_bound = measured.load_cpu_seconds >= _CPU_BOUND_SHARE * measured.load_seconds
+        per_worker = measured.load_seconds * (slowdown if cpu_bound else 1.0)
+        sibling = min(each, max(_MIN_SIBLING_TIMEOUT, _TIMEOUT_FACTOR * per_worker))
+        start = self.start_each(history)
+        start_each = (
+            STARTUP_PER_WORKER
+            if start is None
+            else max(_MIN_START_TIMEOUT, _START_TIMEOUT_FACTOR * start)
+        )
+        return Deadlines.per_batch(each, workers=workers, sibling=sibling, start_each=start_each)
+
+    def start_each(self, history: Sequence[Trial]) -> float | None:
+        """Seconds one worker process takes to start, or ``None`` if not measured: the
+        measurement before the search, or the slowest start per worker a trial with
+        workers showed (its time to first batch, less a batch's load, over its
+        workers: they start one after the other), whichever is larger."""
+        measured = baseline_measurement(history)
+        if self.worker_start is None or measured is None:
+            return self.worker_start
+        seen: list[float] = [
+            (trial.measurement.time_to_first_batch - measured.load_seconds)
+            / trial.params["num_workers"]
+            for trial in history
+            if trial.measurement is not None
+            and trial.measurement.batches > 0
+            and trial.params["num_workers"] > 0
+            and trial.params.get("worker_kind", "processes") == "processes"
+        ]
+        return max([self.worker_start, *seen])
+
+    def startup_seconds(self, params: Mapping[str, Any], history: Sequence[Trial]) -> float:
+        """Seconds ``params``'s workers are expected to take to start, which a trial gets
+        on top of its time to measure (0 where not measured, or for threads)."""
+        start = self.start_each(history)
+        if start is None or params.get("worker_kind", "processes") != "processes":
+            return 0.0
+        return start * int(params["num_workers"])
 
     def value(
         self, params: Mapping[str, Any], measurement: Measurement, history: Sequence[Trial]
@@ -492,6 +543,12 @@ def _typical_duration(history: Sequence[Trial], params: Mapping[str, Any], defau
 
 
 def _too_short_reason(measurement: Measurement) -> str:
+    if measurement.batches == 0 and measurement.samples_per_second == 0:
+        return (
+            f"{PruneKind.TOO_SHORT.value}: its workers had not delivered a first batch when "
+            f"the trial's {measurement.duration:.1f} s ran out: they take longer to start "
+            "than the trial could wait (a larger time_budget gives them the time)"
+        )
     if measurement.burst_undrained:
         return (
             f"{PruneKind.TOO_SHORT.value}: timing had to begin with {measurement.burst_left} "

@@ -117,6 +117,17 @@ class WorkersCappedAtEpoch:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkersCappedAtStartup:
+    """``num_workers`` is searched up to ``workers``: each takes ``seconds`` to start
+    (``start_method``), and more would take longer than two trials to start."""
+
+    workers: int
+    seconds: float
+    start_method: str
+    time_budget: float
+
+
+@dataclass(frozen=True, slots=True)
 class PinMemoryAskedForInVain:
     """``pin_memory=True`` was asked for where there is no accelerator."""
 
@@ -184,6 +195,7 @@ StopReason: TypeAlias = SearchEnd | RunoffEnd
 Shortcoming: TypeAlias = BaselineUncertain | SearchDidNotRun | NoWorkerSettingMeasured
 SpaceNote: TypeAlias = (
     WorkersCappedAtEpoch
+    | WorkersCappedAtStartup
     | PinMemoryAskedForInVain
     | NoAccelerator
     | BatchedFetchSearched
@@ -250,6 +262,13 @@ def render(value: Note) -> str:
             return (
                 f"num_workers searched up to {value.batches}: an epoch has only "
                 f"{value.batches} batches."
+            )
+        case WorkersCappedAtStartup():
+            return (
+                f"num_workers searched up to {value.workers}: starting a worker takes "
+                f"{value.seconds:.1f} s here ({value.start_method}), and more workers would "
+                f"spend more of the {value.time_budget:.0f} s budget starting than measuring; "
+                "a larger time_budget lets more be measured."
             )
         case PinMemoryAskedForInVain():
             return "pin_memory=True was asked for, but there is no accelerator here."

@@ -18,6 +18,7 @@ from autoloader.search._reasons import (
     SpaceNote,
     ThreadsSearched,
     WorkersCappedAtEpoch,
+    WorkersCappedAtStartup,
     render,
 )
 
@@ -28,6 +29,35 @@ if TYPE_CHECKING:
 # 2-core machine reading items that each sleep 5 ms is fastest near 12-16 workers.
 _MIN_DEFAULT_MAX_WORKERS = 16
 _WORKERS_PER_CPU = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """Worker start-up, as measured before the search (``NOTE [ Worker start-up ]`` in
+    ``checks/_facts.py``).
+
+    Attributes:
+        seconds: to start one worker process and get its first item.
+        start_method: how the user's loader starts workers.
+        time_budget: the run's.
+        trial_seconds: what one trial of the run measures for (``trial_seconds()``).
+    """
+
+    seconds: float
+    start_method: str
+    time_budget: float
+    trial_seconds: float
+
+    def most_workers(self) -> int:
+        """The most workers whose start-up (serial: ``seconds`` each) fits in the time
+        of two trials, and never fewer than 1."""
+        if self.seconds <= 0:
+            return 1 << 30
+        return max(1, int(_STARTUP_TRIALS * self.trial_seconds / self.seconds))
+
+
+# A setting's workers may take as long to start as this many trials take to measure.
+_STARTUP_TRIALS = 2
 
 
 def default_max_workers(usable_cpus: int) -> int:
@@ -384,9 +414,12 @@ def resolve_space(
     batches_per_epoch: int | None,
     batched_fetch_problem: str | None,
     threads_problem: str | None,
+    startup: Startup | None = None,
 ) -> tuple[SearchSpace, list[SpaceNote]]:
     """:meth:`SearchSpace.resolve`, with its notes as typed values, rendered to words
-    once, at the end of the run (see ``search/_reasons.py``)."""
+    once, at the end of the run (see ``search/_reasons.py``). ``startup``, measured
+    before the search, caps the default range of ``num_workers`` where workers are slow
+    to start (see ``NOTE [ Worker start-up ]`` in ``checks/_facts.py``)."""
     notes: list[SpaceNote] = []
     num_workers = space.num_workers
     if num_workers is None:
@@ -395,6 +428,13 @@ def resolve_space(
             # More workers than batches in an epoch never have anything to do.
             high = batches_per_epoch
             notes.append(WorkersCappedAtEpoch(high))
+        if startup is not None and startup.most_workers() < high:
+            high = startup.most_workers()
+            notes.append(
+                WorkersCappedAtStartup(
+                    high, startup.seconds, startup.start_method, startup.time_budget
+                )
+            )
         num_workers = (0, high)
     pin_memory = space.pin_memory
     if not has_accelerator:

@@ -1,0 +1,81 @@
+"""tune() where workers are spawned, or started by a fork server: Windows and macOS
+start DataLoader workers by spawn, and Python 3.14 made forkserver Linux's default.
+Each worker then imports torch and unpickles the dataset, seconds where fork takes
+milliseconds (NOTE [ Worker start-up ] in autoloader/checks/_facts.py). Here the user's
+loader asks for the start method through ``multiprocessing_context``, as on Linux."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+import autoloader
+from autoloader.checks._facts import Checks
+
+from .test_facts import OwnGeneratorDataset
+from .workloads import FaultInWorkersDataset, sleep_step
+
+METHODS = ["spawn", "forkserver"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server() -> Iterator[None]:
+    """The fork server multiprocessing keeps for the rest of the session once a loader
+    asks for it: started before these tests (so none counts it as left behind) and
+    stopped after them."""
+    multiprocessing.forkserver.ensure_running()
+    yield
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_checks_start_workers_as_the_users_loader_does(method: str) -> None:
+    """With the time a 60 s budget gives the checks (6 s), the workers' randomness is
+    checked by the user's start method (a generator the dataset holds is pickled into
+    every worker: they repeat it), and one worker's start-up is measured, not guessed.
+    Fork's copy-on-read probe does not run: these workers are not forked."""
+    checks = Checks(
+        OwnGeneratorDataset(), {"multiprocessing_context": method}, batch_size=1, seconds=6.0
+    )
+    facts = checks.facts(8, start_method=method)
+    assert facts["missing"] == {}
+    assert facts["workers_repeat_randomness"] is True
+    assert facts["start_method"] == method
+    assert facts["worker_start_seconds"] > 0 and not facts["worker_start_at_least"]
+    assert facts["copy_on_read"] is None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tune_survives_a_worker_fault_and_reports_the_start_up(
+    method: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Worker 1 and up crash (SIGSEGV) after 20 items; worker 0 works. The tune under
+    spawn or forkserver records the crash, chooses at most one worker, says what a
+    worker's start-up cost, and leaves no process behind and no native noise from the
+    workers it stopped ("terminate called without an active exception")."""
+    before = _children()
+    result = autoloader.tune(
+        FaultInWorkersDataset("SIGSEGV", length=2048, from_worker=1, after=20),
+        sleep_step,
+        batch_size=4,
+        time_budget=15.0,
+        loader_kwargs={"multiprocessing_context": method},
+        show_progress=False,
+    )
+    assert result.params["num_workers"] <= 1
+    crashed = [t for t in result.trials if t.state == "failed"]
+    assert crashed and all("worker crashed (SIGSEGV)" in (t.reason or "") for t in crashed)
+    assert all(t.params["num_workers"] >= 2 for t in crashed)
+    assert result.facts["start_method"] == method
+    assert result.facts["worker_start_seconds"] > 0
+    report = " ".join(autoloader.report(result).split())
+    assert f"to start one worker process ({method})" in report
+    assert _children() <= before
+    assert "terminate called" not in capfd.readouterr().err
