@@ -1025,3 +1025,21 @@ def test_a_trial_whose_workers_delivered_nothing_is_too_short_and_says_why() -> 
     assert outcome.reason.startswith(
         "too short: its workers had not delivered a first batch when the trial's 6.4 s ran out"
     )
+
+
+def test_no_trial_starts_more_workers_than_can_start_before_the_run_ends() -> None:
+    """DataLoader starts its workers inside iter(), where no deadline reaches: with 5 s a
+    worker and 12 s left, a trial of more than 2 would end past the budget."""
+    policy = _policy(budget=60.0, worker_start=5.0)
+    history = [_baseline()]
+    assert policy.startable(history, 12.0) == 2
+    plan = policy.next(history, seconds_left=12.0 + 0.2 * 60)
+    assert isinstance(plan, Plan) and plan.params is not None
+    assert plan.params["num_workers"] <= policy.startable(history, 12.0 + 0.2 * 60)  # type: ignore[operator]
+    assert _policy().startable(history, 12.0) is None  # start-up not measured
+    runner = FakeRunner(_peaks_at_5)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
+    driver = Driver(policy, runner, study, deadline=12.0, clock=runner.clock)
+    driver.history = history
+    bounds = driver._sampler_bounds()
+    assert bounds is not None and bounds["num_workers"].high == 2  # type: ignore[attr-defined]

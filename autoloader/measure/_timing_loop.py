@@ -256,10 +256,11 @@ class TimingLoop:
         # At start-up every worker loads prefetch_factor batches at once, so the first
         # workers * prefetch_factor batches arrive faster than the steady rate. They are
         # excluded, or an under-provisioned setting would look fast in a short trial. The
-        # exclusion is capped at WARMUP_SHARE of the trial's time, so a slow loader
-        # still leaves time to measure.
+        # exclusion is capped at WARMUP_SHARE of the trial's time once its first batch
+        # came (workers that take seconds to start, spawned, leave it the rest), so a
+        # slow loader still leaves time to measure.
         self.warmup = self.workers * int(params.get("prefetch_factor") or 0)
-        self.warmup_deadline = guard.started + WARMUP_SHARE * max_seconds
+        self.warmup_deadline = guard.started + WARMUP_SHARE * max_seconds  # set by _begin
         self.to_skip = self.warmup  # batches of the warm-up still to skip
         self.warming = True  # the warm-up went on at the last batch counted
         self.burst_left = 0  # what the warm-up's cap left queued (Measurement.burst_left)
@@ -316,7 +317,9 @@ class TimingLoop:
         self.iterator = self.guard.iterator = self.guard.deaths.start(self.loader)
         self.lockstep.begin()
         self.batch = self._first_fetch()
-        self.time_to_first_batch = perf_counter() - self.guard.started
+        first = perf_counter()
+        self.time_to_first_batch = first - self.guard.started
+        self.warmup_deadline = first + WARMUP_SHARE * max(0.0, self.deadline - first)
         self.batch_bytes = tensor_bytes(self.batch)
         self._step(self.batch)
         self.epochs = Epochs(loader_length(self.loader), in_flight=self.warmup)

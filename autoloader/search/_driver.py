@@ -260,12 +260,19 @@ class Driver:
     def _sampler_bounds(self) -> dict[str, BaseDistribution] | None:
         """Past a failure boundary, the sampler draws the worker count below it: Optuna's
         TPE learns nothing from failed trials, and would keep proposing counts that are
-        known to fail (each recorded without running, but a proposal spent)."""
-        smallest = failing_from(self.history)
+        known to fail (each recorded without running, but a proposal spent). Nor does it
+        draw more workers than can start in the time left (``Policy.startable``)."""
         low, high = self.policy.space.num_workers  # type: ignore[misc]
-        if smallest is None or not low <= smallest - 1 < high:
+        bound = high
+        smallest = failing_from(self.history)
+        if smallest is not None:
+            bound = min(bound, smallest - 1)
+        startable = self.policy.startable(self.history, self._seconds_left())
+        if startable is not None:
+            bound = min(bound, startable)
+        if not low <= bound < high:
             return None
-        return {"num_workers": IntDistribution(low, smallest - 1)}
+        return {"num_workers": IntDistribution(low, bound)}
 
     def has_baseline(self) -> bool:
         """Whether the baseline finished: without it there is nothing to compare to."""

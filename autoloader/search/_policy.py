@@ -244,9 +244,13 @@ class Policy:
             return Stop(ended)
         seconds = min(self._trial_seconds, self._search_seconds(seconds_left))
         tried = {params_key(t.params) for t in history}
+        startable = self.startable(history, seconds_left)
         for params in self.starting_points(history):
-            if params_key(params) not in tried and known_failure(params, history) is None:
-                return Plan(Phase.SEARCH, params, seconds, "a starting point")
+            if params_key(params) in tried or known_failure(params, history) is not None:
+                continue
+            if startable is not None and params["num_workers"] > startable:
+                continue  # its workers would not start before the run's end
+            return Plan(Phase.SEARCH, params, seconds, "a starting point")
         between = bisection(history)
         if between is not None and params_key(between) not in tried:
             return Plan(Phase.SEARCH, between, seconds, "bisecting a failure boundary")
@@ -381,6 +385,16 @@ class Policy:
             and trial.params.get("worker_kind", "processes") == "processes"
         ]
         return max([self.worker_start, *seen])
+
+    def startable(self, history: Sequence[Trial], seconds_left: float) -> int | None:
+        """The most worker processes that start, one after the other, in ``seconds_left``
+        with a moment left to measure; ``None`` where start-up was not measured. A trial
+        cannot be stopped while its workers start (DataLoader starts them in
+        ``iter()``): one that cannot start in the time left would overrun the budget."""
+        start = self.start_each(history)
+        if not start:
+            return None
+        return max(0, int((seconds_left - 0.5 * MIN_TRIAL_SECONDS) / start))
 
     def startup_seconds(self, params: Mapping[str, Any], history: Sequence[Trial]) -> float:
         """Seconds ``params``'s workers are expected to take to start, which a trial gets
