@@ -68,6 +68,20 @@ def loader(dataset: Records, workers: int, persistent: bool, **options: Any) -> 
     return DataLoader(dataset, **kwargs)
 
 
+def tune(dataset: Records, method: str, budget: float) -> tuple[autoloader.TuneResult, float]:
+    """``tune()`` with ``method`` starting the workers; the result and its seconds."""
+    started = time.perf_counter()
+    result = autoloader.tune(
+        dataset,
+        step,
+        batch_size=BATCH_SIZE,
+        time_budget=budget,
+        loader_kwargs={"shuffle": True, "multiprocessing_context": method},
+        show_progress=False,
+    )
+    return result, time.perf_counter() - started
+
+
 def training_seconds(make: Any, epochs: int) -> float:
     """Seconds to train ``epochs`` epochs with the loader ``make()`` builds, from its
     construction to the last step."""
@@ -112,16 +126,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     dataset = Records(args.records, args.split, args.latency)
 
-    started = time.perf_counter()
-    result = autoloader.tune(
-        dataset,
-        step,
-        batch_size=BATCH_SIZE,
-        time_budget=args.time_budget,
-        loader_kwargs={"shuffle": True, "multiprocessing_context": "spawn"},
-        show_progress=False,
-    )
-    tuning = time.perf_counter() - started
+    result, tuning = tune(dataset, "spawn", args.time_budget)
     print(autoloader.report(result), "\n")
     tuned = result.params
     check = epoch_check(result.make_loader(dataset), len(dataset))
@@ -156,16 +161,7 @@ def main() -> None:
         print("\n| start method | tuning s | budget s | ratio | chosen |")
         print("|---|---|---|---|---|")
         for method in ("fork", "forkserver", "spawn"):
-            started = time.perf_counter()
-            again = autoloader.tune(
-                dataset,
-                step,
-                batch_size=BATCH_SIZE,
-                time_budget=args.time_budget,
-                loader_kwargs={"shuffle": True, "multiprocessing_context": method},
-                show_progress=False,
-            )
-            seconds = time.perf_counter() - started
+            again, seconds = tune(dataset, method, args.time_budget)
             print(
                 f"| {method} | {seconds:.1f} | {args.time_budget:.0f} | "
                 f"{seconds / args.time_budget:.3f} | {describe(again.params)} |",

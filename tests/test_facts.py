@@ -52,6 +52,20 @@ def test_facts_tell_workers_that_repeat_randomness_from_those_that_do_not() -> N
     assert plain["missing"] == {}
 
 
+def test_a_workers_start_up_is_measured_for_map_and_iterable_datasets() -> None:
+    """The first item of one worker, started as the loader starts its workers: of item 0
+    for a map-style dataset, of whatever comes first from an IterableDataset (which
+    takes no sampler)."""
+    for dataset, length in ((SleepDataset(64), 64), (Stream(shard=True), None)):
+        facts = dataset_facts(dataset, length)  # type: ignore[arg-type]
+        assert facts["missing"] == {}, facts["missing"]
+        assert facts["worker_start_seconds"] is not None
+        assert facts["worker_start_seconds"] >= 0 and not facts["worker_start_at_least"]
+        assert facts["start_method"] == "fork"
+    no_workers = _checks(SleepDataset(64)).facts(64, start_method="fork", processes=False)
+    assert no_workers["worker_start_seconds"] is None and no_workers["missing"] == {}
+
+
 # Copy-on-read ---------------------------------------------------------------------
 
 

@@ -965,18 +965,24 @@ def test_a_batch_late_by_its_siblings_pace_gets_a_multiple_of_a_workers_load_tim
     assert _policy().deadlines(_params(8), [quick]).sibling == 1.0  # the floor
 
 
-def test_workers_too_slow_to_start_cap_the_default_range_with_a_note() -> None:
-    startup = Startup(3.0, "spawn", 60.0, trial_seconds(60.0))
-    assert startup.most_workers() == 4  # 2 trials of 6 s: 12 s of start-up
-    space, notes = resolve_space(
-        SearchSpace(),
+def _resolved_with(
+    space: SearchSpace, seconds: float, method: str
+) -> tuple[SearchSpace, list[Any]]:
+    """``space`` resolved on 2 CPUs after a worker took ``seconds`` to start, at 60 s."""
+    return resolve_space(
+        space,
         usable_cpus=2,
         has_accelerator=False,
         batches_per_epoch=None,
         batched_fetch_problem=None,
         threads_problem=None,
-        startup=startup,
+        startup=Startup(seconds, method, 60.0, trial_seconds(60.0)),
     )
+
+
+def test_workers_too_slow_to_start_cap_the_default_range_with_a_note() -> None:
+    assert Startup(3.0, "spawn", 60.0, trial_seconds(60.0)).most_workers() == 4  # 12 s
+    space, notes = _resolved_with(SearchSpace(), 3.0, "spawn")
     assert space.num_workers == (0, 4)
     (capped,) = [n for n in notes if isinstance(n, WorkersCappedAtStartup)]
     assert render(capped) == (
@@ -984,26 +990,10 @@ def test_workers_too_slow_to_start_cap_the_default_range_with_a_note() -> None:
         "workers would spend more of the 60 s budget starting than measuring; a larger "
         "time_budget lets more be measured."
     )
-    fork, notes = resolve_space(
-        SearchSpace(),
-        usable_cpus=2,
-        has_accelerator=False,
-        batches_per_epoch=None,
-        batched_fetch_problem=None,
-        threads_problem=None,
-        startup=Startup(0.02, "fork", 60.0, trial_seconds(60.0)),
-    )
+    fork, notes = _resolved_with(SearchSpace(), 0.02, "fork")
     assert fork.num_workers == (0, 16)
     assert not any(isinstance(n, WorkersCappedAtStartup) for n in notes)
-    asked, _ = resolve_space(
-        SearchSpace(num_workers=(0, 8)),
-        usable_cpus=2,
-        has_accelerator=False,
-        batches_per_epoch=None,
-        batched_fetch_problem=None,
-        threads_problem=None,
-        startup=startup,
-    )
+    asked, _ = _resolved_with(SearchSpace(num_workers=(0, 8)), 3.0, "spawn")
     assert asked.num_workers == (0, 8)  # a range asked for is the user's to keep
 
 

@@ -419,10 +419,12 @@ class Checks:
         options = {k: self.fixed[k] for k in _WORKER_OPTIONS if k in self.fixed}
         count = 2 if random_items else 1
 
+        # An IterableDataset takes no sampler: its first item, whichever it is.
+        sampler = {} if isinstance(self.dataset, IterableDataset) else {"sampler": [0] * count}
+
         def build() -> DataLoader[Any]:
             return new_loader(
-                self.dataset,
-                {"batch_size": 1, "sampler": [0] * count, "num_workers": count, **options},
+                self.dataset, {"batch_size": 1, "num_workers": count, **sampler, **options}
             )
 
         def check(seconds: float) -> tuple[float, bool, bool | None]:
