@@ -184,8 +184,8 @@ def test_a_hung_worker_is_found_from_its_siblings_pace_before_any_timing_window(
     assert isinstance(timeout, TrialTimeout)
     assert timeout.detail is not None
     assert re.match(
-        r"worker 2 is hung: its batch 2 is \d+\.\d s overdue while workers 0, 1 delivered "
-        r"\d+ batches given out after it",
+        r"worker 2 is hung while loading a batch: its batch 2 is \d+\.\d s overdue while "
+        r"workers 0, 1 delivered \d+ batches given out after it",
         str(timeout),
     ), str(timeout)
     assert _children() <= before
@@ -210,7 +210,8 @@ def test_the_sibling_rule_waits_from_the_first_later_delivery_and_for_later_star
     now[0] = 1.9
     pace()  # 1 s, plus 2 workers' start-ups: worker 3 started two after worker 1
     now[0] = 2.05
-    with pytest.raises(TrialTimeout, match=r"^worker 3 is hung: its batch 3 is 2\.0 s overdue"):
+    hung = r"^worker 3 is hung while loading a batch: its batch 3 is 2\.0 s overdue"
+    with pytest.raises(TrialTimeout, match=hung):
         pace()
     # A later batch of its own, or none delivered by another worker: no sibling pace.
     for tasks in ({3: (3,), 7: (3, "data")}, {3: (3,), 4: (0,)}):

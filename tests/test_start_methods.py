@@ -65,7 +65,7 @@ def test_tune_survives_a_worker_fault_and_reports_the_start_up(
         FaultInWorkersDataset("SIGSEGV", length=2048, from_worker=1, after=20),
         sleep_step,
         batch_size=4,
-        time_budget=15.0,
+        time_budget=12.0,
         loader_kwargs={"multiprocessing_context": method},
         show_progress=False,
     )

@@ -133,9 +133,9 @@ class SiblingPace:
         raise TrialTimeout(
             "loading a batch",
             waited,
-            f"worker {worker} is hung: its batch {index} is {waited:.1f} s overdue while "
-            f"worker{'s' if len(later) > 1 else ''} {names} delivered "
-            f"{sum(later.values())} batches given out after it",
+            f"worker {worker} is hung while loading a batch: its batch {index} is "
+            f"{waited:.1f} s overdue while worker{'s' if len(later) > 1 else ''} {names} "
+            f"delivered {sum(later.values())} batches given out after it",
         )
 
 

@@ -132,7 +132,14 @@ class TrialRunner:
             return build_loader(self.dataset, kwargs)
 
         return self._measure(
-            build, params, max_seconds, on_window, deadlines, max_batches, lockstep or Alone()
+            build,
+            params,
+            max_seconds,
+            on_window,
+            deadlines,
+            max_batches,
+            lockstep or Alone(),
+            first_within_trial=True,
         )
 
     def measure_loader(
@@ -206,12 +213,22 @@ class TrialRunner:
         deadlines: Deadlines | None,
         max_batches: int | None,
         lockstep: Lockstep,
+        *,
+        first_within_trial: bool = False,
     ) -> Measurement:
         return self._guarded(
             build,
             max_seconds,
             lambda loader, guard: self._time_loop(
-                loader, guard, params, deadlines, max_seconds, on_window, max_batches, lockstep
+                loader,
+                guard,
+                params,
+                deadlines,
+                max_seconds,
+                on_window,
+                max_batches,
+                lockstep,
+                first_within_trial,
             ),
             joint=lockstep.joint,
         )
@@ -269,10 +286,11 @@ class TrialRunner:
                 alarm.disarm()
                 watch.stop()
                 deaths.expected = True
-                if failed:
+                discard = failed or guard.discard
+                if discard:
                     # Discarded anyway, and possibly hung: do not wait for them.
                     kill(watch.new_children())
-                stop_workers(guard, abandon=failed)
+                stop_workers(guard, abandon=discard)
 
     def _time_loop(
         self,
@@ -284,6 +302,7 @@ class TrialRunner:
         on_window: WindowCallback | None,
         max_batches: int | None,
         lockstep: Lockstep,
+        first_within_trial: bool,
     ) -> Measurement:
         loop = TimingLoop(
             loader,
@@ -300,5 +319,6 @@ class TrialRunner:
             target_relative_error=self.target_relative_error,
             on_window=on_window,
             lockstep=lockstep,
+            first_within_trial=first_within_trial,
         )
         return loop.run()

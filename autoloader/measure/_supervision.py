@@ -142,6 +142,9 @@ class Guard:
     started: float
     loader: DataLoader[Any] | None = None
     iterator: Iterator[Any] | None = None
+    # Its workers are of no more use and may still be starting: killed, not shut down
+    # (a worker still in worker_init_fn, or importing torch, holds up a shutdown).
+    discard: bool = False
 
 
 # Errors that mean the other end of a worker's pipe or socket went away.

@@ -222,6 +222,7 @@ class TimingLoop:
         target_relative_error: float,
         on_window: WindowCallback | None,
         lockstep: Lockstep,
+        first_within_trial: bool = False,
     ) -> None:
         self.loader = loader
         self.guard = guard
@@ -251,7 +252,7 @@ class TimingLoop:
             else None
         )
         self.start_each = deadlines.start_each if deadlines else 0.0
-        self.max_seconds = max_seconds
+        self.first_within_trial = first_within_trial
         # NOTE [ Warm-up ]
         # At start-up every worker loads prefetch_factor batches at once, so the first
         # workers * prefetch_factor batches arrive faster than the steady rate. They are
@@ -326,13 +327,16 @@ class TimingLoop:
         self.checkpoint_at = perf_counter()
 
     def _first_fetch(self) -> Any:
-        """The first batch, within its deadline; and, with workers, within the trial's
-        time: workers too slow to start before it ends leave nothing to measure, which
-        is no hang (``_NotStarted``). A joint trial waits for its deadline: its
-        processes must agree on what each fetched."""
+        """The first batch, within its deadline; and, in a trial of the search
+        (``first_within_trial``) with workers, within the trial's time: workers too slow
+        to start before it ends leave nothing to measure, which is no hang
+        (``_NotStarted``), and are killed. A joint trial waits for its deadline: its
+        processes must agree on what each fetched. ``diagnose()`` measures the user's
+        own loader, whose hang it reports."""
         cut = self.deadline + _FIRST_BATCH_GRACE - perf_counter()
         if (
-            not self.workers
+            not self.first_within_trial
+            or not self.workers
             or self.lockstep.joint
             or (self.first_limit is not None and self.first_limit <= cut)
         ):
@@ -342,6 +346,7 @@ class TimingLoop:
         except TrialError as error:
             timeout = error.error
             if isinstance(timeout, TrialTimeout) and timeout.detail is None:
+                self.guard.discard = True
                 raise _NotStarted from None
             raise
 
