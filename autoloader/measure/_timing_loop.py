@@ -261,7 +261,7 @@ class TimingLoop:
         # came (workers that take seconds to start, spawned, leave it the rest), so a
         # slow loader still leaves time to measure.
         self.warmup = self.workers * int(params.get("prefetch_factor") or 0)
-        self.warmup_deadline = guard.started + WARMUP_SHARE * max_seconds  # set by _begin
+        self.warmup_deadline = math.inf  # set by _begin, once the first batch came
         self.to_skip = self.warmup  # batches of the warm-up still to skip
         self.warming = True  # the warm-up went on at the last batch counted
         self.burst_left = 0  # what the warm-up's cap left queued (Measurement.burst_left)

@@ -354,10 +354,7 @@ class Policy:
         per_batch = measured.load_seconds + measured.step_seconds
         slowdown = max(1.0, workers / self.usable_cpus)
         each = max(_MIN_BATCH_TIMEOUT, _TIMEOUT_FACTOR * per_batch * slowdown)
-        # A worker loads a batch in the baseline's load time, slower only where loading
-        # is CPU work and the workers outnumber the CPUs (NOTE [ Sibling pace ]).
-        cpu_bound = measured.load_cpu_seconds >= _CPU_BOUND_SHARE * measured.load_seconds
-        per_worker = measured.load_seconds * (slowdown if cpu_bound else 1.0)
+        per_worker = self._worker_load_seconds(measured, workers)
         sibling = min(each, max(_MIN_SIBLING_TIMEOUT, _TIMEOUT_FACTOR * per_worker))
         start = self.start_each(history)
         start_each = (
@@ -376,7 +373,10 @@ class Policy:
         if self.worker_start is None or measured is None:
             return self.worker_start
         seen: list[float] = [
-            (trial.measurement.time_to_first_batch - measured.load_seconds)
+            (
+                trial.measurement.time_to_first_batch
+                - self._worker_load_seconds(measured, trial.params["num_workers"])
+            )
             / trial.params["num_workers"]
             for trial in history
             if trial.measurement is not None
@@ -385,6 +385,14 @@ class Policy:
             and trial.params.get("worker_kind", "processes") == "processes"
         ]
         return max([self.worker_start, *seen])
+
+    def _worker_load_seconds(self, measured: Measurement, workers: int) -> float:
+        """Seconds a worker takes to load a batch with ``workers`` at once: the
+        baseline's load time, slower only where loading is CPU work and the workers
+        outnumber the CPUs."""
+        cpu_bound = measured.load_cpu_seconds >= _CPU_BOUND_SHARE * measured.load_seconds
+        slowdown = max(1.0, workers / self.usable_cpus) if cpu_bound else 1.0
+        return measured.load_seconds * slowdown
 
     def startable(self, history: Sequence[Trial], seconds_left: float) -> int | None:
         """The most worker processes that start, one after the other, in ``seconds_left``
