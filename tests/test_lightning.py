@@ -32,7 +32,7 @@ class SlowItems(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Deterministic items that take ``latency`` seconds each: a loader with workers
     pays."""
 
-    def __init__(self, length: int = 96, latency: float = 0.002) -> None:
+    def __init__(self, length: int = 192, latency: float = 0.002) -> None:
         self.length, self.latency = length, latency
 
     def __len__(self) -> int:
