@@ -324,3 +324,33 @@ def test_thread_workers_tuned_show_the_memory_saved_and_no_copy_on_read_advice()
     with_processes = _result(trials, processes, facts=facts)
     assert "less than the fastest" not in report(with_processes)
     assert any(line.startswith("Workers copy") for line in advise(with_processes))
+
+
+def test_workers_that_restart_every_epoch_are_advised_persistence_with_the_seconds() -> None:
+    """4 spawned workers of 3.5 s each restart every epoch of 10,000 samples at 500
+    samples/s (20 s, the restart included): 14 s of it. Persistent, or forked in
+    milliseconds: no word."""
+    tuned = {"num_workers": 4, "prefetch_factor": 2}
+    facts = {
+        "dataset_length": 10_000,
+        "shm_bytes": None,
+        "worker_start_seconds": 3.5,
+        "worker_start_at_least": False,
+        "start_method": "spawn",
+    }
+    result = _result([BASELINE, _trial(1, "search", tuned, 500.0)], tuned, facts=facts)
+    (line,) = advise(result)
+    assert line.startswith(
+        "The 4 workers start again every epoch: about 14.0 s an epoch here (3.50 s a worker, "
+        "spawn), 70% of an epoch of about 20 s. persistent_workers=True"
+    )
+    text = " ".join(report(result).split())
+    assert "worker start 3.50 s to start one worker process (spawn) and get its first item" in text
+    persistent = {**tuned, "persistent_workers": True}
+    kept = _result([BASELINE, _trial(1, "search", persistent, 500.0)], persistent, facts=facts)
+    assert list(advise(kept)) == []
+    forked = {**facts, "worker_start_seconds": 0.02, "start_method": "fork"}
+    assert (
+        list(advise(_result([BASELINE, _trial(1, "search", tuned, 500.0)], tuned, facts=forked)))
+        == []
+    )
