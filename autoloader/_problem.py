@@ -128,6 +128,7 @@ def check_arguments(
         environment = Environment.current(
             world_size=ranks.world_size if ranks else 1,
             local_world_size=ranks.local_world_size if ranks else 1,
+            nodes=ranks.nodes if ranks else 1,
             node_cpus=ranks.node_cpus if ranks else None,
         )
         method = start_method(fixed, environment.start_method)

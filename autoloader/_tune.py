@@ -461,7 +461,9 @@ def _notes(
     notes: list[Note] = [*space_notes]
     if ranks is not None:
         usable_cpus = problem.environment.usable_cpus
-        notes.append(TunedJointly(ranks.world_size, ranks.local_world_size, usable_cpus))
+        notes.append(
+            TunedJointly(ranks.world_size, ranks.local_world_size, usable_cpus, ranks.nodes)
+        )
     if partial:
         notes.append(Interrupted())
     step_bound = policy.step_bound(driver.history)

@@ -532,6 +532,35 @@ def test_a_stored_study_is_shared_only_by_the_same_problem() -> None:
     assert name not in changed and len(set(changed)) == len(changed)
 
 
+def test_a_job_of_several_nodes_names_its_study_by_its_shape_not_its_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler gives each job whichever nodes are free: the next job of the same
+    shape resumes the study from other hosts; one of another node count does not."""
+    import dataclasses
+    import socket
+
+    from autoloader.checks._environment import Environment
+    from autoloader.search._study import study_name
+
+    def named(environment: Environment, host: str) -> str:
+        monkeypatch.setattr(socket, "gethostname", lambda: host)
+        return study_name(
+            SleepDataset(512), sleep_step, length=512, batch_size=4, space=SearchSpace(),
+            memory_budget=None, fixed_loader_kwargs={}, environment=environment, device=None,
+        )  # fmt: skip
+
+    alone = Environment.current()
+    two_nodes = dataclasses.replace(alone, world_size=4, local_world_size=2, nodes=2)
+    four_nodes = dataclasses.replace(two_nodes, local_world_size=1, nodes=4)
+    assert named(two_nodes, "node-a") == named(two_nodes, "node-c")
+    assert named(alone, "node-a") != named(alone, "node-c")  # one machine: its own
+    shapes = {named(e, "node-a") for e in (alone, two_nodes, four_nodes)}
+    assert len(shapes) == 3
+    # Another node count alone (the same ranks per node) is another study too.
+    assert named(dataclasses.replace(two_nodes, nodes=3), "node-a") != named(two_nodes, "node-a")
+
+
 # Thread workers ---------------------------------------------------------------------
 
 

@@ -92,6 +92,7 @@ class Environment:
         start_method: the multiprocessing start method DataLoader workers use by default.
         world_size: ranks of the torchrun job tuned together (1 alone).
         local_world_size: of those, the ranks on each node.
+        nodes: the job's nodes (hosts), 1 alone or on one node.
     """
 
     cpu_count: int
@@ -104,10 +105,16 @@ class Environment:
     start_method: str
     world_size: int = 1
     local_world_size: int = 1
+    nodes: int = 1
 
     @classmethod
     def current(
-        cls, *, world_size: int = 1, local_world_size: int = 1, node_cpus: int | None = None
+        cls,
+        *,
+        world_size: int = 1,
+        local_world_size: int = 1,
+        nodes: int = 1,
+        node_cpus: int | None = None,
     ) -> Environment:
         """This machine, for a process alone or for one of ``local_world_size`` ranks of
         a node in a job of ``world_size`` (see :func:`usable_cpus`)."""
@@ -122,6 +129,7 @@ class Environment:
             start_method=default_start_method(),
             world_size=world_size,
             local_world_size=local_world_size,
+            nodes=nodes,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -135,7 +143,7 @@ class Environment:
     def differences(self, other: Environment) -> list[str]:
         """How ``other`` differs from this environment, one phrase per difference."""
         found = []
-        if (self.world_size, self.local_world_size) != (other.world_size, other.local_world_size):
+        if _shape(self) != _shape(other):
             found.append(
                 f"ranks: {_ranks(self)} when measured, {_ranks(other)} now; the settings "
                 "were tuned for each rank's share of the node"
@@ -161,10 +169,15 @@ class Environment:
         return found
 
 
+def _shape(environment: Environment) -> tuple[int, int, int]:
+    return environment.world_size, environment.local_world_size, environment.nodes
+
+
 def _ranks(environment: Environment) -> str:
     if environment.world_size == 1:
         return "one process"
-    return f"{environment.world_size} ranks, {environment.local_world_size} per node"
+    nodes = f" on {environment.nodes} nodes" if environment.nodes > 1 else ""
+    return f"{environment.world_size} ranks{nodes}, {environment.local_world_size} per node"
 
 
 def world() -> tuple[int, int, int]:
@@ -176,6 +189,13 @@ def world() -> tuple[int, int, int]:
     else:
         rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     return rank, size, max(1, min(size, _env_int("LOCAL_WORLD_SIZE", 1)))
+
+
+def world_nodes() -> int:
+    """Nodes of this process's torchrun job: torchrun's ``GROUP_WORLD_SIZE`` (its
+    agents, one per node), else the ranks over the ranks per node, 1 alone."""
+    _, size, local = world()
+    return max(1, _env_int("GROUP_WORLD_SIZE", -(-size // local)))
 
 
 def _env_int(name: str, default: int) -> int:

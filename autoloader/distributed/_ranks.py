@@ -9,10 +9,13 @@ timeout: a rank that stops answering is an error within that time, never a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
 import socket
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +33,8 @@ _logger = logging.getLogger(__name__)
 # (the timeout covers a rank that stops answering, not a slow trial: trials end by
 # their own deadlines first).
 DEFAULT_TIMEOUT = 120.0
+# All-reduces timed when the ranks meet (the first makes the connections: it is slower).
+_EXCHANGES_TIMED = 7
 
 
 @dataclass(frozen=True)
@@ -42,9 +47,12 @@ class Ranks:
         local_rank: this rank's place among the ranks on its node.
         local_world_size: ranks on this node.
         node_pids: process ids of the ranks on this node, by local rank.
-        hosts: the host of each rank, by global rank.
+        hosts: the host of each rank, by global rank (a node is a host name: ranks in
+            containers of one machine that share a host name share a node).
         node_cpus: CPUs any rank of this node may run on (their affinities' union).
         timeout: seconds an exchange waits for the other ranks.
+        exchange_seconds: what one small all-reduce (a checkpoint's) took when the
+            ranks met, the slowest rank's median of a few; the same on every rank.
     """
 
     group: Any
@@ -56,6 +64,7 @@ class Ranks:
     hosts: tuple[str, ...]
     node_cpus: int
     timeout: float
+    exchange_seconds: float = 0.0
 
     @classmethod
     def join(cls, *, timeout: float = DEFAULT_TIMEOUT) -> Ranks | None:
@@ -79,8 +88,10 @@ class Ranks:
             raise _lost(error, "while the ranks met") from error
         node = [(pid, cpus) for host, pid, cpus in everyone if host == here[0]]
         pids = [pid for pid, _ in node]
-        _logger.info("tuning jointly as rank %d of %d (%d on this node)", rank, size, len(node))
-        return cls(
+        _logger.info(
+            "tuning jointly as rank %d of %d (%d on this node, %s)", rank, size, len(node), here[0]
+        )
+        ranks = cls(
             group=group,
             rank=rank,
             world_size=size,
@@ -91,6 +102,21 @@ class Ranks:
             node_cpus=len(frozenset().union(*(cpus for _, cpus in node))),
             timeout=timeout,
         )
+        return dataclasses.replace(ranks, exchange_seconds=ranks._time_exchange())
+
+    def _time_exchange(self, times: int = _EXCHANGES_TIMED) -> float:
+        """The slowest rank's median time of a checkpoint-sized all-reduce."""
+        seconds = []
+        for _ in range(times):
+            started = time.perf_counter()
+            self.maximum([0.0] * 6, during="while the ranks met")
+            seconds.append(time.perf_counter() - started)
+        return self.maximum([statistics.median(seconds)], during="while the ranks met")[0]
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job: its distinct hosts."""
+        return len(set(self.hosts))
 
     @property
     def drives(self) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 from torch.utils.data import DataLoader, Dataset
 
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader.checks._environment import Environment, usable_cpus, world
+from autoloader.checks._environment import Environment, usable_cpus, world, world_nodes
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
 from autoloader.loader._params import TUNED_KEYS, WORKER_KINDS, Params, normalize_params
 from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
@@ -500,7 +500,7 @@ def _trial(raw: object, index: int, version: int) -> TrialRecord:
 
 def _environment(data: Mapping[str, Any]) -> Environment:
     raw = _typed(data, "environment", dict)
-    for key in ("cpu_count", "usable_cpus", "world_size", "local_world_size"):
+    for key in ("cpu_count", "usable_cpus", "world_size", "local_world_size", "nodes"):
         if key in raw:
             _count(raw, key, least=1, label=f"environment.{key}")
     if "memory_total" in raw:
@@ -657,7 +657,9 @@ def load(path: str | os.PathLike[str]) -> TuneResult:
     except ResultFileError as error:
         raise ResultFileError(f"{path}: {error}") from None
     _, world_size, local_world_size = world()
-    here = Environment.current(world_size=world_size, local_world_size=local_world_size)
+    here = Environment.current(
+        world_size=world_size, local_world_size=local_world_size, nodes=world_nodes()
+    )
     differences = result.environment.differences(here)
     if differences:
         doubt = "its settings may not be the best here"

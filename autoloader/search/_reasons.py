@@ -164,6 +164,7 @@ class TunedJointly:
     world_size: int
     local_world_size: int
     usable_cpus: int
+    nodes: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,9 +288,10 @@ def render(value: Note) -> str:
                 "threads as from one, so thread workers were measured too."
             )
         case TunedJointly():
+            nodes = f" on {value.nodes} nodes" if value.nodes > 1 else ""
             return (
-                f"tuned jointly by {value.world_size} ranks ({value.local_world_size} per "
-                f"node), each with {value.usable_cpus} of its node's CPUs: figures are "
+                f"tuned jointly by {value.world_size} ranks{nodes} ({value.local_world_size} "
+                f"per node), each with {value.usable_cpus} of its node's CPUs: figures are "
                 "samples per second of the slowest rank"
             )
         case Interrupted():

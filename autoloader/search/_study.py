@@ -38,14 +38,20 @@ def study_name(
     and differs wherever a trial's outcome could: the dataset, the step, the batch size,
     the space, the memory budget (a setting pruned under 4 GiB may fit in 64), the
     fixed loader options, the device and the machine. A study shared by different
-    problems would choose among trials that do not compare."""
+    problems would choose among trials that do not compare.
+
+    The machine is this host, alone or on one node. A job of several nodes is named by
+    its shape (ranks, ranks per node, nodes) and its nodes' kind, not by a host: a
+    scheduler gives each job whichever nodes are free, and the next job of the same
+    shape on nodes of the same kind resumes the study (``docs/multi_node.md``)."""
+    host = socket.gethostname() if environment.nodes == 1 else f"{environment.nodes} nodes"
     machine = (
         environment.cpu_count,
         environment.usable_cpus,
         environment.memory_total,
         environment.torch_version,
         environment.accelerator,
-        socket.gethostname(),
+        host,
         environment.world_size,
         environment.local_world_size,
     )
