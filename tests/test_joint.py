@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import math
+import pickle
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from autoloader import Environment, EnvironmentMismatchWarning, RankError
 from autoloader.checks._environment import usable_cpus
 from autoloader.distributed._joint import (
     agree_on_arguments,
+    checkpoint_spacing,
     job_measurement,
     job_outcome,
     next_stride,
@@ -83,8 +85,16 @@ def test_the_job_outcome_is_the_error_that_says_most_and_names_its_rank() -> Non
     assert outcome.reason.endswith("(on rank 2)")
 
     memory = MemoryBudgetExceeded(peak=5 << 30, budget=4 << 30)
-    with pytest.raises(MemoryBudgetExceeded):
+    with pytest.raises(MemoryBudgetExceeded) as overrun:
         job_outcome([load_timeout, memory])
+    assert str(overrun.value).startswith("process tree reached 5.0 GiB")  # one node
+    # On several nodes, the node whose watch saw it, and its ranks; sent whole to the others.
+    hosts = ("node-a", "node-a", "node-b", "node-b")
+    with pytest.raises(MemoryBudgetExceeded) as overrun:
+        job_outcome([PeerFailed(), PeerFailed(), memory, PeerFailed()], hosts)
+    said = "node node-b's process tree (ranks 2 and 3, with their workers) reached 5.0 GiB"
+    assert str(overrun.value).startswith(said)
+    assert str(pickle.loads(pickle.dumps(overrun.value))) == str(overrun.value)
     with pytest.raises(RankError, match="disagree"):
         job_outcome([PeerFailed(), PeerFailed()])
     assert job_outcome([_measurement(900.0), _measurement(800.0)]).samples_per_second == 800.0
@@ -96,6 +106,16 @@ def test_checkpoints_are_spaced_by_time_and_swing_at_most_fourfold() -> None:
     assert next_stride(64, 1.0) == 16  # one slow stretch
     assert next_stride(1, 10.0) == 1
     assert next_stride(3, 0.0) == 12
+
+
+def test_checkpoints_are_spaced_to_cost_a_hundredth_of_the_loop_within_bounds() -> None:
+    # Two local ranks (an all-reduce of 0.2 ms): the floor, 0.4% of the loop.
+    assert checkpoint_spacing(0.0002) == 0.05
+    # 8 nodes x 8 ranks over TCP (docs/multi_node.md): 1% where it fits, else the ceiling.
+    assert checkpoint_spacing(0.0015) == pytest.approx(0.15)
+    assert checkpoint_spacing(0.013) == 0.25
+    # The stride follows: 0.05 s of batches at the floor, three times as many at 0.15 s.
+    assert next_stride(8, 0.05, checkpoint_spacing(0.0015)) == 24
 
 
 class _FakeRanks:

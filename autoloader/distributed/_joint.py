@@ -33,9 +33,14 @@ from autoloader.measure._memory import (
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes, parse_bytes
 
-# Seconds between checkpoints: each costs a small all-reduce (about 0.2 ms between two
-# local ranks), under 1% of the loop's time at this spacing.
+# Seconds between checkpoints: each costs a small all-reduce, and they are spaced to
+# keep it at _CHECKPOINT_SHARE of the loop's time (checkpoint_spacing): 0.05 s at least
+# (about 0.2 ms between two local ranks: 0.4%), at most _CHECKPOINT_MOST, since a trial
+# ends at its first checkpoint after its time is up. docs/multi_node.md has the figures:
+# about 0.25 s at 8 nodes x 8 ranks over TCP.
 _CHECKPOINT_SECONDS = 0.05
+_CHECKPOINT_SHARE = 0.01
+_CHECKPOINT_MOST = 0.25
 # Batches between the first checkpoints of a trial, before the pace is known.
 _FIRST_STRIDE = 2
 
@@ -54,6 +59,7 @@ class JointLockstep:
         self.ranks = ranks
         self.spare = spare
         self._stride = _FIRST_STRIDE
+        self.spacing = checkpoint_spacing(ranks.exchange_seconds)
 
     def begin(self) -> None:
         self._stride = _FIRST_STRIDE
@@ -70,7 +76,7 @@ class JointLockstep:
         agreed = Checkpoint(
             **{name: bool(v) for name, v in zip(flags, values, strict=False)}, seconds=values[-1]
         )
-        self._stride = next_stride(self._stride, agreed.seconds)
+        self._stride = next_stride(self._stride, agreed.seconds, self.spacing)
         return agreed
 
     def combine(self, estimate: Measurement) -> Measurement:
@@ -80,13 +86,21 @@ class JointLockstep:
         return bool(self.ranks.broadcast(stop, during="a trial's timing window"))
 
 
-def next_stride(stride: int, seconds: float) -> int:
-    """Batches to the next checkpoint, for checkpoints ``_CHECKPOINT_SECONDS`` apart,
-    given that the last ``stride`` batches took ``seconds``: at most four times more or
-    fewer than before, so that one slow batch does not swing it."""
+def checkpoint_spacing(exchange_seconds: float) -> float:
+    """Seconds between checkpoints for ranks whose all-reduce takes ``exchange_seconds``:
+    far enough apart that checkpoints take ``_CHECKPOINT_SHARE`` of the loop, within
+    ``_CHECKPOINT_SECONDS`` and ``_CHECKPOINT_MOST``."""
+    wanted = exchange_seconds / _CHECKPOINT_SHARE
+    return min(_CHECKPOINT_MOST, max(_CHECKPOINT_SECONDS, wanted))
+
+
+def next_stride(stride: int, seconds: float, spacing: float = _CHECKPOINT_SECONDS) -> int:
+    """Batches to the next checkpoint, for checkpoints ``spacing`` seconds apart, given
+    that the last ``stride`` batches took ``seconds``: at most four times more or fewer
+    than before, so that one slow batch does not swing it."""
     if seconds <= 0:
         return stride * 4
-    wanted = stride * _CHECKPOINT_SECONDS / seconds
+    wanted = stride * spacing / seconds
     return max(1, min(stride * 4, max(stride // 4, round(wanted))))
 
 
@@ -123,7 +137,9 @@ def job_measurement(measurements: Sequence[Measurement]) -> Measurement:
     )
 
 
-def job_outcome(outcomes: Sequence[Measurement | BaseException]) -> Measurement:
+def job_outcome(
+    outcomes: Sequence[Measurement | BaseException], hosts: Sequence[str] = ()
+) -> Measurement:
     """The job's measurement, or the error that failed the trial for every rank.
 
     Of several ranks' errors, the one that says most: a memory overrun (the node's
@@ -131,7 +147,8 @@ def job_outcome(outcomes: Sequence[Measurement | BaseException]) -> Measurement:
     rank's failure to load a batch, then a failure in the step (a step with DDP
     collectives waits for every rank, so a rank whose worker hangs makes the others'
     steps time out too), then anything else; a rank that only stopped because another
-    failed says nothing. The error names its rank.
+    failed says nothing. The error names its rank; a memory overrun on a job of
+    several nodes (``hosts``, by rank) names the node whose watch saw it, and its ranks.
     """
     errors = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, BaseException)]
     if not errors:
@@ -146,11 +163,20 @@ def job_outcome(outcomes: Sequence[Measurement | BaseException]) -> Measurement:
         return 4 if isinstance(error, PeerFailed) else 3
 
     rank, error = min(errors, key=weight)
+    if isinstance(error, MemoryBudgetExceeded) and len(set(hosts)) > 1:
+        node = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+        tree = f"node {hosts[rank]}'s process tree (ranks {_listed(node)}, with their workers)"
+        raise MemoryBudgetExceeded(error.peak, error.budget, error.projected, tree)
     if isinstance(error, TrialError):
         error.rank = rank
     if isinstance(error, PeerFailed):  # every rank says another failed: cannot be
         raise RankError("the ranks disagree about which of them failed a trial")
     raise error
+
+
+def _listed(numbers: Sequence[int]) -> str:
+    words = [str(n) for n in numbers]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +219,8 @@ def measure_together(
         raise
     except Exception as error:
         outcome = error
-    return job_outcome(lockstep.ranks.gather(outcome, during="the end of a trial"))
+    ranks = lockstep.ranks
+    return job_outcome(ranks.gather(outcome, during="the end of a trial"), ranks.hosts)
 
 
 class JointRunner:

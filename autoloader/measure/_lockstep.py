@@ -13,7 +13,8 @@ from autoloader.measure._measurement import Measurement
 # step_fn that runs DDP collectives blocks until every rank has called it as often. So
 # the ranks take every decision of the loop (warm-up over, a window closed, stop, time
 # up, a failure) at the same batch: at checkpoints every few batches (as many as take
-# about _CHECKPOINT_SECONDS, the same count on every rank), where each says what it saw
+# about the spacing distributed/_joint.checkpoint_spacing sets from the cost of one
+# all-reduce, the same count on every rank), where each says what it saw
 # and all act on what any saw. A rank whose loader fails or hangs (found by its own
 # deadline) does not leave the loop at once: it steps a spare batch (the last good one)
 # until the next checkpoint, so that the others' collectives are matched, and there

@@ -146,17 +146,21 @@ class MemoryBudgetExceeded(Exception):
         budget: bytes the tree may use.
         projected: bytes the tree would have reached by the trial's end at the rate it
             was growing, when that projection (not the tree itself) passed the budget.
+        tree: the tree watched, as the message names it; under torchrun on several
+            nodes, the node's (see :func:`autoloader.distributed._joint.job_outcome`).
     """
 
-    def __init__(self, peak: int, budget: int, projected: int | None = None) -> None:
+    def __init__(
+        self, peak: int, budget: int, projected: int | None = None, tree: str = "process tree"
+    ) -> None:
         if projected is None:
             message = (
-                f"process tree reached {format_bytes(peak)}, over the memory budget of "
+                f"{tree} reached {format_bytes(peak)}, over the memory budget of "
                 f"{format_bytes(budget)}"
             )
         else:
             message = (
-                f"process tree grew to {format_bytes(peak)} and, at the rate it was "
+                f"{tree} grew to {format_bytes(peak)} and, at the rate it was "
                 f"growing, would reach {format_bytes(projected)} by the end of the trial, "
                 f"over the memory budget of {format_bytes(budget)}"
             )
@@ -164,9 +168,12 @@ class MemoryBudgetExceeded(Exception):
         self.peak = peak
         self.budget = budget
         self.projected = projected
+        self.tree = tree
 
-    def __reduce__(self) -> tuple[type[MemoryBudgetExceeded], tuple[int, int, int | None]]:
-        return type(self), (self.peak, self.budget, self.projected)
+    def __reduce__(
+        self,
+    ) -> tuple[type[MemoryBudgetExceeded], tuple[int, int, int | None, str]]:
+        return type(self), (self.peak, self.budget, self.projected, self.tree)
 
 
 class Growth:
