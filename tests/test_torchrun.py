@@ -1,9 +1,11 @@
 """Real torchrun jobs on the CPU (gloo) whose ranks tune a DDP step together.
 
 Each test launches ``torchrun --standalone`` with ``tests/torchrun_job.py`` (or the
-command line) and reads what every rank returned or raised. Faults are real: a worker
-that segfaults or hangs on one rank only, a rank killed with SIGKILL, Ctrl-C sent to the
-whole job. Every test ends with no process of the job left.
+command line), or a job of two nodes (``tests/nodes.py``: each node's agent in a UTS
+namespace of its own, named ``node-a`` and ``node-b``), and reads what every rank
+returned or raised. Faults are real: a worker that segfaults, fills memory or hangs on
+one rank only, a rank killed with SIGKILL, Ctrl-C sent to the whole job. Every test ends
+with no process of the job left, on any node.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import optuna
 import psutil
 import pytest
+
+from tests import nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 # A job that outlives this has hung: the tests would rather fail than wait.
@@ -32,12 +37,14 @@ def _torchrun(ranks: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
 def _start(command: list[str], out: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         command,
         cwd=out,
-        env=env,
+        env={**os.environ, **_ENV},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -95,33 +102,6 @@ def _same_on_every_rank(reports: dict[int, dict[str, Any]], ranks: int) -> dict[
     return results[0]
 
 
-def test_a_crash_or_the_nodes_memory_on_one_rank_fails_the_trial_for_every_rank(
-    tmp_path: Path,
-) -> None:
-    code, output, reports = _job(2, tmp_path, "faults-on-rank-1")
-    assert code == 0, output[-3000:]
-    result = _same_on_every_rank(reports, 2)
-    environment = result["environment"]
-    assert (environment["world_size"], environment["local_world_size"]) == (2, 2)
-    # Each rank's share of the node's CPUs.
-    assert environment["usable_cpus"] == max(1, len(os.sched_getaffinity(0)) // 2)
-    by_workers: dict[int, set[str]] = {}
-    for trial in result["trials"]:
-        if trial["state"] != "complete":
-            by_workers.setdefault(trial["params"]["num_workers"], set()).add(trial["kind"])
-    # Rank 1's third worker passed the node's budget, watched by rank 0.
-    reasons = [(t["params"]["num_workers"], t["reason"]) for t in result["trials"]]
-    assert by_workers.get(3) == {"memory"}, reasons
-    crashed = [t for t in result["trials"] if t.get("kind") == "worker crashed"]
-    assert crashed and all("(on rank 1)" in t["reason"] for t in crashed)
-    assert result["params"]["num_workers"] <= 2
-    assert any("tuned jointly by 2 ranks" in note for note in result["notes"])
-    # Only rank 0 wrote the file and returned its path; rank 1 was told it wrote nothing.
-    assert (tmp_path / "best.json").exists()
-    assert [reports[r]["saved"] for r in (0, 1)] == [str(tmp_path / "best.json"), "None"]
-    _assert_nothing_left(tmp_path)
-
-
 def test_three_ranks_and_a_hang_on_one_of_them(tmp_path: Path) -> None:
     code, output, reports = _job(3, tmp_path, "hang-on-last-rank")
     assert code == 0, output[-3000:]
@@ -164,22 +144,6 @@ def _wait_for_trials(out: Path, rank_pid: int) -> None:
     raise AssertionError("the job never ran a trial with workers")
 
 
-def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> None:
-    job = _start(_torchrun(2, "-m", "tests.torchrun_job", str(tmp_path), "long"), tmp_path)
-    victim = _rank_pid(tmp_path, 1)
-    _wait_for_trials(tmp_path, victim)
-    os.kill(victim, signal.SIGKILL)
-    killed = time.monotonic()
-    output = _finish(job)
-    assert time.monotonic() - killed < 30
-    assert job.returncode != 0
-    error = _reports(tmp_path)[0]["error"]
-    assert error.startswith("RankError:"), error
-    assert "stopped answering" in error or "stopped (SIGTERM)" in error
-    _assert_nothing_left(tmp_path)
-    assert "Traceback" in output  # the job says why it ended
-
-
 def test_ctrl_c_stops_every_rank_and_leaves_no_process(tmp_path: Path) -> None:
     job = _start(_torchrun(2, "-m", "tests.torchrun_job", str(tmp_path), "long"), tmp_path)
     _wait_for_trials(tmp_path, _rank_pid(tmp_path, 1))
@@ -213,3 +177,111 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "best.json").read_text())
     assert saved["environment"]["world_size"] == 2
     _assert_nothing_left(tmp_path)
+
+
+# Two nodes ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_nodes() -> None:
+    """Skip where a node cannot have a namespace of its own, and say why; fail instead
+    where ``AUTOLOADER_REQUIRE_NODES=1`` (CI runs as root: there they must run)."""
+    reason = nodes.unavailable()
+    if reason is None:
+        return
+    if os.environ.get(nodes.REQUIRE) == "1":
+        pytest.fail(f"{nodes.REQUIRE}=1, but two nodes cannot be started: {reason}")
+    pytest.skip(f"two nodes cannot be started: {reason}")
+
+
+def _two_node_job(
+    out: Path, *args: str, hosts: tuple[str, ...] = nodes.HOSTS
+) -> tuple[list[int | None], str, dict[int, dict[str, Any]]]:
+    job = nodes.start(["-m", "tests.torchrun_job", str(out), *args], cwd=out, hosts=hosts, env=_ENV)
+    finished = job.wait(_JOB_TIMEOUT)
+    assert finished, f"the two-node job hung:\n{job.output()[-3000:]}"
+    return job.returncodes, job.output(), _reports(out)
+
+
+@pytest.mark.usefixtures("two_nodes")
+def test_two_nodes_agree_and_a_memory_fault_on_one_node_is_its_own(tmp_path: Path) -> None:
+    codes, output, reports = _two_node_job(tmp_path, "faults-on-last-rank")
+    assert codes == [0, 0], output[-3000:]
+    result = _same_on_every_rank(reports, 4)
+    assert [reports[r]["host"] for r in range(4)] == ["node-a", "node-a", "node-b", "node-b"]
+    environment = result["environment"]
+    assert (environment["world_size"], environment["local_world_size"]) == (4, 2)
+    assert environment["nodes"] == 2
+    # Each rank's share of its node's CPUs.
+    assert environment["usable_cpus"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert any("tuned jointly by 4 ranks on 2 nodes" in note for note in result["notes"])
+    # Rank 3's third worker passed its node's budget: node-b's watch (rank 2) saw it,
+    # counting node-b's ranks only (with node-a's too, the 1 GiB was passed before any
+    # trial), and the trial failed for the whole job.
+    memory = [t for t in result["trials"] if t.get("kind") == "memory"]
+    reasons = [(t["params"]["num_workers"], t["reason"]) for t in result["trials"]]
+    assert memory and all(t["params"]["num_workers"] >= 3 for t in memory), reasons
+    measured = [t for t in memory if "not run" not in t["reason"]]
+    assert measured, reasons
+    assert all("node node-b's process tree (ranks 2 and 3," in t["reason"] for t in measured)
+    crashed = [t for t in result["trials"] if t.get("kind") == "worker crashed"]
+    assert all("(on rank 3)" in t["reason"] for t in crashed), reasons
+    assert result["params"]["num_workers"] <= 2
+    assert [reports[r]["saved"] for r in range(4)] == [str(tmp_path / "best.json")] + ["None"] * 3
+    _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.usefixtures("two_nodes")
+def test_a_hang_on_one_node_ends_the_trial_on_both(tmp_path: Path) -> None:
+    codes, output, reports = _two_node_job(tmp_path, "hang-on-last-rank")
+    assert codes == [0, 0], output[-3000:]
+    result = _same_on_every_rank(reports, 4)
+    hung = [t for t in result["trials"] if t.get("kind") == "timeout"]
+    assert hung and all(
+        "while loading a batch" in t["reason"] and "(on rank 3)" in t["reason"] for t in hung
+    )
+    assert result["params"]["num_workers"] <= 2
+    _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.usefixtures("two_nodes")
+def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
+    job = nodes.start(["-m", "tests.torchrun_job", str(tmp_path), "long"], cwd=tmp_path, env=_ENV)
+    victim = _rank_pid(tmp_path, 3)  # on node-b
+    _wait_for_trials(tmp_path, victim)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    assert job.wait(_JOB_TIMEOUT), f"the job hung:\n{job.output()[-3000:]}"
+    assert time.monotonic() - killed < 30
+    assert all(code != 0 for code in job.returncodes), job.returncodes
+    error = _reports(tmp_path)[0]["error"]  # on node-a
+    assert error.startswith("RankError:"), error
+    assert "stopped answering" in error or "stopped (SIGTERM)" in error
+    _assert_nothing_left(tmp_path)
+    assert "Traceback" in job.output()  # the job says why it ended
+
+
+@pytest.mark.usefixtures("two_nodes")
+def test_a_stored_study_is_resumed_by_the_next_job_of_its_shape_only(tmp_path: Path) -> None:
+    first, second, other = tmp_path / "first", tmp_path / "second", tmp_path / "one-node"
+    for out in (first, second, other):
+        out.mkdir()
+    # Each job keeps its study in tmp_path/study.db, one SQLite database for all three.
+    codes, output, reports = _two_node_job(first, "stored")
+    assert codes == [0, 0], output[-3000:]
+    trials = len(_same_on_every_rank(reports, 4)["trials"])
+    # The next job gets other nodes (a scheduler gives whichever are free): the same
+    # problem and shape, so it resumes the study.
+    codes, output, reports = _two_node_job(second, "stored", hosts=("node-c", "node-d"))
+    assert codes == [0, 0], output[-3000:]
+    result = _same_on_every_rank(reports, 4)
+    assert any(f"resumed from storage: {trials} trials" in n for n in result["notes"])
+    # One node: another shape, another study (tests/test_tune.py: the node count alone).
+    code, output, reports = _job(2, other, "stored")
+    assert code == 0, output[-3000:]
+    result = _same_on_every_rank(reports, 2)
+    assert not any("resumed" in note for note in result["notes"])
+    names = optuna.get_all_study_names(f"sqlite:///{tmp_path / 'study.db'}")
+    assert len(names) == 2, names
+    for out in (first, second, other):
+        _assert_nothing_left(out)

@@ -1,17 +1,21 @@
 """A training script for the torchrun tests: every rank tunes the same DDP job.
 
-Run as ``torchrun --standalone --nproc_per_node=N tests/torchrun_job.py OUT SCENARIO``;
-each rank writes what tune() returned or raised to ``OUT/rank<r>.json``. Scenarios:
-``plain``; ``faults-on-rank-1`` (on rank 1 only, with 3 workers the third fills 1 GiB,
-over the node's budget of 1 GiB, and with 4 the fourth segfaults); ``hang-on-last-rank`` (that
-rank's workers from index 2 up hang); ``long`` (a long budget, for the tests that kill
-a rank or press Ctrl-C).
+Run as ``torchrun --standalone --nproc_per_node=N -m tests.torchrun_job OUT SCENARIO
+[BUDGET]`` (or on several nodes, ``tests/nodes.py``); each rank writes what tune()
+returned or raised, its host and the call's seconds to ``OUT/rank<r>.json``. Scenarios:
+``plain``; ``faults-on-last-rank`` (on the last rank only, with 3 workers the third fills
+1 GiB, over its node's budget of 1 GiB, and with 4 the fourth segfaults);
+``hang-on-last-rank`` (that rank's workers from index 2 up hang); ``stored`` (the study
+in ``study.db`` next to ``OUT``, for jobs run in folders side by side); ``long`` (a long
+budget, for the tests that kill a rank or press Ctrl-C). ``BUDGET`` replaces the
+scenario's time budget.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,15 +28,19 @@ import autoloader
 from tests.workloads import FaultInWorkersDataset, SleepDataset, _fault
 
 # The faults come with a worker process's index: thread workers have none. With 2 to 4
-# workers, 3 (the memory fault) is sure to be tried: as a guess, or bisecting between 2
-# (which works) and 4 (which crashes); with 0 to 4 a run once never came to it.
+# workers, 3 (the memory fault, or the first to hang) is sure to be tried: as a guess,
+# or bisecting between 2 (which works) and 4 (which fails); with 0 to 4 a run once never
+# came to it (with 4 ranks on 2 cores, each rank has 1 CPU, and the cost model's guesses
+# stay low).
 SPACES: dict[str, dict[str, object]] = {
-    "faults-on-rank-1": {"num_workers": (2, 4), "worker_kind": "processes"},
-    "hang-on-last-rank": {"num_workers": (0, 4), "worker_kind": "processes"},
+    "faults-on-last-rank": {"num_workers": (2, 4), "worker_kind": "processes"},
+    "hang-on-last-rank": {"num_workers": (2, 4), "worker_kind": "processes"},
 }
 
+BUDGETS = {"long": 120.0, "faults-on-last-rank": 14.0, "stored": 6.0}
 
-class FaultsOnRank1(SleepDataset):
+
+class FaultsOnOneRank(SleepDataset):
     """Worker 2 fills 1 GiB as it loads its first item; worker 3 segfaults.
 
     Filling memory is slow on the development VM (page faults: 2 GiB took 2.3-4.6 s), and
@@ -70,27 +78,30 @@ class DDPStep:
         time.sleep(0.004)
 
 
-def main(out: Path, scenario: str) -> int:
+def main(out: Path, scenario: str, budget: float | None = None) -> int:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     dataset: SleepDataset = SleepDataset(length=768, latency=0.002)
-    if scenario == "faults-on-rank-1" and rank == 1:
-        dataset = FaultsOnRank1()
+    if scenario == "faults-on-last-rank" and rank == size - 1:
+        dataset = FaultsOnOneRank()
     if scenario == "hang-on-last-rank" and rank == size - 1:
         dataset = FaultInWorkersDataset("hang", length=768, from_worker=2)
     step = DDPStep()
-    report: dict[str, object] = {"rank": rank}
+    report: dict[str, object] = {"rank": rank, "host": socket.gethostname()}
+    called = time.monotonic()
     try:
         result = autoloader.tune(
             dataset,
             step,
             batch_size=16,
-            time_budget={"long": 120.0, "faults-on-rank-1": 14.0}.get(scenario, 10.0),
-            memory_budget="1GiB" if scenario == "faults-on-rank-1" else None,
+            time_budget=budget or BUDGETS.get(scenario, 10.0),
+            memory_budget="1GiB" if scenario == "faults-on-last-rank" else None,
             search_space=SPACES.get(scenario, {"num_workers": (0, 4)}),
             loader_kwargs={"sampler": DistributedSampler(dataset)},
+            storage=f"sqlite:///{out.parent / 'study.db'}" if scenario == "stored" else None,
             show_progress=False,
         )
+        report["seconds"] = time.monotonic() - called  # the call, joining the ranks included
         report["result"] = result.as_dict()
         report["saved"] = str(result.save(out / "best.json"))
     except BaseException as error:
@@ -109,4 +120,4 @@ def main(out: Path, scenario: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), sys.argv[2]))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2], *map(float, sys.argv[3:4])))
