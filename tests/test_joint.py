@@ -21,6 +21,7 @@ import autoloader
 from autoloader import Environment, EnvironmentMismatchWarning, RankError
 from autoloader.checks._environment import usable_cpus
 from autoloader.distributed._joint import (
+    JointLockstep,
     agree_on_arguments,
     checkpoint_spacing,
     job_measurement,
@@ -116,6 +117,37 @@ def test_checkpoints_are_spaced_to_cost_a_hundredth_of_the_loop_within_bounds() 
     assert checkpoint_spacing(0.013) == 0.25
     # The stride follows: 0.05 s of batches at the floor, three times as many at 0.15 s.
     assert next_stride(8, 0.05, checkpoint_spacing(0.0015)) == 24
+    assert next_stride(8, 0.05, checkpoint_spacing(0.0015), most=3) == 3
+
+
+class _ReducingRanks:
+    """Ranks whose all-reduce returns the largest of this rank's and the others' values."""
+
+    exchange_seconds = 0.013  # 8 nodes x 8 ranks over TCP: checkpoints 0.25 s apart
+
+    def __init__(self, others: list[list[float]]) -> None:
+        self.others = others
+
+    def maximum(self, values: Sequence[float], *, during: str) -> list[float]:
+        return [max(column) for column in zip(values, *self.others, strict=True)]
+
+
+def test_checkpoints_come_at_least_four_times_an_epoch_on_every_rank() -> None:
+    """An epoch's restart discards the open window: with checkpoints an epoch apart, no
+    window would ever close (every trial of a job with 12-batch epochs was too short)."""
+    # Another rank's epoch is 12 batches (its values as it sends them: -12 for the epoch).
+    other = [0.0] * (len(dataclasses.fields(Checkpoint)) - 1) + [0.01, -12.0]
+    lockstep = JointLockstep(_ReducingRanks([other]))  # type: ignore[arg-type]
+    lockstep.begin(epoch_batches=48)
+    strides = []
+    for _ in range(4):
+        lockstep.agree(Checkpoint(seconds=0.01))  # fast batches: the spacing asks for more
+        strides.append(lockstep.every())
+    assert strides == [3, 3, 3, 3]  # 12 // 4: the shortest epoch of any rank
+    alone = JointLockstep(_ReducingRanks([]))  # type: ignore[arg-type]
+    alone.begin(epoch_batches=None)  # no length: the spacing alone
+    alone.agree(Checkpoint(seconds=0.01))
+    assert alone.every() == 8
 
 
 class _FakeRanks:
@@ -170,7 +202,7 @@ class _FakeLockstep:
         self.others_fail_at = others_fail_at
         self.checkpoints: list[Checkpoint] = []
 
-    def begin(self) -> None:
+    def begin(self, epoch_batches: int | None) -> None:
         self.checkpoints.clear()
 
     def every(self) -> int:

@@ -13,6 +13,7 @@ the error, and every rank returns or raises the same.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ from autoloader.measure._units import format_bytes, parse_bytes
 _CHECKPOINT_SECONDS = 0.05
 _CHECKPOINT_SHARE = 0.01
 _CHECKPOINT_MOST = 0.25
+# Checkpoints in an epoch, at least. An epoch's restart is agreed at a checkpoint and
+# discards the open timing window: with checkpoints farther apart than an epoch, every
+# window would be discarded and every trial end too short (it did, on epochs of 12
+# batches with checkpoints 0.25 s apart).
+_CHECKPOINTS_PER_EPOCH = 4
 # Batches between the first checkpoints of a trial, before the pace is known.
 _FIRST_STRIDE = 2
 
@@ -49,8 +55,8 @@ class JointLockstep:
     """Keeps this rank's loop in step with the other ranks' (``NOTE [ Joint trials ]``).
 
     The checkpoints are spaced by batch count, the same on every rank: the count is set
-    again at each checkpoint from the longest time any rank took since the last one, a
-    value every rank receives alike.
+    again at each checkpoint from the longest time any rank took since the last one and
+    the shortest epoch of any rank, values every rank receives alike.
     """
 
     joint = True
@@ -59,24 +65,30 @@ class JointLockstep:
         self.ranks = ranks
         self.spare = spare
         self._stride = _FIRST_STRIDE
+        self._epoch_batches: int | None = None
         self.spacing = checkpoint_spacing(ranks.exchange_seconds)
 
-    def begin(self) -> None:
+    def begin(self, epoch_batches: int | None) -> None:
         self._stride = _FIRST_STRIDE
+        self._epoch_batches = epoch_batches
 
     def every(self) -> int:
         return self._stride
 
     def agree(self, mine: Checkpoint) -> Checkpoint:
         flags = [f.name for f in dataclasses.fields(Checkpoint) if f.name != "seconds"]
+        epoch = self._epoch_batches
         values = self.ranks.maximum(
-            [float(getattr(mine, name)) for name in flags] + [mine.seconds],
+            [float(getattr(mine, name)) for name in flags]
+            + [mine.seconds, -float(epoch if epoch is not None else math.inf)],
             during="a trial's checkpoint",
         )
         agreed = Checkpoint(
-            **{name: bool(v) for name, v in zip(flags, values, strict=False)}, seconds=values[-1]
+            **{name: bool(v) for name, v in zip(flags, values, strict=False)}, seconds=values[-2]
         )
-        self._stride = next_stride(self._stride, agreed.seconds, self.spacing)
+        shortest = -values[-1]  # the shortest epoch of any rank
+        most = None if math.isinf(shortest) else max(1, int(shortest) // _CHECKPOINTS_PER_EPOCH)
+        self._stride = next_stride(self._stride, agreed.seconds, self.spacing, most=most)
         return agreed
 
     def combine(self, estimate: Measurement) -> Measurement:
@@ -94,14 +106,15 @@ def checkpoint_spacing(exchange_seconds: float) -> float:
     return min(_CHECKPOINT_MOST, max(_CHECKPOINT_SECONDS, wanted))
 
 
-def next_stride(stride: int, seconds: float, spacing: float = _CHECKPOINT_SECONDS) -> int:
+def next_stride(
+    stride: int, seconds: float, spacing: float = _CHECKPOINT_SECONDS, most: int | None = None
+) -> int:
     """Batches to the next checkpoint, for checkpoints ``spacing`` seconds apart, given
     that the last ``stride`` batches took ``seconds``: at most four times more or fewer
-    than before, so that one slow batch does not swing it."""
-    if seconds <= 0:
-        return stride * 4
-    wanted = stride * spacing / seconds
-    return max(1, min(stride * 4, max(stride // 4, round(wanted))))
+    than before, so that one slow batch does not swing it, and at most ``most``."""
+    wanted = stride * 4 if seconds <= 0 else round(stride * spacing / seconds)
+    stride = max(1, min(stride * 4, max(stride // 4, wanted)))
+    return stride if most is None else min(stride, most)
 
 
 def job_measurement(measurements: Sequence[Measurement]) -> Measurement:

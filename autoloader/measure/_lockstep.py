@@ -44,8 +44,8 @@ class Lockstep(Protocol):
     # The last batch stepped well: a joint trial steps it in place of one it failed to load.
     spare: Any
 
-    def begin(self) -> None:
-        """A trial starts."""
+    def begin(self, epoch_batches: int | None) -> None:
+        """A trial starts, over epochs of ``epoch_batches`` (``None``: no length)."""
 
     def every(self) -> int:
         """Batches from one checkpoint to the next."""
@@ -66,7 +66,7 @@ class Alone:
     joint = False
     spare = None
 
-    def begin(self) -> None:
+    def begin(self, epoch_batches: int | None) -> None:
         return None
 
     def every(self) -> int:

@@ -316,7 +316,7 @@ class TimingLoop:
     def _begin(self) -> None:
         """Start the loader's iterator, and fetch and step the first batch."""
         self.iterator = self.guard.iterator = self.guard.deaths.start(self.loader)
-        self.lockstep.begin()
+        self.lockstep.begin(loader_length(self.loader))
         self.batch = self._first_fetch()
         first = perf_counter()
         self.time_to_first_batch = first - self.guard.started
