@@ -1,7 +1,9 @@
 """Under torchrun: the joint choice against the single-process choice copied to every
 rank, and against Lightning's heuristic, measured side by side on every rank at once.
 
-For each number of ranks N (``--ranks 2 4``), on one machine:
+For each number of ranks per node N (``--ranks 2 4``), on one machine, or on
+``--nodes 2`` nodes of N ranks each (``tests/nodes.py``: each node's torchrun agent in
+a UTS namespace of its own, sharing this machine):
 
 1. ``autoloader.tune()`` in one process alone (no torchrun): the choice a user would
    make before launching the job and then copy to every rank;
@@ -23,8 +25,8 @@ The workload: each item costs 1.5 ms of Python CPU work (a decode) and waits 3 m
 read from remote storage); batches of 16; a DDP step (an MLP on the CPU, gloo) that
 also waits 5 ms, as for an accelerator.
 
-    python benchmarks/torchrun_joint.py [--ranks 2 4] [--time-budget 30] [--rounds 3]
-        [--epochs 2] [--json out.json]
+    python benchmarks/torchrun_joint.py [--ranks 2 4] [--nodes 1] [--time-budget 30]
+        [--rounds 3] [--epochs 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests import nodes  # noqa: E402
+
 BATCH_SIZE = 16
 CPU_SECONDS = 0.0015
 LATENCY = 0.003
@@ -145,16 +151,30 @@ def _measure(settings_file: Path, out: Path, rounds: int, epochs: int) -> None:
     dist.destroy_process_group()
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _run(command: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
 
 
-def _torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={ranks}"]  # fmt: skip
+def _launch(ranks: int, node_count: int, *args: str) -> None:
+    """Run this module under torchrun: ``ranks`` per node, on one node or several."""
+    if node_count == 1:
+        _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+              f"--nproc_per_node={ranks}", "-m", "benchmarks.torchrun_joint", *args])  # fmt: skip
+        return
+    hosts = tuple(f"node-{chr(ord('a') + n)}" for n in range(node_count))
+    with tempfile.TemporaryDirectory() as logs:
+        job = nodes.start(
+            ["-m", "benchmarks.torchrun_joint", *args],
+            cwd=Path(logs), hosts=hosts, ranks_per_node=ranks, env=_env(),
+        )  # fmt: skip
+        if not job.wait(1200) or any(job.returncodes):
+            sys.exit(f"the {node_count}-node job failed:\n{job.output()[-4000:]}")
 
 
 def _lightning(ranks: int) -> dict[str, Any]:
@@ -173,7 +193,8 @@ def _describe(params: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="per node")
+    parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--time-budget", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
@@ -189,36 +210,43 @@ def main() -> None:
         single = json.loads(single_file.read_text())["params"]
         print(f"single-process choice ({time.perf_counter() - started:.0f} s): "
               f"{_describe(single)}", flush=True)  # fmt: skip
-        for ranks in args.ranks:
+        for per_node in args.ranks:
+            ranks = per_node * args.nodes
             joint_file = work / f"joint{ranks}.json"
             started = time.perf_counter()
-            _run([*_torchrun(ranks), "-m", me, "tune", str(joint_file), str(args.time_budget)])
-            joint = json.loads(joint_file.read_text())["params"]
-            print(f"{ranks} ranks, joint choice ({time.perf_counter() - started:.0f} s): "
-                  f"{_describe(joint)}", flush=True)  # fmt: skip
-            settings = {"joint": joint, "single copied": single, "lightning": _lightning(ranks)}
+            _launch(per_node, args.nodes, "tune", str(joint_file), str(args.time_budget))
+            joint_result = json.loads(joint_file.read_text())
+            joint = joint_result["params"]
+            print(f"{ranks} ranks on {args.nodes} node(s), joint choice "
+                  f"({time.perf_counter() - started:.0f} s, tune() "
+                  f"{joint_result['tuning_seconds']:.1f} s): {_describe(joint)}",
+                  flush=True)  # fmt: skip
+            settings = {
+                "joint": joint, "single copied": single, "lightning": _lightning(per_node)
+            }  # fmt: skip
             settings_file, measured = work / "settings.json", work / f"measured{ranks}.json"
             settings_file.write_text(json.dumps(settings))
-            _run([*_torchrun(ranks), "-m", me, "measure", str(settings_file), str(measured),
-                  str(args.rounds), str(args.epochs)])  # fmt: skip
+            _launch(per_node, args.nodes, "measure", str(settings_file), str(measured),
+                    str(args.rounds), str(args.epochs))  # fmt: skip
             rates = json.loads(measured.read_text())["rates"]
             joint_rate = statistics.median(rates["joint"])
             for name, params in settings.items():
                 median = statistics.median(rates[name])
                 rows.append({
-                    "ranks": ranks, "setting": name, "params": params,
+                    "nodes": args.nodes, "ranks": ranks, "setting": name, "params": params,
                     "workers_total": ranks * int(params["num_workers"]),
                     "rates": rates[name], "median": median,
                     "joint_over_this": joint_rate / median if median else float("inf"),
                 })  # fmt: skip
     print(
-        "\n| ranks | setting | per rank | workers in total | samples/s per rank "
+        "\n| nodes | ranks | setting | per rank | workers in total | samples/s per rank "
         "(slowest rank, median, min-max) | job samples/s | joint / this |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         low, high = min(row["rates"]), max(row["rates"])
-        print(f"| {row['ranks']} | {row['setting']} | {_describe(row['params'])} | "
+        print(f"| {row['nodes']} | {row['ranks']} | {row['setting']} | "
+              f"{_describe(row['params'])} | "
               f"{row['workers_total']} | {row['median']:.0f} ({low:.0f}-{high:.0f}) | "
               f"{row['ranks'] * row['median']:.0f} | {row['joint_over_this']:.3f} |")  # fmt: skip
     if args.json:
