@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from pathlib import Path
@@ -431,26 +430,6 @@ def test_a_probe_that_hangs_costs_its_share_and_the_run_still_searches() -> None
     )
     assert found is not None, text
     assert 0.45 <= float(found[1]) <= 1.0
-
-
-def test_study_in_storage_is_resumed(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    space = SearchSpace(num_workers=(0, 4), prefetch_factor=2, persistent_workers=True)
-    # Budgets with room to spare: n_trials, not the clock, decides how many run.
-    _tune(storage=url, n_trials=2, search_space=space, time_budget=12.0)
-    _tune(storage=url, n_trials=1, search_space=space, time_budget=12.0)
-    (summary,) = optuna.get_all_study_summaries(url)
-    study = optuna.load_study(study_name=summary.study_name, storage=url)
-    phases = [t.user_attrs["phase"] for t in study.trials]
-    # The second run read the first's trials: its baseline and ladder were not run again.
-    assert phases.count("baseline") == 1
-    assert phases.count("search") == 3
-    searched = [
-        json.dumps(t.user_attrs["params"], sort_keys=True)
-        for t in study.trials
-        if t.user_attrs["phase"] == "search"
-    ]
-    assert len(set(searched)) == 3
 
 
 def test_a_journal_file_keeps_the_study_and_a_stale_lock_does_not_hang(tmp_path: Path) -> None:
