@@ -334,6 +334,28 @@ def test_loading_warns_when_the_ranks_differ(
     assert not [w for w in caught if "ranks:" in str(w.message)]
 
 
+def test_loading_tells_a_job_of_two_nodes_from_one_of_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same 8 ranks, 4 per node or 8 on one: each rank's share of its node differs."""
+    environment = Environment.current(world_size=8, local_world_size=4, nodes=2)
+    result = dataclasses.replace(_joint_result(), environment=environment)
+    path = result.save(tmp_path / "best.json")
+    # torchrun's environment on a rank of a 2-node job: one agent per node.
+    for name, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autoloader.load(path)
+    assert not [w for w in caught if "ranks:" in str(w.message)]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    with pytest.warns(EnvironmentMismatchWarning, match="ranks: 8 ranks on 2 nodes, 4 per "
+                      "node when measured, 8 ranks, 8 per node now"):  # fmt: skip
+        autoloader.load(path)
+
+
 def test_no_process_group_means_tuning_alone() -> None:
     assert not torch.distributed.is_initialized()
     assert Ranks.join() is None

@@ -35,10 +35,11 @@ from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes, parse_bytes
 
 # Seconds between checkpoints: each costs a small all-reduce, and they are spaced to
-# keep it at _CHECKPOINT_SHARE of the loop's time (checkpoint_spacing): 0.05 s at least
-# (about 0.2 ms between two local ranks: 0.4%), at most _CHECKPOINT_MOST, since a trial
-# ends at its first checkpoint after its time is up. docs/multi_node.md has the figures:
-# about 0.25 s at 8 nodes x 8 ranks over TCP.
+# keep it at _CHECKPOINT_SHARE of the loop's time (checkpoint_spacing): 0.05 s at least,
+# at most _CHECKPOINT_MOST, since a trial ends at its first checkpoint after its time is
+# up. Two local ranks on the development VM: 0.7 ms, 70 ms apart. docs/multi_node.md has
+# the figures, and the model at 8 nodes x 8 ranks over TCP (55-73 ms for a flat ring):
+# there the ceiling holds and checkpoints cost more than 1%.
 _CHECKPOINT_SECONDS = 0.05
 _CHECKPOINT_SHARE = 0.01
 _CHECKPOINT_MOST = 0.25

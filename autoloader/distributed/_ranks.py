@@ -109,7 +109,7 @@ class Ranks:
         seconds = []
         for _ in range(times):
             started = time.perf_counter()
-            self.maximum([0.0] * 6, during="while the ranks met")
+            self.maximum([0.0] * 6, during="while the ranks met")  # a checkpoint's few floats
             seconds.append(time.perf_counter() - started)
         return self.maximum([statistics.median(seconds)], during="while the ranks met")[0]
 
