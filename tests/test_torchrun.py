@@ -171,6 +171,10 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
 
 @pytest.fixture
 def two_nodes() -> None:
+    _require_two_nodes()
+
+
+def _require_two_nodes() -> None:
     """Skip where a node cannot have a namespace of its own, and say why; fail instead
     where ``AUTOLOADER_REQUIRE_NODES=1`` (CI runs as root: there they must run)."""
     reason = nodes.unavailable()
@@ -179,6 +183,19 @@ def two_nodes() -> None:
     if os.environ.get(nodes.REQUIRE) == "1":
         pytest.fail(f"{nodes.REQUIRE}=1, but two nodes cannot be started: {reason}")
     pytest.skip(f"two nodes cannot be started: {reason}")
+
+
+def test_without_namespaces_the_two_node_tests_skip_unless_required(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(nodes.shutil, "which", lambda name: None)
+    assert nodes.unavailable() == "no unshare command here (util-linux)"
+    monkeypatch.delenv(nodes.REQUIRE, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no unshare command"):
+        _require_two_nodes()
+    monkeypatch.setenv(nodes.REQUIRE, "1")
+    with pytest.raises(pytest.fail.Exception, match="AUTOLOADER_REQUIRE_NODES=1, but"):
+        _require_two_nodes()
 
 
 def _two_node_job(
