@@ -118,12 +118,14 @@ def _rank_pid(out: Path, rank: int) -> int:
     raise AssertionError(f"rank {rank} never started")
 
 
-def _wait_for_trials(out: Path, rank_pid: int) -> None:
-    """Until the rank runs a trial with workers: the search is under way."""
+def _wait_for_trials(out: Path, rank_pid: int, *, settled: float = 0.0) -> None:
+    """Until the rank runs a trial with workers (the search is under way), each of them
+    started ``settled`` seconds ago or more."""
     give_up = time.monotonic() + 60
     while time.monotonic() < give_up:
         try:
-            if psutil.Process(rank_pid).children():
+            workers = psutil.Process(rank_pid).children()
+            if workers and all(time.time() - w.create_time() >= settled for w in workers):
                 return
         except psutil.NoSuchProcess:
             break
@@ -252,16 +254,17 @@ def test_a_hang_on_one_node_ends_the_trial_on_both(tmp_path: Path) -> None:
 def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
     job = nodes.start(["-m", "tests.torchrun_job", str(tmp_path), "long"], cwd=tmp_path, env=_ENV)
     victim = _rank_pid(tmp_path, 3)  # on node-b
-    _wait_for_trials(tmp_path, victim)
+    # Not while it forks its workers: a worker whose watchdog (torch's ManagerWatchdog)
+    # reads its parent's pid after the parent died takes init for its parent and never
+    # exits, holding the rank's gloo sockets open, so no rank sees the death until
+    # torchrun kills the blocked ranks, 30 s after its SIGTERM on each node (32 s and
+    # 62 s, with workers left behind, in full-suite runs). Not fixed yet:
+    # docs/multi_node.md.
+    _wait_for_trials(tmp_path, victim, settled=1.0)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     assert job.wait(_JOB_TIMEOUT), f"the job hung:\n{job.output()[-3000:]}"
-    # 2-9 s alone. In the full suite it took 32 s and 62 s: the kill came as rank 3 forked
-    # its workers, and a worker whose ManagerWatchdog (torch's) read its parent's pid
-    # after the parent died took init for its manager and never exited. It held rank 3's
-    # gloo sockets open, so no rank saw the death, and torchrun killed the blocked ranks
-    # 30 s after its SIGTERM, node-b's agent then node-a's (docs/multi_node.md).
-    assert time.monotonic() - killed < 75
+    assert time.monotonic() - killed < 30
     assert all(code != 0 for code in job.returncodes), job.returncodes
     error = _reports(tmp_path)[0]["error"]  # on node-a
     assert error.startswith("RankError:"), error
