@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -43,7 +42,8 @@ def main() -> None:
     reason = nodes.unavailable()
     if reason is not None:
         sys.exit(f"two nodes cannot be started here: {reason}")
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **os.environ}
+    # Over the environment (nodes.start adds it beneath): this checkout, one thread.
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     print(f"| scenario | tune() s per rank (budget {args.budget:.0f}) | over budget | "
           "job s (agents' launch to exit) | chosen | failed trials |")  # fmt: skip
     print("|---|---|---|---|---|---|")
