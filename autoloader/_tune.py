@@ -45,6 +45,7 @@ from autoloader.distributed._joint import JointRunner, follow, spare_batch
 from autoloader.distributed._ranks import Ranks
 from autoloader.loader._factory import build_loader, merge_loader_kwargs
 from autoloader.loader._params import BASELINE_PARAMS
+from autoloader.loader._step_threads import kept_threads
 from autoloader.measure._isolation import SubprocessRunner
 from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes
@@ -160,7 +161,10 @@ def tune(
             (default: ``None``)
 
     The global random number generators (torch's, NumPy's, Python's) are always
-    restored: training after ``tune()`` draws the same numbers as without it.
+    restored: training after ``tune()`` draws the same numbers as without it. So is
+    this process's torch thread count (``torch.get_num_threads()``), which trials set
+    where they search ``step_threads`` (see ``NOTE [ Step threads ]``): the tuned value
+    is applied by ``result.apply_threads()``.
 
     Returns:
         TuneResult: the tuned settings, throughput against the baseline, and every trial.
@@ -190,7 +194,8 @@ def tune(
     # Under torchrun every rank calls tune(): they tune together (see distributed/_joint.py).
     ranks = Ranks.join()
     try:
-        with _stopped_by_sigterm(ranks), preserved():  # the random number generators
+        # The random number generators, and this process's threads (step_threads).
+        with _stopped_by_sigterm(ranks), preserved(), kept_threads():
             problem = check_arguments(
                 ranks,
                 dataset,
@@ -342,6 +347,8 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
             n_trials=problem.n_trials,
             usable_cpus=problem.environment.usable_cpus,
             worker_start=facts.get("worker_start_seconds"),
+            accelerator=_step_accelerator(problem),
+            step_threads_asked=problem.space.step_threads != "auto",
         )
 
         def on_trial(trial: Trial) -> None:
@@ -358,10 +365,22 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
             interrupted=threading.Event(),
         )
         partial = _run(driver, ranks)
-        notes = _notes(problem, ranks, space_notes, policy, driver, partial, started)
         records = [record_of(trial) for trial in driver.history]
         choice = policy.choose(driver.history)
+        notes = _notes(problem, ranks, space_notes, policy, driver, choice, partial, started)
     return _result(problem, choice, records, notes, facts, partial, started)
+
+
+def _step_accelerator(problem: Problem) -> str | None:
+    """The accelerator the step runs on: the device batches go to, or, without one, the
+    accelerator this process already uses (a model moved there before ``tune()``), or
+    ``None`` (see ``Policy.step_threads_left``)."""
+    device = problem.device
+    if device is not None:
+        return None if device.type == "cpu" else str(device)
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "cuda"
+    return None
 
 
 def _check_before_search(problem: Problem) -> tuple[SearchSpace, list[SpaceNote], dict[str, Any]]:
@@ -454,11 +473,14 @@ def _notes(
     space_notes: list[SpaceNote],
     policy: Policy,
     driver: Driver,
+    choice: Choice,
     partial: bool,
     started: float,
 ) -> list[Note]:
     """What the user should know about the run, in the order the result lists it."""
     notes: list[Note] = [*space_notes]
+    threads = torch.get_num_threads()  # the user's: each trial put back what it set
+    notes += policy.step_threads_notes(driver.history, choice, threads=threads)
     if ranks is not None:
         usable_cpus = problem.environment.usable_cpus
         notes.append(

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+import torch
 
 # Spawning a process (isolation="subprocess", the spawn start method) starts the
 # standard library's resource tracker once, for the rest of the test session: it is not
@@ -53,3 +54,15 @@ def no_leftover_thread_workers() -> Iterator[None]:
 
 
 _THREAD_WORKER = "autoloader-thread-worker-"
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_as_found() -> Iterator[None]:
+    """Fail any test that leaves this process's torch threads changed: tune() puts back
+    what its trials set (NOTE [ Step threads ]), and a test that applies them on purpose
+    puts them back too."""
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    torch.set_num_threads(before)
+    assert after == before, f"test left torch's threads at {after}, not {before}"

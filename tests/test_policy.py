@@ -57,6 +57,9 @@ from autoloader.search._reasons import (
     SearchDidNotRun,
     SearchShareSpent,
     StepBound,
+    StepThreadsLeft,
+    StepThreadsSearched,
+    StepThreadsToApply,
     ThreadsSearched,
     TrialCap,
     TunedJointly,
@@ -873,6 +876,29 @@ def test_within_two_percent_threads_are_chosen_over_worker_processes() -> None:
             "step (see above), and the runoff's 1 round(s) are done",
         ),
         (
+            StepThreadsSearched(1, 4, 0.97, 3.6),
+            "step_threads searched from 1 to 4: the step works on the CPU (its thread busy "
+            "97% of the step, 3.6 CPUs busy in all), on the cores the workers load on.",
+        ),
+        (
+            StepThreadsLeft(8, 0.02),
+            "step_threads left as they are (8 torch threads): the step waits (its thread "
+            "was on the CPU 2% of the step), so its threads do not compete with the workers.",
+        ),
+        (
+            StepThreadsLeft(8, 0.98, "cuda:0"),
+            "step_threads left as they are (8 torch threads): the step runs on cuda:0 (pass "
+            "SearchSpace(step_threads=(1, N)) to search them for a step that also works on "
+            "the CPU).",
+        ),
+        (
+            StepThreadsToApply(1, 2, 1, 2),
+            "step_threads=1: the tuned settings train on 1 torch thread (this process had "
+            "2), leaving 1 of 2 CPUs to 1 worker. No DataLoader can carry a setting of the "
+            "training process: call result.apply_threads() before training (make_loader() "
+            "does not).",
+        ),
+        (
             Resumed(7),
             "resumed from storage: 7 trials of earlier runs on the same problem were "
             "counted in the choice",
@@ -1033,3 +1059,96 @@ def test_no_trial_starts_more_workers_than_can_start_before_the_run_ends() -> No
     driver.history = history
     bounds = driver._sampler_bounds()
     assert bounds is not None and bounds["num_workers"].high == 2  # type: ignore[attr-defined]
+
+
+# The training process's threads (NOTE [ Step threads ]) ---------------------------------
+
+
+def _step_on_cpu(baseline: Trial, *, own: float, load_cpu: float = 0.018) -> Trial:
+    """``baseline`` with a step whose own thread is busy ``own`` of the step, and
+    loading that takes ``load_cpu`` of its 0.02 s on the CPU."""
+    assert baseline.measurement is not None
+    measured = dataclasses.replace(
+        baseline.measurement,
+        load_seconds=0.02,
+        load_cpu_seconds=load_cpu,
+        step_seconds=0.5,  # a power of two: own * 0.5 / 0.5 is own exactly
+        step_cpu_seconds=0.9375,
+        step_thread_cpu_seconds=own * 0.5,
+    )
+    return dataclasses.replace(baseline, outcome=Completed(measured, 100.0))
+
+
+def test_a_step_on_the_cpu_has_its_threads_split_from_the_workers_cores() -> None:
+    """Loading is CPU work: n workers leave the step 2 - n threads (at least one), and
+    the guesses leave the step a core; the sampler then draws the threads too."""
+    history = [_step_on_cpu(_baseline(), own=0.96)]
+    policy = _policy()
+    assert policy.step_threads_left(history, threads=2) is None
+    assert policy.sampled_space(history).step_threads == (1, 2)
+    points = [(p["num_workers"], p["step_threads"]) for p in policy.starting_points(history)]
+    assert points == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
+    # Loading that waits: the workers take no core, the step keeps both.
+    waits = [_step_on_cpu(_baseline(), own=0.96, load_cpu=0.001)]
+    assert {p["step_threads"] for p in policy.starting_points(waits)} == {2}
+
+
+def test_a_step_that_waits_or_runs_on_an_accelerator_keeps_its_threads() -> None:
+    sleeps = [_step_on_cpu(_baseline(), own=0.03)]
+    policy = _policy()
+    assert policy.step_threads_left(sleeps, threads=2) == StepThreadsLeft(2, 0.03)
+    assert policy.sampled_space(sleeps).step_threads is None
+    assert {p["step_threads"] for p in policy.starting_points(sleeps)} == {None}
+    busy = [_step_on_cpu(_baseline(), own=0.96)]
+    on_gpu = _policy(accelerator="cuda:0")
+    assert on_gpu.step_threads_left(busy, threads=8) == StepThreadsLeft(8, 0.96, "cuda:0")
+    # Asked for in the space, they are searched whatever the step does.
+    asked = _policy(accelerator="cuda:0", step_threads_asked=True)
+    assert asked.step_threads_left(sleeps, threads=2) is None
+    # Before the baseline nothing is known: the space is as resolved.
+    assert policy.sampled_space([]).step_threads == (1, 2)
+
+
+def test_the_notes_say_whether_the_threads_were_searched_and_what_to_apply() -> None:
+    history = [_step_on_cpu(_baseline(), own=0.96)]
+    policy = _policy()
+    split = {**_params(1), "step_threads": 1}
+    history += [_done(n, split, 150.0) for n in (1, 2)]
+    choice = policy.choose(history)
+    assert choice.params["step_threads"] == 1
+    assert policy.step_threads_notes(history, choice, threads=2) == [
+        StepThreadsSearched(1, 2, 0.96, 1.875),
+        StepThreadsToApply(1, 2, 1, 2),
+    ]
+    baseline_only = [_step_on_cpu(_baseline(), own=0.01)]
+    assert policy.step_threads_notes(baseline_only, policy.choose(baseline_only), threads=2) == [
+        StepThreadsLeft(2, 0.01)
+    ]
+
+
+class ThreadedRunner(FakeRunner):
+    """A step on the CPU of 2 cores, loading CPU work: it runs fastest on 1 thread
+    beside 1 worker, and slowest on 2 threads beside workers (they take turns)."""
+
+    def measure(self, params: Mapping[str, Any], **kwargs: Any) -> Measurement:
+        measured = super().measure(params, **kwargs)
+        workers, threads = params["num_workers"], params["step_threads"] or 2
+        rate = {0: 800.0}.get(workers, 1100.0 if threads == 1 else 650.0)
+        return dataclasses.replace(
+            measured,
+            samples_per_second=rate,
+            step_seconds=0.04,
+            step_thread_cpu_seconds=0.039,
+            load_cpu_seconds=0.019,
+        )
+
+
+def test_the_driver_searches_the_step_threads_and_chooses_the_split() -> None:
+    runner = ThreadedRunner(lambda workers: 0.0)
+    driver = _driver(runner)
+    driver.run()
+    drawn = [t.params["step_threads"] for t in driver.history if t.phase is Phase.SEARCH]
+    assert None not in drawn and set(drawn) <= {1, 2}
+    choice = driver.policy.choose(driver.history)
+    assert choice.params["step_threads"] == 1 and choice.params["num_workers"] >= 1
+    assert runner.measured[0]["step_threads"] is None  # the baseline: the user's own

@@ -36,6 +36,7 @@ def _result(**changes: Any) -> TuneResult:
             "worker_threads": None,
             "in_order": True,
             "worker_kind": "processes",
+            "step_threads": None,
         },
         "throughput": 700.0,
         "baseline": 150.0,
@@ -80,7 +81,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
         again = autoloader.load(path)
     assert again == result
     saved = json.loads(path.read_text())
-    assert saved["schema_version"] == 6
+    assert saved["schema_version"] == 7
     assert (saved["throughput"], saved["steady_throughput"]) == (700.0, 910.0)
     assert (saved["startup_seconds"], saved["startup_each_epoch"]) == (2.5, True)
     assert [p.name for p in path.parent.iterdir()] == ["best.json"]  # no temp file left
@@ -89,7 +90,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
 def test_a_version_1_file_loads_with_the_defaults_it_measured(tmp_path: Path) -> None:
     data = _result().as_dict()
     data["schema_version"] = 1
-    for key in ("batched_fetch", "worker_threads", "in_order"):
+    for key in ("batched_fetch", "worker_threads", "in_order", "step_threads"):
         del data["params"][key]
     path = tmp_path / "best.json"
     path.write_text(json.dumps(data))
@@ -135,6 +136,45 @@ def test_a_version_4_file_has_its_steady_rates_as_throughput_and_as_steady_rates
     assert again.trials == _result().trials and again.params == _result().params
     # Saved again, it is a file of the current version that reads back the same.
     assert autoloader.load(again.save(tmp_path / "current.json")) == again
+
+
+def test_the_step_threads_are_kept_and_applied_only_when_asked(tmp_path: Path) -> None:
+    """NOTE [ Step threads ]: a setting of the training process, which the loader cannot
+    carry: saved with the rest, set by apply_threads(), never by make_loader()."""
+    params = {**_result().params, "step_threads": 1}
+    again = autoloader.load(_result(params=params).save(tmp_path / "best.json"))
+    assert again.params["step_threads"] == 1
+    before = torch.get_num_threads()
+    try:
+        loader = again.make_loader(TensorDataset(torch.arange(8)), num_workers=0)
+        assert torch.get_num_threads() == before  # the loader leaves the process alone
+        assert "step_threads" not in again.loader_kwargs(TensorDataset(torch.arange(8)))
+        assert sorted(next(iter(loader))[0].tolist()) == list(range(8))
+        assert again.apply_threads() == before
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    # Left as they were: nothing to apply.
+    assert _result().apply_threads() is None and torch.get_num_threads() == before
+
+
+def test_a_version_6_file_leaves_the_step_threads_as_they_were(tmp_path: Path) -> None:
+    data = _result().as_dict()
+    data["schema_version"] = 6
+    del data["params"]["step_threads"]
+    path = tmp_path / "v6.json"
+    path.write_text(json.dumps(data))
+    assert autoloader.load(path).params["step_threads"] is None
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_a_step_thread_count_out_of_range_is_refused(tmp_path: Path, value: object) -> None:
+    data = _result().as_dict()
+    data["params"]["step_threads"] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match=r"'params\.step_threads' is .* int >= 1, or null"):
+        autoloader.load(path)
 
 
 def test_a_result_without_steady_rates_round_trips(tmp_path: Path) -> None:

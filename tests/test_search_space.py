@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import optuna
 import pytest
 
@@ -101,7 +103,10 @@ def test_suggest_draws_worker_options_only_with_workers() -> None:
         params = space.suggest(trial)
         seen.add(params["num_workers"])
         if params["num_workers"] == 0:
-            assert set(trial.params) == {"num_workers", "pin_memory", "batched_fetch"}
+            # The training process's threads are drawn whatever the workers.
+            assert set(trial.params) == {
+                "num_workers", "pin_memory", "batched_fetch", "step_threads"
+            }  # fmt: skip
             assert params["worker_threads"] is None and params["in_order"] is True
             assert params["prefetch_factor"] is None
             assert params["persistent_workers"] is False
@@ -128,7 +133,10 @@ def test_normalize_params() -> None:
         "worker_threads": None,
         "in_order": True,
         "worker_kind": "processes",
+        "step_threads": None,
     }
+    # The training process's threads are its own, with or without workers.
+    assert normalize_params({"num_workers": 0, "step_threads": 1})["step_threads"] == 1
     # Thread workers start in microseconds and share the process's native pools.
     threads = normalize_params(
         {
@@ -217,7 +225,10 @@ def test_ladder_fetches_batches_limits_threads_and_reorders_where_allowed() -> N
     ladder = space.ladder(limit_threads=True)
     assert [p["num_workers"] for p in ladder] == [0, 1, 2, 4]
     assert all(p["batched_fetch"] for p in ladder)
-    assert ladder[0] == normalize_params({"num_workers": 0, "batched_fetch": True})
+    # Without the cost model's split, the step keeps every core the space allows.
+    assert ladder[0] == normalize_params(
+        {"num_workers": 0, "batched_fetch": True, "step_threads": 2}
+    )
     assert all(p["worker_threads"] == 1 and p["in_order"] is False for p in ladder[1:])
     plain = space.ladder(limit_threads=False)
     assert all(p["worker_threads"] is None for p in plain)
@@ -234,3 +245,46 @@ def test_queued_settings_name_what_suggest_draws() -> None:
         assert space.suggest(trial) == params
         assert trial.params == trial_params(params)
         study.tell(trial, 1.0)
+
+
+def test_step_threads_resolve_to_the_cpus_and_check_what_is_asked() -> None:
+    resolve: dict[str, Any] = {"has_accelerator": False, "batches_per_epoch": None}
+    assert SearchSpace().resolve(usable_cpus=4, **resolve)[0].step_threads == (1, 4)
+    # One CPU (a rank's share of a node included): nothing to split.
+    assert SearchSpace().resolve(usable_cpus=1, **resolve)[0].step_threads is None
+    assert SearchSpace(step_threads=2).step_threads == (2, 2)
+    assert SearchSpace(step_threads=[1, 3]).step_threads == (1, 3)
+    assert SearchSpace(step_threads=None).resolve(usable_cpus=4, **resolve)[0].step_threads is None
+    with pytest.raises(InvalidInputError, match="step_threads must be at least 1 but got 0"):
+        SearchSpace(step_threads=(0, 2))
+    for bad in (True, "many", (3, 1), 2.5):
+        with pytest.raises(InvalidInputError, match="step_threads"):
+            SearchSpace(step_threads=bad)  # type: ignore[arg-type]
+    assert SearchSpace.from_dict({"step_threads": [1, 2]}).step_threads == (1, 2)
+
+
+def test_the_ladder_splits_the_cores_as_it_is_told_within_the_range() -> None:
+    space, _ = SearchSpace(num_workers=(0, 8), step_threads=(1, 3)).resolve(
+        usable_cpus=4, has_accelerator=False, batches_per_epoch=None, batched_fetch_problem="no"
+    )
+    ladder = space.ladder(step_threads=lambda kind, workers: 4 - workers)
+    assert [(p["num_workers"], p["step_threads"]) for p in ladder] == [
+        (1, 3), (2, 2), (4, 1), (8, 1)
+    ]  # fmt: skip
+    left, _ = SearchSpace(num_workers=(0, 2), step_threads=None).resolve(
+        usable_cpus=4, has_accelerator=False, batches_per_epoch=None
+    )
+    assert {p["step_threads"] for p in left.ladder(step_threads=lambda k, n: 1)} == {None}
+
+
+def test_step_threads_left_alone_are_not_drawn() -> None:
+    space, _ = SearchSpace(num_workers=(0, 2), step_threads=None).resolve(
+        usable_cpus=4, has_accelerator=False, batches_per_epoch=None
+    )
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(5):
+        trial = study.ask()
+        assert space.suggest(trial)["step_threads"] is None
+        assert "step_threads" not in trial.params
+        study.tell(trial, 1.0)
+    assert "step_threads" not in trial_params(normalize_params({"num_workers": 1}))

@@ -478,3 +478,26 @@ class GrowsWhileHanging(SleepDataset):
 def slow_start(worker_id: int) -> None:
     """A worker_init_fn that takes 30 s: workers slower to start than a trial lasts."""
     time.sleep(30)
+
+
+class ThreadsSeenStep:
+    """A step that trains on the CPU (a matrix product on torch's pool, about 2 ms)
+    and records the thread count it ran with (NOTE [ Step threads ])."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.weights = torch.randn(192, 192)
+
+    def __call__(self, batch: object) -> None:
+        self.seen.append(torch.get_num_threads())
+        until = time.perf_counter() + 0.002
+        while time.perf_counter() < until:
+            self.weights @ self.weights
+
+
+class ThreadSettingStep(ThreadsSeenStep):
+    """A step that sets the process's threads itself, as some training code does."""
+
+    def __call__(self, batch: object) -> None:
+        torch.set_num_threads(1)
+        super().__call__(batch)

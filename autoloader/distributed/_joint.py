@@ -146,6 +146,7 @@ def job_measurement(measurements: Sequence[Measurement]) -> Measurement:
         batch_bytes=most("batch_bytes"),
         load_cpu_seconds=statistics.fmean(m.load_cpu_seconds for m in measurements),
         step_cpu_seconds=statistics.fmean(m.step_cpu_seconds for m in measurements),
+        step_thread_cpu_seconds=statistics.fmean(m.step_thread_cpu_seconds for m in measurements),
         epochs_samples_per_second=optional("epochs_samples_per_second", min),
         burst_left=most("burst_left"),
     )

@@ -9,6 +9,8 @@ Modules, from the top down, one job each::
     _batched         a whole batch fetched with one indexing (NOTE [ Batched fetch ])
     _thread_loader   ThreadLoader: a DataLoader whose workers are threads
     _worker_threads  LimitThreads: native thread pools held to one thread per worker
+    _step_threads    step_threads(): the training process's own torch threads, for a
+                     block (NOTE [ Step threads ])
     _params          the settings autoloader tunes, in their canonical form
     _torch_compat    every private torch API autoloader touches, in one place
 
@@ -31,6 +33,7 @@ from autoloader.loader._params import (
     Params,
     normalize_params,
 )
+from autoloader.loader._step_threads import kept_threads, step_threads
 from autoloader.loader._thread_loader import ThreadLoader
 
 __all__ = [
@@ -43,7 +46,9 @@ __all__ = [
     "build_loader",
     "dataloader_kwargs",
     "default_start_method",
+    "kept_threads",
     "merge_loader_kwargs",
     "new_loader",
     "normalize_params",
+    "step_threads",
 ]

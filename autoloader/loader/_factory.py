@@ -78,7 +78,8 @@ def dataloader_kwargs(dataset: Dataset[Any] | None, options: Mapping[str, Any]) 
     (see ``NOTE [ Worker threads ]``).
 
     The worker kind is not an option: with ``worker_kind="threads"`` the result is for
-    :class:`ThreadLoader` (see :func:`new_loader`).
+    :class:`ThreadLoader` (see :func:`new_loader`). Nor is ``step_threads``, the training
+    process's own threads: the caller sets them (see ``NOTE [ Step threads ]``).
 
     Raises:
         InvalidInputError: the options do not go together (``batched_fetch`` with a
@@ -86,6 +87,8 @@ def dataloader_kwargs(dataset: Dataset[Any] | None, options: Mapping[str, Any]) 
     """
     kwargs = dict(options)
     kwargs.pop("worker_kind", None)
+    # A setting of the training process, which no loader can carry (NOTE [ Step threads ]).
+    kwargs.pop("step_threads", None)
     batched, threads = (kwargs.pop(name, None) for name in _BUILD_OPTIONS)
     if threads is not None:
         kwargs["worker_init_fn"] = LimitThreads(threads, kwargs.get("worker_init_fn"))

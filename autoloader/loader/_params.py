@@ -14,6 +14,7 @@ TUNED_KEYS = (
     "worker_threads",
     "in_order",
     "worker_kind",
+    "step_threads",
 )
 
 # The kinds of worker a setting may use (see NOTE [ Thread workers ]).
@@ -30,6 +31,7 @@ def normalize_params(params: Mapping[str, Any]) -> Params:
     threads = params.get("worker_threads")
     # Thread workers start in microseconds and share this process's native thread pools.
     processes = params.get("worker_kind", "processes") != "threads"
+    step = params.get("step_threads")
     return {
         "num_workers": num_workers,
         "prefetch_factor": int(params.get("prefetch_factor") or 2) if workers else None,
@@ -41,6 +43,8 @@ def normalize_params(params: Mapping[str, Any]) -> Params:
         "worker_threads": int(threads) if workers and processes and threads is not None else None,
         "in_order": bool(params.get("in_order", True)) or not workers,
         "worker_kind": "processes" if processes or not workers else "threads",
+        # The training process's own threads (NOTE [ Step threads ]): not a loader's.
+        "step_threads": None if step is None else int(step),
     }
 
 

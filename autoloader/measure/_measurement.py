@@ -46,6 +46,11 @@ class Measurement:
         step_cpu_seconds: mean CPU seconds this process spent per batch in the step,
             all its threads counted: a step that trains on the CPU keeps as many cores
             busy as ``step_cpu_seconds / step_seconds``, cores workers then compete for.
+        step_thread_cpu_seconds: the same for the thread that runs the step alone. It
+            tells a step that works on the CPU (close to ``step_seconds``) from one that
+            waits, on an accelerator or in a sleep, whose ``step_cpu_seconds`` can still
+            count torch's pool spinning after the loading's ops (see
+            ``NOTE [ Step threads ]``).
     """
 
     samples_per_second: float
@@ -63,6 +68,7 @@ class Measurement:
     step_cpu_seconds: float = 0.0
     epochs_samples_per_second: float | None = None
     burst_left: int = 0
+    step_thread_cpu_seconds: float = 0.0
 
     @property
     def too_short(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from autoloader.loader._factory import build_loader, merge_loader_kwargs
+from autoloader.loader._step_threads import step_threads
 from autoloader.measure._deadlines import Alarm, Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Alone, Lockstep
@@ -104,7 +105,9 @@ class TrialRunner:
         max_batches: int | None = None,
         lockstep: Lockstep | None = None,
     ) -> Measurement:
-        """Measure the loop with ``params`` for at most about ``max_seconds``.
+        """Measure the loop with ``params`` for at most about ``max_seconds``, this
+        process's torch threads set to ``params["step_threads"]`` for the trial and put
+        back after it (``NOTE [ Step threads ]``).
 
         Args:
             params: tuned DataLoader settings (see ``SearchSpace``).
@@ -131,16 +134,17 @@ class TrialRunner:
             )
             return build_loader(self.dataset, kwargs)
 
-        return self._measure(
-            build,
-            params,
-            max_seconds,
-            on_window,
-            deadlines,
-            max_batches,
-            lockstep or Alone(),
-            first_within_trial=True,
-        )
+        with step_threads(params.get("step_threads")):
+            return self._measure(
+                build,
+                params,
+                max_seconds,
+                on_window,
+                deadlines,
+                max_batches,
+                lockstep or Alone(),
+                first_within_trial=True,
+            )
 
     def measure_loader(
         self,

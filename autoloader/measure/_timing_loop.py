@@ -8,7 +8,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from time import perf_counter, process_time
+from time import perf_counter, process_time, thread_time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ class Totals:
     wait_cpu: float = 0.0
     step: float = 0.0
     step_cpu: float = 0.0
+    step_own_cpu: float = 0.0  # this thread's alone (NOTE [ Step threads ])
 
 
 # NOTE [ Whole epochs ]
@@ -380,9 +381,9 @@ class TimingLoop:
             self.batch = self._fetch(self.first_limit)
             self.restarts.append(perf_counter() - t0)
             restarted = True
-        t1, cpu1 = perf_counter(), process_time()
+        t1, cpu1, own1 = perf_counter(), process_time(), thread_time()
         self._step(self.batch)
-        t2, cpu2 = perf_counter(), process_time()
+        t2, cpu2, own2 = perf_counter(), process_time(), thread_time()
         samples = batch_length(self.batch, self.batch_size)
         if restarted:
             self.epochs.restarted()
@@ -401,6 +402,7 @@ class TimingLoop:
         window.wait += t1 - t0
         window.wait_cpu += cpu1 - cpu0
         window.step_cpu += cpu2 - cpu1
+        window.step_own_cpu += own2 - own1
         window.step += t2 - t1
         last = (
             self.max_batches is not None and self.total.batches + window.batches >= self.max_batches
@@ -591,6 +593,7 @@ class TimingLoop:
             batch_bytes=self.batch_bytes,
             load_cpu_seconds=total.wait_cpu / total.batches,
             step_cpu_seconds=total.step_cpu / total.batches,
+            step_thread_cpu_seconds=total.step_own_cpu / total.batches,
             epochs_samples_per_second=self.epochs.rate(),
             burst_left=self.burst_left,
         )

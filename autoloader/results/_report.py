@@ -86,6 +86,7 @@ _USUAL = {
     "worker_threads": None,
     "in_order": True,
     "worker_kind": "processes",
+    "step_threads": None,
 }
 
 
@@ -131,6 +132,7 @@ def report(result: TuneResult) -> str:
         ),
         *_steady_rows(result),
         *_worker_start_row(result),
+        *_cores_row(result),
     ]
     if baseline and chosen and baseline.data_wait_fraction is not None:
         rows.append(
@@ -184,6 +186,30 @@ def report(result: TuneResult) -> str:
         for note in notes:
             lines.extend(_wrapped(note, first="- ", rest="  "))
     return "\n".join(lines)
+
+
+def _cores_row(result: TuneResult) -> list[tuple[str, str]]:
+    """How the tuned settings share the CPUs: the training process's torch threads, and
+    the CPUs they leave the workers (``NOTE [ Step threads ]``)."""
+    threads = result.params.get("step_threads")
+    if threads is None:
+        return []
+    cpus = result.environment.usable_cpus
+    workers = result.params["num_workers"]
+    if not workers:
+        who = "no workers (loading runs in the training process)"
+    elif result.params.get("worker_kind") == "threads":
+        who = f"{workers} worker thread{'s' if workers != 1 else ''}"
+    else:
+        who = f"{workers} worker process{'es' if workers != 1 else ''}"
+    return [
+        (
+            "cores",
+            f"the step on {threads} torch thread{'s' if threads != 1 else ''}, leaving "
+            f"{max(0, cpus - threads)} of {cpus} CPUs to {who}: apply it with "
+            "result.apply_threads() (a loader cannot carry it)",
+        )
+    ]
 
 
 # What each check before the search establishes (``TuneResult.facts["missing"]``).

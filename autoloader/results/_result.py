@@ -20,20 +20,22 @@ from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
 from autoloader.checks._environment import Environment, usable_cpus, world, world_nodes
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
 from autoloader.loader._params import TUNED_KEYS, WORKER_KINDS, Params, normalize_params
+from autoloader.loader._step_threads import set_step_threads
 from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
 from autoloader.search._space import default_max_workers
 
 _logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # Version 1 had no batched_fetch, worker_threads or in_order; their defaults are what
 # it measured. Version 2 had no trial kinds: they are read from the reasons' words.
 # Version 3 had no worker_kind: its workers were processes. Versions 1 to 4 kept one
 # throughput and baseline, the steady rates (the settings were chosen by the epoch
 # rate, which they did not keep): those are read as the steady rates and kept as
 # throughput and baseline too; their start-up is unknown. Versions 1 to 5 did not
-# name their problem: tune(path=...) tunes again rather than reuse them.
-_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# name their problem: tune(path=...) tunes again rather than reuse them. Versions 1 to
+# 6 had no step_threads: they left the training process's threads as they were.
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # How versions 1 and 2 worded the reasons of trials pruned as slower or too short.
 _V2_SLOWER = "clearly slower than the best setting so far"
 _V2_TOO_SHORT = "too short"
@@ -74,6 +76,9 @@ class TrialRecord:
         step_cpu_seconds: mean CPU seconds of the main process per batch in the step,
             all its threads counted (a step training on the CPU keeps that many cores
             busy per second of step).
+        step_thread_cpu_seconds: the same for the thread that ran the step alone:
+            close to ``step_seconds`` where the step works on the CPU, close to 0 where
+            it waits (see ``NOTE [ Step threads ]``).
     """
 
     number: int
@@ -94,6 +99,7 @@ class TrialRecord:
     batch_bytes: int | None = None
     step_cpu_seconds: float | None = None
     kind: str | None = None
+    step_thread_cpu_seconds: float | None = None
 
     @property
     def too_short(self) -> bool:
@@ -132,6 +138,7 @@ def record_of(trial: Trial) -> TrialRecord:
         batch_bytes=m.batch_bytes if m else None,
         step_cpu_seconds=m.step_cpu_seconds if m else None,
         kind=None if isinstance(outcome, Completed) else outcome.kind.value,
+        step_thread_cpu_seconds=m.step_thread_cpu_seconds if m else None,
     )
 
 
@@ -143,9 +150,12 @@ class TuneResult:
         params: the tuned settings, by name: ``DataLoader`` options (``num_workers``,
             ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``in_order``)
             and autoloader's own keys, which no ``DataLoader`` takes
-            (``batched_fetch``, ``worker_threads``, ``worker_kind``). Not for
-            ``DataLoader(**params)``: :meth:`loader_kwargs` turns them into the
-            keyword arguments to splat, and :meth:`make_loader` builds the loader.
+            (``batched_fetch``, ``worker_threads``, ``worker_kind``, and
+            ``step_threads``, the training process's torch threads, ``None`` where
+            left as they were). Not for ``DataLoader(**params)``:
+            :meth:`loader_kwargs` turns them into the keyword arguments to splat,
+            :meth:`make_loader` builds the loader, and :meth:`apply_threads` sets
+            ``step_threads``, which no loader can carry.
         throughput: samples per second of the training loop with ``params`` over a
             training epoch, worker start-up included: the objective the settings were
             chosen by (``NOTE [ Epoch model ]``), the median over the setting's trials.
@@ -268,8 +278,30 @@ class TuneResult:
 
         With thread workers tuned (``params["worker_kind"] == "threads"``), a
         :class:`~autoloader.ThreadLoader`: a ``DataLoader`` whose workers are threads
-        of this process (see ``NOTE [ Thread workers ]``)."""
+        of this process (see ``NOTE [ Thread workers ]``).
+
+        The loader does not set ``params["step_threads"]``, the training process's
+        torch threads the settings were measured with: no loader can carry a setting
+        of the process. Call :meth:`apply_threads` too.
+
+        Example::
+
+            loader = result.make_loader(dataset)
+            result.apply_threads()  # torch.set_num_threads(...) as tuned
+        """
         return build_loader(dataset, self._options(overrides))
+
+    def apply_threads(self) -> int | None:
+        """Set this process's torch threads (``torch.set_num_threads``) to the tuned
+        ``params["step_threads"]``, as the settings were measured with; nothing where
+        they were left as they are (``None``). Call it in the process that trains, once
+        before training (under torchrun, on every rank).
+
+        Returns:
+            The thread count the process had before, to put back with
+            ``torch.set_num_threads`` if needed; ``None`` if nothing was changed.
+        """
+        return set_step_threads(self.params.get("step_threads"))
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON-able content of the result file."""
@@ -434,6 +466,10 @@ _SETTING_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "worker_kind": (
         lambda v: isinstance(v, str) and v in WORKER_KINDS,
         " or ".join(json.dumps(kind) for kind in WORKER_KINDS),
+    ),
+    "step_threads": (
+        lambda v: v is None or (_is_int(v) and v >= 1),
+        "an int >= 1, or null to leave the training process's threads as they are",
     ),
 }
 

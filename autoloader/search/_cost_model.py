@@ -26,13 +26,20 @@ share of the CPU work (a quarter or more), workers overlap loading with the step
 taking cores from it; a step on several threads also loses more than the core a worker
 takes. A step on an accelerator, or one that does no work, leaves the cores to the
 workers; loading that mostly waits is overlapped by workers with little CPU.
+
+Where the step's own threads are searched (``NOTE [ Step threads ]``), the first
+settings split the cores between them and the workers: with loading that is CPU work,
+``n`` workers leave the step ``cores - n`` threads (at least one), and the guessed worker
+counts leave the step at least one core; with loading that mostly waits, or none in
+workers (``num_workers=0``, thread workers sharing the step's pool), the step keeps every
+core. The sampler then measures other splits.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 # Share of the baseline's load time spent on CPU above which loading is CPU-bound.
 _CPU_BOUND_SHARE = 0.5
@@ -42,8 +49,12 @@ _MULTI_THREADED_SHARE = 1.2
 _STEP_SHARE_OF_WORK = 0.25
 
 
-def guess_workers(baseline: Mapping[str, float], *, usable_cpus: int) -> list[int]:
+def guess_workers(
+    baseline: Mapping[str, float], *, usable_cpus: int, step_on_cpu: bool = False
+) -> list[int]:
     """Worker counts to measure first, from the baseline's measurement (``as_dict()``).
+    With ``step_on_cpu`` (the step's threads are searched) and loading that is CPU work,
+    they leave the step a core.
 
     Returns an empty list when the baseline does not wait for data at all.
     """
@@ -55,7 +66,27 @@ def guess_workers(baseline: Mapping[str, float], *, usable_cpus: int) -> list[in
     cpu_share = float(baseline.get("load_cpu_seconds", 0.0)) / load
     if cpu_share > _CPU_BOUND_SHARE:
         needed = min(needed, usable_cpus)
+        if step_on_cpu:
+            cores = max(1, usable_cpus - 1)
+            return list(dict.fromkeys([min(max(1, needed), cores), min(needed + 1, cores)]))
     return list(dict.fromkeys([max(1, needed), needed + 1]))
+
+
+def split_step_threads(
+    baseline: Mapping[str, float], *, usable_cpus: int
+) -> Callable[[str, int], int]:
+    """The training process's threads for a first setting of ``num_workers`` workers of
+    a kind (``"processes"`` or ``"threads"``): the cores the workers leave the step (see
+    ``NOTE [ Cost model ]``)."""
+    load = float(baseline.get("load_seconds", 0.0))
+    cpu_bound = load > 0 and float(baseline.get("load_cpu_seconds", 0.0)) > _CPU_BOUND_SHARE * load
+
+    def threads(kind: str, workers: int) -> int:
+        if not cpu_bound or kind != "processes":
+            return usable_cpus
+        return max(1, usable_cpus - workers)
+
+    return threads
 
 
 def guess_threads(baseline: Mapping[str, float]) -> list[int]:

@@ -135,7 +135,11 @@ class Driver:
             # Drawn from the bounds above, num_workers is then asked again with the
             # space's own range: Optuna keeps the first, and says so.
             warnings.filterwarnings("ignore", "Inconsistent parameter values", RuntimeWarning)
-            params = plan.params if plan.params is not None else self.policy.space.suggest(asked)
+            params = (
+                plan.params
+                if plan.params is not None
+                else self.policy.sampled_space(self.history).suggest(asked)
+            )
         spec = TrialSpec(
             number=asked.number,
             phase=plan.phase,

@@ -19,6 +19,7 @@ A run has three phases:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -30,7 +31,12 @@ from autoloader._exceptions import AllSettingsFailedError, BaselineError
 from autoloader.loader._params import BASELINE_PARAMS, Params
 from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines
 from autoloader.measure._measurement import Measurement
-from autoloader.search._cost_model import guess_threads, guess_workers, loads_on_several_threads
+from autoloader.search._cost_model import (
+    guess_threads,
+    guess_workers,
+    loads_on_several_threads,
+    split_step_threads,
+)
 from autoloader.search._known_failures import bisection, known_failure, params_key
 from autoloader.search._objective import (
     MIN_TRIAL_SECONDS,
@@ -59,6 +65,9 @@ from autoloader.search._reasons import (
     SearchShareSpent,
     Shortcoming,
     StepBound,
+    StepThreadsLeft,
+    StepThreadsSearched,
+    StepThreadsToApply,
     StopReason,
     TrialCap,
 )
@@ -120,6 +129,14 @@ _SKIPS_BEFORE_GIVING_UP = 10
 # throughput estimate is comparable at any window, so only what is clearly worse stops.
 _VOTE_AFTER_WINDOWS = 2
 _VOTE_RATIO = 0.6
+
+# The step works on the CPU, and its threads are searched (NOTE [ Step threads ]), where
+# the thread that runs it was on the CPU at least this share of the step in the
+# baseline. The thread's own time, not the process's: torch's pool spins for a while
+# after each parallel op, so the loading's ops charge a sleeping step CPU time (on the
+# development VM, a 20 ms sleep after JPEG decoding and torch ops kept 0.48 CPUs busy,
+# its own thread 0.00; a CNN trained on the CPU kept 1.95 busy, its own thread 0.97).
+_STEP_ON_CPU = 0.5
 
 # The reason of a trial voted out as slower: the setting is slow, not broken.
 PRUNED_AS_SLOWER = "clearly slower than the best setting so far"
@@ -185,6 +202,11 @@ class Policy:
         usable_cpus: CPUs this process may run on.
         worker_start: seconds to start one worker process, as measured before the
             search (``NOTE [ Worker start-up ]`` in ``checks/_facts.py``), or ``None``.
+        accelerator: the device the step's batches go to, where it is an accelerator
+            (``"cuda:0"``): the step waits on it, and its threads are left alone unless
+            asked for (``step_threads_asked``).
+        step_threads_asked: the user asked for ``step_threads`` in the search space:
+            they are searched whatever the step does.
     """
 
     space: SearchSpace
@@ -194,6 +216,8 @@ class Policy:
     n_trials: int | None = None
     usable_cpus: int = 1
     worker_start: float | None = None
+    accelerator: str | None = None
+    step_threads_asked: bool = False
 
     # The next trial -------------------------------------------------------------
 
@@ -261,11 +285,64 @@ class Policy:
         doubling ladder (see ``SearchSpace.ladder``)."""
         measured = baseline_measurement(history)
         facts = measured.as_dict() if measured is not None else {}
-        return self.space.ladder(
-            first=guess_workers(facts, usable_cpus=self.usable_cpus),
+        space = self.sampled_space(history)
+        on_cpu = space.step_threads is not None
+        return space.ladder(
+            first=guess_workers(facts, usable_cpus=self.usable_cpus, step_on_cpu=on_cpu),
             limit_threads=loads_on_several_threads(facts),
             first_threads=guess_threads(facts),
+            step_threads=split_step_threads(facts, usable_cpus=self.usable_cpus),
         )
+
+    # The training process's threads ------------------------------------------------
+
+    def sampled_space(self, history: Sequence[Trial]) -> SearchSpace:
+        """The space the sampler draws from, now that the baseline showed what the step
+        does: without ``step_threads`` where they are left alone (see
+        :meth:`step_threads_left`)."""
+        if self.step_threads_left(history, threads=0) is None:
+            return self.space
+        return dataclasses.replace(self.space, step_threads=None)
+
+    def step_threads_left(
+        self, history: Sequence[Trial], *, threads: int
+    ) -> StepThreadsLeft | None:
+        """Why the training process's ``threads`` are left alone though the space has a
+        range for them, or ``None`` where they are searched (or the space fixes them):
+        the step runs on an accelerator, or waits (``_STEP_ON_CPU``). Before the
+        baseline, nothing is known, and they are searched."""
+        choices = self.space.step_threads
+        if not isinstance(choices, tuple) or choices[0] == choices[1] or self.step_threads_asked:
+            return None
+        measured = baseline_measurement(history)
+        if measured is None:
+            return None
+        own = _own_share(measured)
+        if self.accelerator is not None:
+            return StepThreadsLeft(threads, own, self.accelerator)
+        return StepThreadsLeft(threads, own) if own < _STEP_ON_CPU else None
+
+    def step_threads_notes(
+        self, history: Sequence[Trial], choice: Choice, *, threads: int
+    ) -> list[StepThreadsSearched | StepThreadsLeft | StepThreadsToApply]:
+        """What the user should know of the training process's threads: searched or left
+        alone (``threads``: what the process has), and what the choice asks of them."""
+        notes: list[StepThreadsSearched | StepThreadsLeft | StepThreadsToApply] = []
+        measured = baseline_measurement(history)
+        left = self.step_threads_left(history, threads=threads)
+        choices = self.space.step_threads
+        if left is not None:
+            notes.append(left)
+        elif isinstance(choices, tuple) and choices[0] < choices[1] and measured is not None:
+            busy = measured.step_cpu_seconds
+            step_cpus = busy / measured.step_seconds if measured.step_seconds else 0.0
+            notes.append(StepThreadsSearched(*choices, _own_share(measured), step_cpus))
+        chosen = choice.params.get("step_threads")
+        if chosen is not None:
+            notes.append(
+                StepThreadsToApply(chosen, threads, choice.params["num_workers"], self.usable_cpus)
+            )
+        return notes
 
     def step_bound(self, history: Sequence[Trial]) -> StepBound | None:
         """Why the search can stop, if a measured setting left the loop bound by its
@@ -540,6 +617,13 @@ def baseline_measurement(history: Sequence[Trial]) -> Measurement | None:
         if trial.phase is Phase.BASELINE and isinstance(trial.outcome, Completed):
             return trial.outcome.measurement
     return None
+
+
+def _own_share(measured: Measurement) -> float:
+    """The share of the step its own thread was on the CPU (``_STEP_ON_CPU``)."""
+    if not measured.step_seconds:
+        return 0.0
+    return measured.step_thread_cpu_seconds / measured.step_seconds
 
 
 def _values_by_setting(trials: Sequence[Trial]) -> dict[str, tuple[list[Measurement], list[float]]]:

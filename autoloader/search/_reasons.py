@@ -11,6 +11,8 @@ words; the sentences are made once, for the log and for ``TuneResult.notes``::
     Shortcoming  what the result rests on less than a search for: BaselineUncertain
                  | SearchDidNotRun | NoWorkerSettingMeasured
     SpaceNote    a setting fixed, or searched, by SearchSpace resolution
+    ThreadsNote  the training process's threads, searched or left alone once the
+                 baseline showed what the step does, and what the choice asks of them
     RunNote      about the run as a whole: TunedJointly | Interrupted | BudgetGivenBack
                  | Resumed
 """
@@ -154,6 +156,43 @@ class ThreadsSearched:
     """The dataset was checked to give the same batches read from several threads."""
 
 
+# The training process's threads (NOTE [ Step threads ]) ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepThreadsSearched:
+    """``step_threads`` searched from ``low`` to ``high``: in the baseline, the step's
+    own thread was on the CPU ``own_share`` of the step, and the process kept
+    ``step_cpus`` CPUs busy."""
+
+    low: int
+    high: int
+    own_share: float
+    step_cpus: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepThreadsLeft:
+    """``step_threads`` left as they are (``threads``): the step's own thread was on the
+    CPU ``own_share`` of the step in the baseline, or it runs on ``accelerator``."""
+
+    threads: int
+    own_share: float
+    accelerator: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepThreadsToApply:
+    """The chosen setting runs the step on ``threads`` torch threads, where the process
+    had ``before``, leaving ``cpus_left`` of ``usable_cpus`` CPUs to ``workers`` workers:
+    a setting of the process, for ``TuneResult.apply_threads()``."""
+
+    threads: int
+    before: int
+    workers: int
+    usable_cpus: int
+
+
 # About the run as a whole ------------------------------------------------------------
 
 
@@ -203,8 +242,9 @@ SpaceNote: TypeAlias = (
     | ProcessesOnly
     | ThreadsSearched
 )
+ThreadsNote: TypeAlias = StepThreadsSearched | StepThreadsLeft | StepThreadsToApply
 RunNote: TypeAlias = TunedJointly | Interrupted | BudgetGivenBack | Resumed
-Note: TypeAlias = StopReason | Shortcoming | SpaceNote | RunNote
+Note: TypeAlias = StopReason | Shortcoming | SpaceNote | ThreadsNote | RunNote
 
 
 def render(value: Note) -> str:
@@ -286,6 +326,34 @@ def render(value: Note) -> str:
             return (
                 "worker_kind searched: the dataset gave the same batches read from several "
                 "threads as from one, so thread workers were measured too."
+            )
+        case StepThreadsSearched():
+            return (
+                f"step_threads searched from {value.low} to {value.high}: the step works on "
+                f"the CPU (its thread busy {value.own_share:.0%} of the step, "
+                f"{value.step_cpus:.1f} CPUs busy in all), on the cores the workers load on."
+            )
+        case StepThreadsLeft(accelerator=str()):
+            return (
+                f"step_threads left as they are ({value.threads} torch threads): the step "
+                f"runs on {value.accelerator} (pass SearchSpace(step_threads=(1, N)) to "
+                "search them for a step that also works on the CPU)."
+            )
+        case StepThreadsLeft():
+            return (
+                f"step_threads left as they are ({value.threads} torch threads): the step "
+                f"waits (its thread was on the CPU {value.own_share:.0%} of the step), so "
+                "its threads do not compete with the workers."
+            )
+        case StepThreadsToApply():
+            left = max(0, value.usable_cpus - value.threads)
+            workers = f"{value.workers} worker{'s' if value.workers != 1 else ''}"
+            return (
+                f"step_threads={value.threads}: the tuned settings train on {value.threads} "
+                f"torch thread{'s' if value.threads != 1 else ''} (this process had "
+                f"{value.before}), leaving {left} of {value.usable_cpus} CPUs to {workers}. "
+                "No DataLoader can carry a setting of the training process: call "
+                "result.apply_threads() before training (make_loader() does not)."
             )
         case TunedJointly():
             nodes = f" on {value.nodes} nodes" if value.nodes > 1 else ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -103,6 +103,18 @@ def _thread_choices(value: object) -> tuple[int | None, ...]:
     return tuple(dict.fromkeys(choices))
 
 
+def _step_thread_range(value: object) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    low, high = _int_range("step_threads", value)
+    if low < 1:
+        raise InvalidInputError(
+            f"SearchSpace.step_threads must be at least 1 but got {low}; use None to leave "
+            "the training process's threads as they are."
+        )
+    return low, high
+
+
 def _kind_choices(value: object) -> tuple[str, ...]:
     choices = (value,) if isinstance(value, str) else value
     if (
@@ -166,6 +178,13 @@ class SearchSpace:
             means both where the dataset was seen to give the same batches read from
             several threads (checked before the run), else processes.
             (default: ``None``)
+        step_threads (int, (int, int), None or "auto", optional): threads of torch's
+            intra-op pool in the training process, where ``step_fn`` runs
+            (``torch.set_num_threads``, see ``NOTE [ Step threads ]``): set for each
+            trial and put back after it. ``None`` leaves them as they are. ``"auto"``
+            searches ``(1, usable CPUs)`` where the baseline shows the step doing CPU
+            work, and leaves them alone where it waits (on an accelerator, a sleep).
+            (default: ``"auto"``)
 
     Example::
 
@@ -180,6 +199,7 @@ class SearchSpace:
     worker_threads: int | tuple[int | None, ...] | Literal["auto"] | None = "auto"
     in_order: bool | tuple[bool, ...] = True
     worker_kind: str | tuple[str, ...] | None = None
+    step_threads: int | tuple[int, int] | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.num_workers is not None:
@@ -208,6 +228,8 @@ class SearchSpace:
         object.__setattr__(self, "in_order", _choices("in_order", self.in_order))
         if self.worker_kind is not None:
             object.__setattr__(self, "worker_kind", _kind_choices(self.worker_kind))
+        if self.step_threads != "auto":
+            object.__setattr__(self, "step_threads", _step_thread_range(self.step_threads))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SearchSpace:
@@ -273,6 +295,7 @@ class SearchSpace:
             or self.batched_fetch is None
             or self.worker_threads == "auto"
             or self.worker_kind is None
+            or self.step_threads == "auto"
         ):
             raise InvalidInputError(
                 "SearchSpace.resolve() must be called before drawing settings from it."
@@ -287,6 +310,7 @@ class SearchSpace:
             worker_threads=self.worker_threads,  # type: ignore[arg-type]
             in_order=self.in_order,  # type: ignore[arg-type]
             worker_kind=self.worker_kind,  # type: ignore[arg-type]
+            step_threads=self.step_threads,  # type: ignore[arg-type]
         )
 
     def suggest(self, trial: optuna.Trial) -> Params:
@@ -310,6 +334,8 @@ class SearchSpace:
             params["in_order"] = trial.suggest_categorical("in_order", choices.in_order)
         params["pin_memory"] = trial.suggest_categorical("pin_memory", choices.pin_memory)
         params["batched_fetch"] = trial.suggest_categorical("batched_fetch", choices.batched_fetch)
+        if choices.step_threads is not None:
+            params["step_threads"] = trial.suggest_int("step_threads", *choices.step_threads)
         return normalize_params(params)
 
     def ladder(
@@ -318,6 +344,7 @@ class SearchSpace:
         *,
         limit_threads: bool = False,
         first_threads: Sequence[int] = (),
+        step_threads: Callable[[str, int], int | None] | None = None,
     ) -> list[Params]:
         """Starting points: worker counts doubling across the range, other options typical.
 
@@ -329,6 +356,11 @@ class SearchSpace:
         ``limit_threads`` (loading was seen to use several threads) gives each worker's
         thread pools one thread. Thread workers at the counts of ``first_threads`` (where
         the space has them) come between ``first`` and the doubling ladder.
+
+        Where the space searches ``step_threads``, each setting gets the training
+        process's threads ``step_threads(worker_kind, num_workers)`` names (the cost
+        model's split of the cores, see ``NOTE [ Cost model ]``), held to the space's
+        range; without it, the most the range allows.
         """
         choices = self._bounds()
         low, high = choices.num_workers
@@ -354,6 +386,14 @@ class SearchSpace:
         if "processes" not in choices.worker_kind:
             kinds = [("threads", n) if n > 0 else (kind, n) for kind, n in kinds]
         kinds = list(dict.fromkeys(kinds))
+
+        def threads_of(kind: str, workers: int) -> int | None:
+            if choices.step_threads is None:
+                return None
+            lowest, highest = choices.step_threads
+            wanted = step_threads(kind, workers) if step_threads is not None else None
+            return highest if wanted is None else min(max(wanted, lowest), highest)
+
         return [
             normalize_params(
                 {
@@ -365,6 +405,7 @@ class SearchSpace:
                     "worker_threads": 1 if limit_threads and 1 in threads else threads[0],
                     "in_order": False not in choices.in_order,
                     "worker_kind": kind,
+                    "step_threads": threads_of(kind, n),
                 }
             )
             for kind, n in kinds
@@ -383,6 +424,7 @@ class _Choices:
     worker_threads: tuple[int | None, ...]
     in_order: tuple[bool, ...]
     worker_kind: tuple[str, ...]
+    step_threads: tuple[int, int] | None
 
 
 _WORKER_ONLY = (
@@ -398,12 +440,14 @@ _PROCESS_ONLY = ("persistent_workers", "worker_threads")
 
 def trial_params(params: Mapping[str, Any]) -> Params:
     """The values :meth:`SearchSpace.suggest` draws for ``params``: what a queued trial
-    (``study.enqueue_trial``) must fix. Worker options are not drawn without workers."""
+    (``study.enqueue_trial``) must fix. Worker options are not drawn without workers,
+    nor ``step_threads`` where they are left alone (``None``)."""
+    drawn = {k: v for k, v in params.items() if k != "step_threads" or v is not None}
     if params["num_workers"] == 0:
-        return {k: v for k, v in params.items() if k not in _WORKER_ONLY}
+        return {k: v for k, v in drawn.items() if k not in _WORKER_ONLY}
     if params["worker_kind"] == "threads":
-        return {k: v for k, v in params.items() if k not in _PROCESS_ONLY}
-    return dict(params)
+        return {k: v for k, v in drawn.items() if k not in _PROCESS_ONLY}
+    return drawn
 
 
 def resolve_space(
@@ -472,6 +516,11 @@ def resolve_space(
     elif worker_kind is None:
         worker_kind = WORKER_KINDS
         notes.append(ThreadsSearched())
+    step_threads = space.step_threads
+    if step_threads == "auto":
+        # Whether the step does CPU work is known from the baseline: the policy leaves
+        # the threads alone where it does not (Policy.sampled_space).
+        step_threads = (1, usable_cpus) if usable_cpus > 1 else None
     resolved = dataclasses.replace(
         space,
         num_workers=num_workers,
@@ -479,6 +528,7 @@ def resolve_space(
         batched_fetch=batched_fetch,
         worker_threads=worker_threads,
         worker_kind=worker_kind,
+        step_threads=step_threads,
     )
     return resolved, notes
 
