@@ -25,10 +25,31 @@ which gives the loader's own time per batch. The verdict, in this order:
 The loading processes' CPU time comes from the kernel's accounting of reaped children
 (``os.times()``): the workers are joined when the measurement stops them, so their
 whole CPU time is counted, start-up included.
+
+Whatever the verdict, the reason also says when the step and the worker processes ask
+for more CPUs than there are (see ``NOTE [ Oversubscription ]``).
+
+NOTE [ Oversubscription ]
+A step that trains on the CPU runs its ops on torch's intra-op pool in this process,
+``torch.get_num_threads()`` threads (as many as the cores by default), and every op big
+enough to split wakes them all, while worker processes load on the same cores. Measured
+on a 2-core VM, JPEG decode and a CNN trained on the CPU: 1 worker and 2 threads, 682
+samples/s; 1 worker and ``torch.set_num_threads(1)``, 1,083. What the step was measured
+to use is what it got, not what it asked for: on 2 cores, a 2-thread step beside 1 busy
+worker kept 1.5 CPUs busy and the worker 0.5, 2.0 in all, though the step wanted both
+cores whenever it ran. So the step is taken to ask for its threads (at most the usable
+CPUs) once it keeps at least ``_STEP_ON_CPU`` of a CPU busy, and for what it used
+otherwise (a step on an accelerator, or one that waits); the workers for the CPUs they
+kept busy over the loop (their CPU seconds per second of it). When the two ask for more
+than ``_OVERSUBSCRIBED`` times the usable CPUs, they take turns on the cores. The advice
+leaves the workers the cores they used, rounded half up; ``autoloader.tune()`` measures
+the split (its ``step_threads`` setting). Thread workers are not counted: they run in
+this process, and its CPU time cannot tell them from the step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from collections.abc import Callable
@@ -81,6 +102,15 @@ _HANG_FACTOR = 2.0
 # loop's own figure is clean.
 _STEP_ALONE_SHARE = 0.15
 _SPINNING_CPUS = 0.1
+# CPUs a step keeps busy from which it trains on the CPU and asks for all its torch
+# threads (see NOTE [ Oversubscription ]): half a CPU, as in NOTE [ Verdict ].
+_STEP_ON_CPU = 0.5
+# The step and the workers oversubscribe the cores when they ask for more than this many
+# times the usable CPUs. The workers' figure is an average over the loop, start-up
+# included, taken on a machine other processes may share: a demand within 15% of the
+# cores is a full machine, not a fight. On 2 cores, a step on 2 threads is flagged once
+# its workers keep 0.3 CPUs busy; on 16 cores, 2.4.
+_OVERSUBSCRIBED = 1.15
 
 # What lifts a loop bound by receiving batches from worker processes.
 _THREADS_LIFT = (
@@ -128,6 +158,11 @@ class Diagnosis:
         step_cpus: CPUs the step kept busy while it ran (its CPU seconds per second):
             about 0 for a step on an accelerator, up to ``usable_cpus`` for training on
             the CPU.
+        step_threads: ``torch.get_num_threads()`` of this process when measured: the
+            threads of torch's intra-op pool the step's ops run on.
+        workers_cpus: CPUs the worker processes kept busy during the loop (their CPU
+            seconds per second of it); ``None`` without worker processes
+            (``num_workers=0``, or thread workers).
     """
 
     verdict: str
@@ -147,6 +182,8 @@ class Diagnosis:
     copied_per_worker: float | None = None
     missing: dict[str, str] = field(default_factory=dict)
     step_cpus: float | None = None
+    step_threads: int | None = None
+    workers_cpus: float | None = None
 
     @property
     def ceiling(self) -> float | None:
@@ -205,11 +242,33 @@ class Diagnosis:
                     else f"{self.loading_cpu_share:.0%} of {who}'s loading time",
                 )
             )
+        if (
+            self.step_cpus is not None
+            and self.step_threads is not None
+            and self.workers_cpus is not None
+        ):
+            rows.append(("CPUs asked", self._cpus_asked(self.step_cpus, self.step_threads)))
         rows += [(f"not checked: {name}", why) for name, why in self.missing.items()]
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value}" for name, value in rows]
         lines.append(textwrap.fill(self.reason, width=88))
         return "\n".join(lines)
+
+    def _cpus_asked(self, step_cpus: float, step_threads: int) -> str:
+        """The CPUs row: what the step and the workers ask for, against the usable CPUs."""
+        workers_cpus = self.workers_cpus or 0.0
+        step = _step_asks(step_cpus, step_threads, self.usable_cpus)
+        if step_cpus >= _STEP_ON_CPU:
+            threads = "thread" if step_threads == 1 else "threads"
+            step_part = f"step {step_threads} torch {threads} ({step_cpus:.1f} busy)"
+        else:
+            step_part = f"step {step_cpus:.1f}"
+        total = step + workers_cpus
+        verdict = ": oversubscribed" if total > _OVERSUBSCRIBED * self.usable_cpus else ""
+        return (
+            f"{step_part} + {_workers(self.num_workers)} {workers_cpus:.1f} = "
+            f"{total:.1f} of {self.usable_cpus}{verdict}"
+        )
 
 
 def diagnose(
@@ -274,6 +333,7 @@ def diagnose(
     # Thread workers (a ThreadLoader) run in this process: nothing is forked or received.
     threads = getattr(loader, "worker_kind", "processes") == "threads"
     checks, copied = _checks(loader, seconds=seconds, memory_budget=budget, threads=threads)
+    step_threads = torch.get_num_threads()
     try:
         loops = _Loops.measure(
             loader, step_fn, device=resolved_device, seconds=seconds, memory_budget=budget
@@ -296,6 +356,20 @@ def diagnose(
         loop, alone, loops.step_alone, cpu_share, load_cpu, workers, budget, usable_cpus,
         copied, receiving=workers > 0 and not threads,
     )  # fmt: skip
+    step_cpus = _step_cpus(loops.step_alone)
+    workers_cpus = None
+    if workers and not threads and loop.duration > 0:
+        workers_cpus = loops.children_cpu / loop.duration
+        if verdict != "memory-bound":
+            crowded = _oversubscription(
+                step_cpus=step_cpus,
+                workers_cpus=workers_cpus,
+                workers=workers,
+                usable_cpus=usable_cpus,
+                step_threads=step_threads,
+            )
+            if crowded:
+                reason = f"{reason} {crowded}"
     return Diagnosis(
         verdict=verdict,
         reason=reason,
@@ -313,7 +387,9 @@ def diagnose(
         usable_cpus=usable_cpus,
         copied_per_worker=copied,
         missing=dict(checks.missing),
-        step_cpus=_step_cpus(loops.step_alone),
+        step_cpus=step_cpus,
+        step_threads=step_threads,
+        workers_cpus=workers_cpus,
     )
 
 
@@ -484,7 +560,8 @@ def _verdict(
             f"batch of the CPUs, against {_ms(step + loop.load_seconds)} now, and a step on "
             "several threads slows down by more than the core a worker takes. A cheaper "
             "transform, or data decoded once ahead of training, makes this loop faster; "
-            "autoloader.tune() measures whether workers pay."
+            "autoloader.tune() measures whether workers pay, and the step's threads "
+            "against them."
         )
     on_cpu = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
     if receiving and on_cpu > _RECEIVING_SHARE:
@@ -507,6 +584,61 @@ def _verdict(
         f"time: storage, network, sleeps): more workers, even beyond the {usable_cpus} "
         "CPUs, overlap the waits. autoloader.tune() finds how many."
     )
+
+
+def _oversubscription(
+    *,
+    step_cpus: float,
+    workers_cpus: float,
+    workers: int,
+    usable_cpus: int,
+    step_threads: int,
+) -> str | None:
+    """The sentence saying that the step and the ``workers`` worker processes ask for
+    more CPUs than the ``usable_cpus``, with the figures and what to do; ``None`` where
+    they do not (see ``NOTE [ Oversubscription ]``)."""
+    step = _step_asks(step_cpus, step_threads, usable_cpus)
+    total = step + workers_cpus
+    if total <= _OVERSUBSCRIBED * usable_cpus:
+        return None
+    who = _workers(workers)
+    if step_cpus >= _STEP_ON_CPU:
+        threads = "thread" if step_threads == 1 else "threads"
+        step_part = f"The step ({step_threads} torch {threads}, {step_cpus:.1f} CPUs busy)"
+    else:
+        step_part = f"The step ({step_cpus:.1f} CPUs busy)"
+    sentence = (
+        f"{step_part} and {who} ({workers_cpus:.1f} CPUs) ask for {total:.1f} CPUs of the "
+        f"{usable_cpus} here: they take turns on the cores."
+    )
+    tune = (
+        "autoloader.tune() measures the split (its step_threads setting, applied with "
+        "result.apply_threads())."
+    )
+    # The workers keep the cores they used, rounded half up: round() takes 0.5 to 0,
+    # and a worker busy half the time would be left no core at all.
+    suggested = max(1, usable_cpus - math.floor(workers_cpus + 0.5))
+    if suggested >= step_threads:
+        # The step's threads already fit in the cores the workers leave.
+        return f"{sentence} Fewer workers crowd them less; {tune}"
+    left = usable_cpus - suggested
+    cores = "core" if left == 1 else "cores"
+    return (
+        f"{sentence} torch.set_num_threads({suggested}) in the training process leaves "
+        f"{who} {left} {cores}; {tune}"
+    )
+
+
+def _step_asks(step_cpus: float, step_threads: int, usable_cpus: int) -> float:
+    """CPUs the step asks for: all its torch threads (up to the usable CPUs) once it
+    trains on the CPU, else what it used (see ``NOTE [ Oversubscription ]``)."""
+    if step_cpus >= _STEP_ON_CPU:
+        return max(step_cpus, float(min(step_threads, usable_cpus)))
+    return step_cpus
+
+
+def _workers(workers: int) -> str:
+    return "the worker" if workers == 1 else f"the {workers} workers"
 
 
 def _memory_bound(

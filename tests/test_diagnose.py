@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import Diagnosis, InvalidInputError, LoopError
+from autoloader._diagnose import _OVERSUBSCRIBED, _oversubscription
 from benchmarks.copy_on_read import Records
 
 from .workloads import (
@@ -47,6 +51,10 @@ def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> 
     assert diagnosis.verdict == "step-bound"
     assert diagnosis.step_seconds is not None and diagnosis.step_seconds >= 0.2
     assert diagnosis.ceiling == pytest.approx(4 / diagnosis.step_seconds)
+    # What the oversubscription check reads, whatever this machine's load made of it.
+    assert diagnosis.step_threads == torch.get_num_threads()
+    assert diagnosis.workers_cpus is not None and diagnosis.workers_cpus >= 0
+    assert any(line.startswith("CPUs asked") for line in str(diagnosis).splitlines())
     # The loader is left as it was: a full epoch, from new workers.
     assert sum(len(batch) for batch in loader) == 64
 
@@ -97,6 +105,9 @@ def test_str_shows_the_verdict_and_the_figures_behind_it() -> None:
         assert any(line.startswith(label) for line in text.splitlines()), label
     assert diagnosis.as_dict()["verdict"] == diagnosis.verdict
     assert isinstance(diagnosis, Diagnosis)
+    # No worker processes: nothing to weigh the step's threads against.
+    assert diagnosis.step_threads == torch.get_num_threads()
+    assert diagnosis.workers_cpus is None and "CPUs asked" not in text
 
 
 @pytest.mark.parametrize(
@@ -150,3 +161,116 @@ def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() 
     diagnosis = autoloader.diagnose(threads, noop_step, seconds=2)
     assert diagnosis.num_workers == 2
     assert "receiving" not in diagnosis.reason and "ThreadLoader" not in diagnosis.reason
+    assert diagnosis.workers_cpus is None  # thread workers' CPU time is this process's
+
+
+def test_a_step_on_all_its_threads_beside_a_busy_worker_oversubscribes_the_cores() -> None:
+    """On 2 cores, a 2-thread step measured 1.5 CPUs busy beside 1 worker at 0.5: it
+    asks for both cores whenever it runs (see NOTE [ Oversubscription ])."""
+    sentence = _oversubscription(
+        step_cpus=1.5, workers_cpus=0.5, workers=1, usable_cpus=2, step_threads=2
+    )
+    assert sentence == (
+        "The step (2 torch threads, 1.5 CPUs busy) and the worker (0.5 CPUs) ask for 2.5 "
+        "CPUs of the 2 here: they take turns on the cores. torch.set_num_threads(1) in "
+        "the training process leaves the worker 1 core; autoloader.tune() measures the "
+        "split (its step_threads setting, applied with result.apply_threads())."
+    )
+    sentence = _oversubscription(
+        step_cpus=1.8, workers_cpus=1.7, workers=2, usable_cpus=2, step_threads=2
+    )
+    assert sentence is not None
+    assert "and the 2 workers (1.7 CPUs) ask for 3.7 CPUs of the 2 here" in sentence
+
+
+@pytest.mark.parametrize(
+    ("step_cpus", "workers_cpus", "step_threads"),
+    [
+        (0.02, 1.9, 2),  # a step on an accelerator leaves the cores to the workers
+        (0.9, 1.0, 1),  # one thread and one worker: a core each
+        (1.9, 0.2, 2),  # the worker mostly idle
+        (1.9, _OVERSUBSCRIBED * 2 - 2 - 0.01, 2),  # just within the margin
+    ],
+)
+def test_a_step_and_workers_within_the_cores_are_not_oversubscribed(
+    step_cpus: float, workers_cpus: float, step_threads: int
+) -> None:
+    assert (
+        _oversubscription(
+            step_cpus=step_cpus,
+            workers_cpus=workers_cpus,
+            workers=2,
+            usable_cpus=2,
+            step_threads=step_threads,
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("step_cpus", "workers_cpus", "workers", "usable_cpus", "step_threads"),
+    [
+        (1.9, _OVERSUBSCRIBED * 2 - 2 + 0.01, 1, 2, 2),
+        (3.0, 7.9, 8, 8, 8),  # the workers use every core
+        (2.0, 12.0, 16, 8, 8),  # more than every core: still one thread
+        (0.6, 1.9, 2, 2, 1),  # one thread already
+        (1.0, 2.0, 2, 2, 1),
+        (15.0, 3.4, 4, 16, 16),
+        (0.02, 2.4, 3, 2, 4),  # a step off the CPU asks for what it used
+    ],
+)
+def test_the_threads_suggested_are_at_least_one_and_fewer_than_now(
+    step_cpus: float, workers_cpus: float, workers: int, usable_cpus: int, step_threads: int
+) -> None:
+    sentence = _oversubscription(
+        step_cpus=step_cpus,
+        workers_cpus=workers_cpus,
+        workers=workers,
+        usable_cpus=usable_cpus,
+        step_threads=step_threads,
+    )
+    assert sentence is not None and "take turns on the cores" in sentence
+    assert "autoloader.tune() measures the split" in sentence
+    suggested = re.search(r"torch\.set_num_threads\((\d+)\)", sentence)
+    if suggested is None:
+        assert "Fewer workers crowd them less" in sentence
+    else:
+        assert 1 <= int(suggested.group(1)) < step_threads
+    if step_threads == 1:
+        assert suggested is None
+
+
+def test_workers_busy_half_a_core_more_are_left_the_whole_core() -> None:
+    """round() takes 0.5 to 0 and 2.5 to 2: the workers would be left less than they use."""
+    sentence = _oversubscription(
+        step_cpus=3.0, workers_cpus=2.5, workers=3, usable_cpus=4, step_threads=4
+    )
+    assert sentence is not None and "torch.set_num_threads(1)" in sentence
+    assert "leaves the 3 workers 3 cores" in sentence
+
+
+def test_str_shows_what_the_step_and_the_workers_ask_of_the_cpus() -> None:
+    figures = {
+        "verdict": "step-bound",
+        "reason": "",
+        "num_workers": 1,
+        "batch_size": 4,
+        "samples_per_second": None,
+        "data_wait_fraction": None,
+        "step_seconds": None,
+        "loop_load_seconds": None,
+        "loader_seconds": None,
+        "time_to_first_batch": None,
+        "peak_memory": 1 << 20,
+        "memory_budget": 1 << 30,
+        "loading_cpu_share": None,
+        "usable_cpus": 2,
+        "step_cpus": 1.5,
+        "step_threads": 2,
+    }
+    crowded = str(Diagnosis(**figures, workers_cpus=0.5)).splitlines()
+    row = "CPUs asked             step 2 torch threads (1.5 busy) + the worker 0.5 = 2.5 of 2"
+    assert row + ": oversubscribed" in crowded
+    one_thread = str(Diagnosis(**{**figures, "step_threads": 1}, workers_cpus=0.5))
+    assert "step 1 torch thread (1.5 busy) + the worker 0.5 = 2.0 of 2\n" in one_thread + "\n"
+    assert "CPUs asked" not in str(Diagnosis(**figures))
