@@ -58,6 +58,8 @@ def _tune(args: argparse.Namespace) -> int:
         return 0  # every rank holds the same result: rank 0 saves and prints it
     print(report(result))
     print(f"\nsaved to {path}: autoloader.load({str(path)!r}).make_loader(dataset)")
+    if result.params.get("step_threads") is not None:
+        print("and, where the step trains: autoloader.load(...).apply_threads()")
     return 0
 
 

@@ -117,6 +117,10 @@ class LoaderTuner(pl.Callback):
     Attributes:
         result (TuneResult or None): the tuning result, once the fit has started.
 
+    The fit trains with the tuned settings, tuned ``step_threads`` (this process's
+    torch threads, see ``NOTE [ Step threads ]``) included; when it ends, the process's
+    threads are put back.
+
     Under DDP every rank runs the callback and the ranks tune together, as
     :func:`autoloader.tune` does under torchrun; the settings are the same on every
     rank. Tuning is skipped, with a warning, under ``fast_dev_run``,
@@ -148,6 +152,7 @@ class LoaderTuner(pl.Callback):
         self.tune_kwargs = tune_kwargs
         self.result: TuneResult | None = None
         self._source: _DataLoaderSource | None = None
+        self._threads: int | None = None  # this process's, before the tuned step_threads
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if _skipped(trainer):
@@ -169,6 +174,8 @@ class LoaderTuner(pl.Callback):
             inner=source,
             build=functools.partial(_tuned, trainer, result),
         )
+        # The fit trains on the tuned threads; _give_back puts the process's back.
+        self._threads = result.apply_threads()
         _logger.info(
             "LoaderTuner: training with %s (%.2fx the defaults)", result.params, result.speedup
         )
@@ -182,9 +189,13 @@ class LoaderTuner(pl.Callback):
         self._give_back(trainer)
 
     def _give_back(self, trainer: pl.Trainer) -> None:
-        """The fit loop's own data source again, for a later fit with this trainer."""
+        """The fit loop's own data source and this process's threads again, for a later
+        fit with this trainer."""
         if self._source is not None:
             trainer.fit_loop._data_source, self._source = self._source, None
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     def _tune(
         self, trainer: pl.Trainer, module: pl.LightningModule, loader: DataLoader[Any]

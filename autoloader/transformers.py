@@ -96,7 +96,9 @@ def tune_trainer(
     ``TrainingArguments``' ``dataloader_*`` fields where they can say it, else by a
     ``get_train_dataloader()`` that puts the tuned loader (thread workers, limited
     worker thread pools) inside the one accelerate prepares (see
-    ``NOTE [ A Trainer's loader ]`` in this module).
+    ``NOTE [ A Trainer's loader ]`` in this module). Tuned ``step_threads`` (the
+    training process's torch threads, see ``NOTE [ Step threads ]``) are set in this
+    process with ``result.apply_threads()``: ``train()`` runs here.
 
     Tuning leaves no trace on training: the model, the optimizer (a temporary one when
     the Trainer has none yet), a given LR scheduler, the gradient scaler, the samplers'
@@ -105,7 +107,9 @@ def tune_trainer(
     tuned Trainer loader's draws ]``). With a fixed seed, on the CPU and batches in
     order (``in_order=True``, the default), ``trainer.train()`` ends with the same
     weights, bit for bit, as without ``tune_trainer()``, if the dataset and collator
-    draw no random numbers (with workers, those draw from the workers' seeds).
+    draw no random numbers (with workers, those draw from the workers' seeds) and the
+    step runs on the threads it had before (tuned ``step_threads`` of another count
+    may sum in another order: ``torch.set_num_threads`` back for such a comparison).
 
     Tuning steps run the model as it is before ``train()``: not yet wrapped for
     distributed training (under torchrun each rank steps alone, and the ranks tune
@@ -170,6 +174,8 @@ def tune_trainer(
                     **tune_kwargs,
                 )
             _apply(trainer, result, maker, original)
+            # A setting of the process, which the Trainer's loader cannot carry.
+            result.apply_threads()
         finally:
             # prepare() keeps each loader it prepared; train() starts by forgetting them.
             accelerator._dataloaders[:] = prepared_before

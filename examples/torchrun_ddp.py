@@ -100,6 +100,7 @@ def main() -> None:
     if rank == 0:
         print(autoloader.report(result))
     loader = result.make_loader(dataset)  # this rank's sampler, the tuned settings
+    result.apply_threads()  # this rank's torch threads, where they were tuned
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)

@@ -7,7 +7,9 @@ as often as you like with the settings it found:
 
 Nothing here tunes: ``autoloader.load`` reads the JSON (warning if it was measured on
 another machine) and ``make_loader`` builds the DataLoader with the tuned settings, the
-batch size and the fixed options (``shuffle``...) of the tuning run.
+batch size and the fixed options (``shuffle``...) of the tuning run; ``apply_threads``
+sets the step's torch threads where they were tuned (a setting of the process, which
+no loader carries).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> None:
     # The tuned worker count may exceed the CPUs on purpose; torch warns each epoch.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     loader = tuned.make_loader(dataset)
+    tuned.apply_threads()  # the step's torch threads, where they were tuned
     for epoch in range(args.epochs):
         started, losses = time.perf_counter(), []
         for batch in loader:

@@ -99,6 +99,7 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
     tmp_path: Path,
 ) -> None:
     plain, plain_trainer = _fit([])
+    torch_threads = torch.get_num_threads()
 
     path = tmp_path / "loader.json"
     tuner = LoaderTuner(time_budget=8, path=path, show_progress=False)
@@ -118,6 +119,7 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
     assert tuned.epoch_losses == plain.epoch_losses  # each epoch's own batches only
     assert trainer.fit_loop._data_source is not None
     assert type(trainer.fit_loop._data_source).__name__ == "_DataLoaderSource"  # given back
+    assert torch.get_num_threads() == torch_threads  # the tuned step_threads: the fit's only
     assert json.loads(path.read_text())["params"] == result.params
 
     # The same problem again: the file's settings, no tuning, the same training.

@@ -166,8 +166,13 @@ def test_training_after_tuning_is_bit_identical_and_uses_the_tuned_loader(
     spy = Spy()
     trainer = _trainer(tmp_path_factory.mktemp("tuned"), spy=spy, **arguments)
     before = _weights(trainer)
+    threads = torch.get_num_threads()
 
     result = tune_trainer(trainer, time_budget=BUDGET, search_space=space, show_progress=False)
+    # The tuned threads are the process's for train(), whose sums they may order
+    # otherwise: the bit-for-bit comparison trains on the threads the untuned run had.
+    assert torch.get_num_threads() == (result.params["step_threads"] or threads)
+    torch.set_num_threads(threads)
 
     # Tuning left the model and the Trainer as they were.
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
