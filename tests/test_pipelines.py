@@ -63,14 +63,25 @@ def _check_one_epoch(result: autoloader.TuneResult, pipeline: Pipeline, copies: 
 
 # The pipelines with tests of their own check their epoch there.
 OWN_TESTS = ("images", "webdataset-unsharded", "webdataset-few-shards")
+# cpu-train-small is cpu-train's data and dataset with a narrower CNN: a benchmark case.
+BENCHMARK_ONLY = ("cpu-train-small",)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in OWN_TESTS])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in OWN_TESTS + BENCHMARK_ONLY])
 def test_a_tuned_loader_yields_every_sample_once(
     corpus: Callable[[str], Pipeline], name: str
 ) -> None:
     pipeline = corpus(name)
-    _check_one_epoch(_tune(pipeline), pipeline)
+    threads = torch.get_num_threads()
+    result = _tune(pipeline)
+    _check_one_epoch(result, pipeline)
+    # The training process's threads: searched where the step trains on the CPU, left
+    # alone where it sleeps (as on an accelerator), and as they were after tune().
+    assert torch.get_num_threads() == threads
+    searched = "step_threads searched" if pipeline.cpu_step else "step_threads left as they are"
+    assert any(note.startswith(searched) for note in result.notes), result.notes
+    if not pipeline.cpu_step:
+        assert all(t.params["step_threads"] is None for t in result.trials)
 
 
 def test_a_dataset_that_ran_torchs_thread_pool_is_tuned_not_left_at_the_defaults(

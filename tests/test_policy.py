@@ -63,6 +63,7 @@ from autoloader.search._reasons import (
     ThreadsSearched,
     TrialCap,
     TunedJointly,
+    WorkersCappedAtCores,
     WorkersCappedAtEpoch,
     WorkersCappedAtStartup,
     render,
@@ -892,6 +893,11 @@ def test_within_two_percent_threads_are_chosen_over_worker_processes() -> None:
             "the CPU).",
         ),
         (
+            WorkersCappedAtCores(2),
+            "num_workers searched up to 2: loading and the step are both CPU work, and "
+            "more workers than the 2 CPUs would only take turns with the step's threads.",
+        ),
+        (
             StepThreadsToApply(1, 2, 1, 2),
             "step_threads=1: the tuned settings train on 1 torch thread (this process had "
             "2), leaving 1 of 2 CPUs to 1 worker. No DataLoader can carry a setting of the "
@@ -1072,6 +1078,7 @@ def _step_on_cpu(baseline: Trial, *, own: float, load_cpu: float = 0.018) -> Tri
         baseline.measurement,
         load_seconds=0.02,
         load_cpu_seconds=load_cpu,
+        load_thread_cpu_seconds=load_cpu,
         step_seconds=0.5,  # a power of two: own * 0.5 / 0.5 is own exactly
         step_cpu_seconds=0.9375,
         step_thread_cpu_seconds=own * 0.5,
@@ -1080,17 +1087,28 @@ def _step_on_cpu(baseline: Trial, *, own: float, load_cpu: float = 0.018) -> Tri
 
 
 def test_a_step_on_the_cpu_has_its_threads_split_from_the_workers_cores() -> None:
-    """Loading is CPU work: n workers leave the step 2 - n threads (at least one), and
-    the guesses leave the step a core; the sampler then draws the threads too."""
+    """Loading is CPU work: n workers leave the step 2 - n threads (at least one), the
+    guesses leave the step a core, and no setting has more workers than CPUs; the
+    sampler then draws the threads too."""
     history = [_step_on_cpu(_baseline(), own=0.96)]
     policy = _policy()
     assert policy.step_threads_left(history, threads=2) is None
     assert policy.sampled_space(history).step_threads == (1, 2)
     points = [(p["num_workers"], p["step_threads"]) for p in policy.starting_points(history)]
-    assert points == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
-    # Loading that waits: the workers take no core, the step keeps both.
+    assert points == [(1, 1), (2, 1)]
+    assert policy.workers_cap(history) == WorkersCappedAtCores(2)
+    # Loading that waits: the workers take no core, the step keeps both, and the ladder
+    # goes on past the CPUs.
     waits = [_step_on_cpu(_baseline(), own=0.96, load_cpu=0.001)]
     assert {p["step_threads"] for p in policy.starting_points(waits)} == {2}
+    assert [p["num_workers"] for p in policy.starting_points(waits)] == [1, 2, 4, 8, 16]
+    assert policy.workers_cap(waits) is None
+    # Loading that waits, charged the CPU torch's pool spun after the step: not CPU work.
+    spun = [_step_on_cpu(_baseline(), own=0.96, load_cpu=0.001)]
+    assert spun[0].measurement is not None
+    process = dataclasses.replace(spun[0].measurement, load_cpu_seconds=0.018)
+    spun = [dataclasses.replace(spun[0], outcome=Completed(process, 100.0))]
+    assert policy.workers_cap(spun) is None
 
 
 def test_a_step_that_waits_or_runs_on_an_accelerator_keeps_its_threads() -> None:
@@ -1118,6 +1136,7 @@ def test_the_notes_say_whether_the_threads_were_searched_and_what_to_apply() -> 
     assert choice.params["step_threads"] == 1
     assert policy.step_threads_notes(history, choice, threads=2) == [
         StepThreadsSearched(1, 2, 0.96, 1.875),
+        WorkersCappedAtCores(2),
         StepThreadsToApply(1, 2, 1, 2),
     ]
     baseline_only = [_step_on_cpu(_baseline(), own=0.01)]
@@ -1140,6 +1159,7 @@ class ThreadedRunner(FakeRunner):
             step_seconds=0.04,
             step_thread_cpu_seconds=0.039,
             load_cpu_seconds=0.019,
+            load_thread_cpu_seconds=0.019,
         )
 
 
@@ -1149,6 +1169,8 @@ def test_the_driver_searches_the_step_threads_and_chooses_the_split() -> None:
     driver.run()
     drawn = [t.params["step_threads"] for t in driver.history if t.phase is Phase.SEARCH]
     assert None not in drawn and set(drawn) <= {1, 2}
+    # Loading and the step both on the CPU: no more workers than the 2 CPUs.
+    assert max(t.params["num_workers"] for t in driver.history) <= 2
     choice = driver.policy.choose(driver.history)
     assert choice.params["step_threads"] == 1 and choice.params["num_workers"] >= 1
     assert runner.measured[0]["step_threads"] is None  # the baseline: the user's own

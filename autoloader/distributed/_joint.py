@@ -147,6 +147,7 @@ def job_measurement(measurements: Sequence[Measurement]) -> Measurement:
         load_cpu_seconds=statistics.fmean(m.load_cpu_seconds for m in measurements),
         step_cpu_seconds=statistics.fmean(m.step_cpu_seconds for m in measurements),
         step_thread_cpu_seconds=statistics.fmean(m.step_thread_cpu_seconds for m in measurements),
+        load_thread_cpu_seconds=statistics.fmean(m.load_thread_cpu_seconds for m in measurements),
         epochs_samples_per_second=optional("epochs_samples_per_second", min),
         burst_left=most("burst_left"),
     )

@@ -51,6 +51,9 @@ class Measurement:
             waits, on an accelerator or in a sleep, whose ``step_cpu_seconds`` can still
             count torch's pool spinning after the loading's ops (see
             ``NOTE [ Step threads ]``).
+        load_thread_cpu_seconds: the same as ``load_cpu_seconds`` for this thread
+            alone: with ``num_workers=0``, loading that is CPU work keeps it busy, and
+            loading that waits does not, whatever torch's pool spins after the step.
     """
 
     samples_per_second: float
@@ -69,6 +72,7 @@ class Measurement:
     epochs_samples_per_second: float | None = None
     burst_left: int = 0
     step_thread_cpu_seconds: float = 0.0
+    load_thread_cpu_seconds: float = 0.0
 
     @property
     def too_short(self) -> bool:

@@ -45,6 +45,7 @@ class Totals:
     step: float = 0.0
     step_cpu: float = 0.0
     step_own_cpu: float = 0.0  # this thread's alone (NOTE [ Step threads ])
+    wait_own_cpu: float = 0.0
 
 
 # NOTE [ Whole epochs ]
@@ -371,7 +372,7 @@ class TimingLoop:
         """Fetch, step and count the next batch (the first of a new epoch, once one
         ends). Returns when its step ended, and whether the open window is long enough
         to close (``ready``) and must close (``last``: ``max_batches`` timed)."""
-        t0, cpu0 = perf_counter(), process_time()
+        t0, cpu0, own0 = perf_counter(), process_time(), thread_time()
         restarted = False
         try:
             self.batch = self._fetch(self.each_limit)
@@ -401,6 +402,7 @@ class TimingLoop:
         window.batches += 1
         window.wait += t1 - t0
         window.wait_cpu += cpu1 - cpu0
+        window.wait_own_cpu += own1 - own0
         window.step_cpu += cpu2 - cpu1
         window.step_own_cpu += own2 - own1
         window.step += t2 - t1
@@ -594,6 +596,7 @@ class TimingLoop:
             load_cpu_seconds=total.wait_cpu / total.batches,
             step_cpu_seconds=total.step_cpu / total.batches,
             step_thread_cpu_seconds=total.step_own_cpu / total.batches,
+            load_thread_cpu_seconds=total.wait_own_cpu / total.batches,
             epochs_samples_per_second=self.epochs.rate(),
             burst_left=self.burst_left,
         )

@@ -32,7 +32,10 @@ settings split the cores between them and the workers: with loading that is CPU 
 ``n`` workers leave the step ``cores - n`` threads (at least one), and the guessed worker
 counts leave the step at least one core; with loading that mostly waits, or none in
 workers (``num_workers=0``, thread workers sharing the step's pool), the step keeps every
-core. The sampler then measures other splits.
+core. The sampler then measures other splits, with no more workers than cores: with
+both works on the CPU, more only take turns with the step. Whether loading is CPU work
+is then read from the loading thread's own CPU time: after a step's parallel ops, torch's
+pool spins for a while, and the process's CPU time would charge that to the loading.
 """
 
 from __future__ import annotations
@@ -63,8 +66,7 @@ def guess_workers(
     if load <= 0:
         return []
     needed = math.ceil(load / step) if step > 0 else usable_cpus
-    cpu_share = float(baseline.get("load_cpu_seconds", 0.0)) / load
-    if cpu_share > _CPU_BOUND_SHARE:
+    if loading_on_cpu(baseline, step_on_cpu=step_on_cpu):
         needed = min(needed, usable_cpus)
         if step_on_cpu:
             cores = max(1, usable_cpus - 1)
@@ -78,8 +80,7 @@ def split_step_threads(
     """The training process's threads for a first setting of ``num_workers`` workers of
     a kind (``"processes"`` or ``"threads"``): the cores the workers leave the step (see
     ``NOTE [ Cost model ]``)."""
-    load = float(baseline.get("load_seconds", 0.0))
-    cpu_bound = load > 0 and float(baseline.get("load_cpu_seconds", 0.0)) > _CPU_BOUND_SHARE * load
+    cpu_bound = loading_on_cpu(baseline, step_on_cpu=True)
 
     def threads(kind: str, workers: int) -> int:
         if not cpu_bound or kind != "processes":
@@ -87,6 +88,15 @@ def split_step_threads(
         return max(1, usable_cpus - workers)
 
     return threads
+
+
+def loading_on_cpu(baseline: Mapping[str, float], *, step_on_cpu: bool) -> bool:
+    """Whether the baseline's loading was CPU work: on the CPU more than half its time,
+    counting the loading thread alone where the step works on the CPU (see
+    ``NOTE [ Cost model ]``)."""
+    load = float(baseline.get("load_seconds", 0.0))
+    key = "load_thread_cpu_seconds" if step_on_cpu else "load_cpu_seconds"
+    return load > 0 and float(baseline.get(key, 0.0)) > _CPU_BOUND_SHARE * load
 
 
 def guess_threads(baseline: Mapping[str, float]) -> list[int]:

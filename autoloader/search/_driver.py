@@ -265,7 +265,9 @@ class Driver:
         """Past a failure boundary, the sampler draws the worker count below it: Optuna's
         TPE learns nothing from failed trials, and would keep proposing counts that are
         known to fail (each recorded without running, but a proposal spent). Nor does it
-        draw more workers than can start in the time left (``Policy.startable``)."""
+        draw more workers than can start in the time left (``Policy.startable``), nor
+        more than the CPUs where loading and the step are both CPU work
+        (``Policy.workers_cap``)."""
         low, high = self.policy.space.num_workers  # type: ignore[misc]
         bound = high
         smallest = failing_from(self.history)
@@ -274,6 +276,9 @@ class Driver:
         startable = self.policy.startable(self.history, self._seconds_left())
         if startable is not None:
             bound = min(bound, startable)
+        cap = self.policy.workers_cap(self.history)
+        if cap is not None:
+            bound = min(bound, cap.cpus)
         if not low <= bound < high:
             return None
         return {"num_workers": IntDistribution(low, bound)}

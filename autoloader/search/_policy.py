@@ -34,6 +34,7 @@ from autoloader.measure._measurement import Measurement
 from autoloader.search._cost_model import (
     guess_threads,
     guess_workers,
+    loading_on_cpu,
     loads_on_several_threads,
     split_step_threads,
 )
@@ -69,7 +70,9 @@ from autoloader.search._reasons import (
     StepThreadsSearched,
     StepThreadsToApply,
     StopReason,
+    ThreadsNote,
     TrialCap,
+    WorkersCappedAtCores,
 )
 from autoloader.search._space import SearchSpace
 
@@ -287,12 +290,14 @@ class Policy:
         facts = measured.as_dict() if measured is not None else {}
         space = self.sampled_space(history)
         on_cpu = space.step_threads is not None
-        return space.ladder(
+        points = space.ladder(
             first=guess_workers(facts, usable_cpus=self.usable_cpus, step_on_cpu=on_cpu),
             limit_threads=loads_on_several_threads(facts),
             first_threads=guess_threads(facts),
             step_threads=split_step_threads(facts, usable_cpus=self.usable_cpus),
         )
+        cap = self.workers_cap(history)
+        return [p for p in points if cap is None or p["num_workers"] <= cap.cpus]
 
     # The training process's threads ------------------------------------------------
 
@@ -303,6 +308,20 @@ class Policy:
         if self.step_threads_left(history, threads=0) is None:
             return self.space
         return dataclasses.replace(self.space, step_threads=None)
+
+    def workers_cap(self, history: Sequence[Trial]) -> WorkersCappedAtCores | None:
+        """The most workers worth measuring where the step's threads are searched and
+        the baseline's loading was CPU work too: the CPUs (``NOTE [ Cost model ]``).
+        ``None`` elsewhere, or where the space's range starts above them."""
+        measured = baseline_measurement(history)
+        if measured is None or self.sampled_space(history).step_threads is None:
+            return None
+        low, high = self.space.num_workers  # type: ignore[misc]
+        if not low <= self.usable_cpus < high:
+            return None
+        if not loading_on_cpu(measured.as_dict(), step_on_cpu=True):
+            return None
+        return WorkersCappedAtCores(self.usable_cpus)
 
     def step_threads_left(
         self, history: Sequence[Trial], *, threads: int
@@ -324,10 +343,11 @@ class Policy:
 
     def step_threads_notes(
         self, history: Sequence[Trial], choice: Choice, *, threads: int
-    ) -> list[StepThreadsSearched | StepThreadsLeft | StepThreadsToApply]:
+    ) -> list[ThreadsNote]:
         """What the user should know of the training process's threads: searched or left
-        alone (``threads``: what the process has), and what the choice asks of them."""
-        notes: list[StepThreadsSearched | StepThreadsLeft | StepThreadsToApply] = []
+        alone (``threads``: what the process has), the workers they cap, and what the
+        choice asks of them."""
+        notes: list[ThreadsNote] = []
         measured = baseline_measurement(history)
         left = self.step_threads_left(history, threads=threads)
         choices = self.space.step_threads
@@ -337,6 +357,9 @@ class Policy:
             busy = measured.step_cpu_seconds
             step_cpus = busy / measured.step_seconds if measured.step_seconds else 0.0
             notes.append(StepThreadsSearched(*choices, _own_share(measured), step_cpus))
+        cap = self.workers_cap(history)
+        if cap is not None:
+            notes.append(cap)
         chosen = choice.params.get("step_threads")
         if chosen is not None:
             notes.append(

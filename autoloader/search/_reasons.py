@@ -182,6 +182,14 @@ class StepThreadsLeft:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkersCappedAtCores:
+    """``num_workers`` searched up to the ``cpus``: loading and the step are both CPU
+    work, and more workers only take turns with the step's threads."""
+
+    cpus: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepThreadsToApply:
     """The chosen setting runs the step on ``threads`` torch threads, where the process
     had ``before``, leaving ``cpus_left`` of ``usable_cpus`` CPUs to ``workers`` workers:
@@ -242,7 +250,9 @@ SpaceNote: TypeAlias = (
     | ProcessesOnly
     | ThreadsSearched
 )
-ThreadsNote: TypeAlias = StepThreadsSearched | StepThreadsLeft | StepThreadsToApply
+ThreadsNote: TypeAlias = (
+    StepThreadsSearched | StepThreadsLeft | WorkersCappedAtCores | StepThreadsToApply
+)
 RunNote: TypeAlias = TunedJointly | Interrupted | BudgetGivenBack | Resumed
 Note: TypeAlias = StopReason | Shortcoming | SpaceNote | ThreadsNote | RunNote
 
@@ -344,6 +354,12 @@ def render(value: Note) -> str:
                 f"step_threads left as they are ({value.threads} torch threads): the step "
                 f"waits (its thread was on the CPU {value.own_share:.0%} of the step), so "
                 "its threads do not compete with the workers."
+            )
+        case WorkersCappedAtCores():
+            return (
+                f"num_workers searched up to {value.cpus}: loading and the step are both "
+                f"CPU work, and more workers than the {value.cpus} CPUs would only take "
+                "turns with the step's threads."
             )
         case StepThreadsToApply():
             left = max(0, value.usable_cpus - value.threads)
