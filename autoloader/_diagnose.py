@@ -33,8 +33,9 @@ NOTE [ Oversubscription ]
 A step that trains on the CPU runs its ops on torch's intra-op pool in this process,
 ``torch.get_num_threads()`` threads (as many as the cores by default), and every op big
 enough to split wakes them all, while worker processes load on the same cores. Measured
-on a 2-core VM, JPEG decode and a CNN trained on the CPU: 1 worker and 2 threads, 682
-samples/s; 1 worker and ``torch.set_num_threads(1)``, 1,083. What the step was measured
+on the 2-core development VM, JPEG decode and a narrow CNN trained on the CPU: 1 worker
+and 2 threads, 625 samples/s; 1 worker and ``torch.set_num_threads(1)``, 853 (see
+``NOTE [ Step threads ]``). What the step was measured
 to use is what it got, not what it asked for: on 2 cores, a 2-thread step beside 1 busy
 worker kept 1.5 CPUs busy and the worker 0.5, 2.0 in all, though the step wanted both
 cores whenever it ran. So the step is taken to ask for its threads (at most the usable

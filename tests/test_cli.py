@@ -82,7 +82,7 @@ def test_demo_tunes_prints_the_report_and_saves(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     for text in ("num_workers", "with the defaults", "bottleneck", "trials", str(out)):
         assert text in done.stdout
-    assert json.loads(out.read_text())["schema_version"] == 6
+    assert json.loads(out.read_text())["schema_version"] == 7
     # What it printed is the report of what it saved, and the search measured workers.
     result = autoloader.load(out)
     assert autoloader.report(result) in done.stdout

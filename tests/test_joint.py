@@ -380,3 +380,30 @@ def test_a_world_of_one_tunes_alone(tmp_path: Path) -> None:
     finally:
         torch.distributed.destroy_process_group()
     assert math.isfinite(result.throughput)
+
+
+def test_each_rank_runs_its_step_on_the_trials_threads_from_its_share_of_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ Step threads ] under torchrun: the space's range is the rank's share of the
+    node's CPUs, and each rank's trial sets its own process's threads, and puts them
+    back even when another rank fails the trial."""
+    monkeypatch.setattr("autoloader.checks._environment._affinity", lambda: 8)
+    monkeypatch.setattr("autoloader.checks._environment.cgroup_cpus", lambda: None)
+    share = usable_cpus(local_world_size=2, node_cpus=8)
+    space, _ = autoloader.SearchSpace().resolve(
+        usable_cpus=share, has_accelerator=False, batches_per_epoch=None
+    )
+    assert space.step_threads == (1, 4)
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def step(batch: torch.Tensor) -> None:
+        seen.append(torch.get_num_threads())
+
+    runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
+    lockstep = _FakeLockstep(torch.zeros(4, 8), others_fail_at=2)
+    with pytest.raises(PeerFailed):
+        runner.measure({"num_workers": 0, "step_threads": 1}, max_seconds=5.0, lockstep=lockstep)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before

@@ -893,6 +893,11 @@ def test_within_two_percent_threads_are_chosen_over_worker_processes() -> None:
             "the CPU).",
         ),
         (
+            StepThreadsLeft(2, 1.0, work_share=0.004),
+            "step_threads left as they are (2 torch threads): the step does 0% of the CPU "
+            "work per batch, too little for its threads to matter.",
+        ),
+        (
             WorkersCappedAtCores(2),
             "num_workers searched up to 2: loading and the step are both CPU work, and "
             "more workers than the 2 CPUs would only take turns with the step's threads.",
@@ -1120,6 +1125,19 @@ def test_a_step_that_waits_or_runs_on_an_accelerator_keeps_its_threads() -> None
     busy = [_step_on_cpu(_baseline(), own=0.96)]
     on_gpu = _policy(accelerator="cuda:0")
     assert on_gpu.step_threads_left(busy, threads=8) == StepThreadsLeft(8, 0.96, "cuda:0")
+    # A step on the CPU all its time, but a sliver of the work (a few microseconds of
+    # Python beside 18 ms of decoding): its threads matter to nothing.
+    assert busy[0].measurement is not None
+    tiny = dataclasses.replace(
+        busy[0].measurement,
+        step_seconds=0.0005,
+        step_cpu_seconds=0.0005,
+        step_thread_cpu_seconds=0.0005,
+    )
+    tiny_step = [dataclasses.replace(busy[0], outcome=Completed(tiny, 100.0))]
+    left_small = policy.step_threads_left(tiny_step, threads=2)
+    assert left_small is not None and left_small.work_share is not None
+    assert left_small.work_share < 0.05
     # Asked for in the space, they are searched whatever the step does.
     asked = _policy(accelerator="cuda:0", step_threads_asked=True)
     assert asked.step_threads_left(sleeps, threads=2) is None
@@ -1158,6 +1176,7 @@ class ThreadedRunner(FakeRunner):
             samples_per_second=rate,
             step_seconds=0.04,
             step_thread_cpu_seconds=0.039,
+            step_cpu_seconds=0.075,
             load_cpu_seconds=0.019,
             load_thread_cpu_seconds=0.019,
         )

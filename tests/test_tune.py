@@ -219,6 +219,10 @@ def test_tune_returns_measured_settings(tmp_path: Path) -> None:
     assert result.throughput > 0 and result.baseline > 0
     assert result.speedup == pytest.approx(result.throughput / result.baseline)
     assert any("no accelerator" in n for n in result.notes)
+    # The step waits: its threads are left as they are, and there is nothing to apply.
+    assert any(n.startswith("step_threads left as they are") for n in result.notes)
+    assert {t.params["step_threads"] for t in result.trials} == {None}
+    assert result.apply_threads() is None
     for record in result.trials:
         assert record.state in {"complete", "pruned", "failed"}
         if record.state == "complete":

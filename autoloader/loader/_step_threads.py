@@ -6,8 +6,9 @@ the machine by default (``torch.get_num_threads()``; torchrun sets one thread pe
 unless ``OMP_NUM_THREADS`` says otherwise). DataLoader's worker processes load on the
 same cores. With the pool as wide as the cores, every worker's turn on a core stalls a
 thread the step's next parallel op waits for, and the step slows by far more than the
-core the worker takes: on 2 cores, JPEG decoding in 1 worker and a small CNN trained on
-2 threads ran 682 samples/s, and 1,083 with the step on 1 thread.
+core the worker takes: on the 2-core development VM, JPEG decoding in 1 worker and a
+narrow CNN trained on 2 threads ran 625 samples/s, and 853 with the step on 1 thread
+(``cpu-train-small`` in ``benchmarks/README.md``); with no workers, 722 on 2 threads.
 
 ``step_threads`` is that pool's width, tuned against the workers where the step does
 CPU work. It is a setting of the process, not of a loader: each trial sets it and puts

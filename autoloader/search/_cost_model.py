@@ -49,7 +49,7 @@ _CPU_BOUND_SHARE = 0.5
 # CPU seconds per wall second of loading above which it ran on several threads.
 _MULTI_THREADED_SHARE = 1.2
 # Share of the CPU work per batch from which a step that trains on the CPU counts.
-_STEP_SHARE_OF_WORK = 0.25
+STEP_SHARE_OF_WORK = 0.25
 
 
 def guess_workers(
@@ -150,6 +150,6 @@ def step_competes_with_workers(
     work = step_cpu + load_cpu
     return (
         loading_cpu_share > _CPU_BOUND_SHARE
-        and step_cpu >= _STEP_SHARE_OF_WORK * work
+        and step_cpu >= STEP_SHARE_OF_WORK * work
         and work / usable_cpus > step
     )

@@ -32,6 +32,7 @@ from autoloader.loader._params import BASELINE_PARAMS, Params
 from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines
 from autoloader.measure._measurement import Measurement
 from autoloader.search._cost_model import (
+    STEP_SHARE_OF_WORK,
     guess_threads,
     guess_workers,
     loading_on_cpu,
@@ -136,9 +137,13 @@ _VOTE_RATIO = 0.6
 # The step works on the CPU, and its threads are searched (NOTE [ Step threads ]), where
 # the thread that runs it was on the CPU at least this share of the step in the
 # baseline. The thread's own time, not the process's: torch's pool spins for a while
-# after each parallel op, so the loading's ops charge a sleeping step CPU time (on the
-# development VM, a 20 ms sleep after JPEG decoding and torch ops kept 0.48 CPUs busy,
-# its own thread 0.00; a CNN trained on the CPU kept 1.95 busy, its own thread 0.97).
+# after each parallel op, so the loading's ops charge a sleeping step CPU time (in the
+# baselines of the development VM's corpus, the images pipeline's 20 ms sleep after JPEG
+# decoding and torch ops kept 0.56 CPUs busy, its own thread 0.01; cpu-train's CNN
+# trained on the CPU kept 1.96 busy, its own thread 1.00).
+# And the step's CPU time must be a real share of the CPU work per batch
+# (STEP_SHARE_OF_WORK, NOTE [ Cost model ]): a step of a few microseconds of Python is on
+# the CPU all its time, and its threads matter to nothing.
 _STEP_ON_CPU = 0.5
 
 # The reason of a trial voted out as slower: the setting is slow, not broken.
@@ -328,8 +333,9 @@ class Policy:
     ) -> StepThreadsLeft | None:
         """Why the training process's ``threads`` are left alone though the space has a
         range for them, or ``None`` where they are searched (or the space fixes them):
-        the step runs on an accelerator, or waits (``_STEP_ON_CPU``). Before the
-        baseline, nothing is known, and they are searched."""
+        the step runs on an accelerator, or waits (``_STEP_ON_CPU``), or does too
+        small a share of the CPU work to matter. Before the baseline, nothing is known,
+        and they are searched."""
         choices = self.space.step_threads
         if not isinstance(choices, tuple) or choices[0] == choices[1] or self.step_threads_asked:
             return None
@@ -339,7 +345,13 @@ class Policy:
         own = _own_share(measured)
         if self.accelerator is not None:
             return StepThreadsLeft(threads, own, self.accelerator)
-        return StepThreadsLeft(threads, own) if own < _STEP_ON_CPU else None
+        if own < _STEP_ON_CPU:
+            return StepThreadsLeft(threads, own)
+        work = measured.step_cpu_seconds + measured.load_cpu_seconds
+        share = measured.step_cpu_seconds / work if work > 0 else 0.0
+        if share < STEP_SHARE_OF_WORK:
+            return StepThreadsLeft(threads, own, work_share=share)
+        return None
 
     def step_threads_notes(
         self, history: Sequence[Trial], choice: Choice, *, threads: int

@@ -174,11 +174,13 @@ class StepThreadsSearched:
 @dataclass(frozen=True, slots=True)
 class StepThreadsLeft:
     """``step_threads`` left as they are (``threads``): the step's own thread was on the
-    CPU ``own_share`` of the step in the baseline, or it runs on ``accelerator``."""
+    CPU ``own_share`` of the step in the baseline, or it runs on ``accelerator``, or its
+    CPU time was only ``work_share`` of the CPU work per batch."""
 
     threads: int
     own_share: float
     accelerator: str | None = None
+    work_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +350,12 @@ def render(value: Note) -> str:
                 f"step_threads left as they are ({value.threads} torch threads): the step "
                 f"runs on {value.accelerator} (pass SearchSpace(step_threads=(1, N)) to "
                 "search them for a step that also works on the CPU)."
+            )
+        case StepThreadsLeft(work_share=float()):
+            return (
+                f"step_threads left as they are ({value.threads} torch threads): the step "
+                f"does {value.work_share:.0%} of the CPU work per batch, too little for "
+                "its threads to matter."
             )
         case StepThreadsLeft():
             return (
