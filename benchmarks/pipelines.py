@@ -20,7 +20,9 @@ loader holds every sample exactly once.
   workers the tuner tries.
 - ``cpu-train``: small JPEG files decoded with PIL and augmented with torch ops, and a
   step that trains a small CNN on the CPU (forward, backward, SGD): the step and the
-  workers compete for the cores.
+  workers compete for the cores. ``cpu-train-small`` trains a CNN of half the
+  width on batches of 32 (issue 26's case): its step gains less from a second thread,
+  and loading is a larger share of the work.
 
 The steps of the first five sleep, as a step on an accelerator leaves the CPU to the
 loader. Everything is a module-level class, so that spawned processes can load it.
@@ -286,17 +288,18 @@ class TrainCnn:
     """One SGD step of a small CNN on the CPU, with torch's threads (forward, loss,
     backward, update), as training without an accelerator runs it."""
 
-    def __init__(self) -> None:
+    def __init__(self, channels: tuple[int, int] = (16, 32)) -> None:
         torch.manual_seed(0)
+        first, second = channels
         self.model = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.Conv2d(3, first, 3, padding=1),
             torch.nn.ReLU(),
             torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.Conv2d(first, second, 3, padding=1),
             torch.nn.ReLU(),
             torch.nn.MaxPool2d(2),
             torch.nn.Flatten(),
-            torch.nn.Linear(32 * 16 * 16, 10),
+            torch.nn.Linear(second * 16 * 16, 10),
         )
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
@@ -336,6 +339,8 @@ class Pipeline:
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     hand_workers: tuple[int, ...] = (0, 1, 2, 3, 4)
     what: str = ""
+    # The step trains on the CPU: a hand grid sets the training process's threads too.
+    cpu_step: bool = False
 
 
 def _dict_ids(batch: Any) -> list[Any]:
@@ -359,6 +364,7 @@ NAMES = (
     "webdataset-unsharded",
     "webdataset-few-shards",
     "cpu-train",
+    "cpu-train-small",
 )
 
 
@@ -401,6 +407,7 @@ def build(name: str, root: str | Path, sizes: Sizes = Sizes()) -> Pipeline:
         "webdataset-unsharded": _webdataset,
         "webdataset-few-shards": _webdataset,
         "cpu-train": _cpu_train,
+        "cpu-train-small": _cpu_train,
     }
     if name not in builders:
         raise ValueError(f"unknown pipeline {name!r}; the corpus has {', '.join(NAMES)}")
@@ -410,6 +417,10 @@ def build(name: str, root: str | Path, sizes: Sizes = Sizes()) -> Pipeline:
     if name == "hdf5-open-in-init":
         pipeline.dataset = H5ImagesOpenedInInit(pipeline.dataset.path)
         pipeline.what = "HDF5 (h5py), the file opened in __init__ and inherited by workers"
+    if name == "cpu-train-small":
+        pipeline.step = TrainCnn(channels=(8, 16))
+        pipeline.batch_size = max(1, 32 // sizes.batch_divisor)
+        pipeline.what = "small JPEG files, PIL decode, torch ops; a narrow CNN on the CPU, batch 32"
     if name != "webdataset" and name.startswith("webdataset"):
         unsharded = name == "webdataset-unsharded"
         urls = _shard_urls(root, sizes, shards=sizes.shards if unsharded else 2)
@@ -510,6 +521,7 @@ def _cpu_train(root: Path, sizes: Sizes) -> Pipeline:
         expected=list(range(sizes.small_images)),
         loader_kwargs={"shuffle": True},
         what="small JPEG files, PIL decode, torch ops; a CNN trained on the CPU",
+        cpu_step=True,
     )
 
 

@@ -6,7 +6,9 @@ For each pipeline, in one run on one machine:
 2. ``autoloader.tune()`` with a 40 s budget, timed; what it searched, what it noted;
 3. one epoch of the tuned loader against the dataset: every sample once, none lost;
 4. the tuned loader and a hand grid of ``num_workers`` 0-4 and 8 (DataLoader's other
-   defaults, persistent workers), measured again side by side: interleaved rounds, the
+   defaults, persistent workers; where the step trains on the CPU, ``num_workers`` 0-4
+   times the training process's torch threads, 1 to the CPUs, see
+   ``NOTE [ Step threads ]``), measured again side by side: interleaved rounds, the
    order rotated each round, each measurement as a long training run gets it (the
    ``num_workers x prefetch_factor`` batches queued at start-up drained first, then the
    clock running across epochs, their restarts included: with epochs of a few seconds,
@@ -40,10 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 import autoloader
-from autoloader.loader import build_loader, merge_loader_kwargs
+from autoloader.loader import build_loader, merge_loader_kwargs, step_threads
 from autoloader.measure._errors import describe_error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +54,21 @@ from pipelines import NAMES, Pipeline, build, epoch_ids
 from revisions import setting, tune_now_and_before
 
 HAND_WORKERS = (0, 1, 2, 3, 4, 8)
+# Where the step trains on the CPU, each count is measured with every thread count.
+CPU_STEP_HAND_WORKERS = (0, 1, 2, 3, 4)
+
+
+def hand_grid(pipeline: Pipeline) -> dict[str, tuple[int, int | None]]:
+    """The hand settings by name: workers, and the training process's torch threads
+    (``None``: as they are) where the step trains on the CPU."""
+    if not pipeline.cpu_step:
+        return {f"num_workers={w}": (w, None) for w in HAND_WORKERS}
+    cpus = len(os.sched_getaffinity(0))
+    return {
+        f"num_workers={w} threads={t}": (w, t)
+        for w in CPU_STEP_HAND_WORKERS
+        for t in range(1, cpus + 1)
+    }
 
 
 def training_rate(
@@ -128,16 +146,20 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         print(f"diagnose: {row['verdict']} in {row['diagnose_seconds']:.1f} s", flush=True)
 
     settings: dict[str, Callable[[], DataLoader[Any]]] = {}
+    threads: dict[str, int | None] = {}
     if args.before:
-        finalists_extra = tune_side_by_side(pipeline, args, row, settings)
+        finalists_extra = tune_side_by_side(pipeline, args, row, settings, threads)
     else:
-        tune_here(pipeline, args, row, settings)
+        tune_here(pipeline, args, row, settings, threads)
         finalists_extra = []
 
-    for workers in HAND_WORKERS:
-        settings[f"num_workers={workers}"] = lambda w=workers: hand_loader(pipeline, w)
+    for name, (workers, count) in hand_grid(pipeline).items():
+        settings[name] = lambda w=workers: hand_loader(pipeline, w)
+        threads[name] = count
     failures: dict[str, str] = {}
-    rates = interleave(settings, list(settings), args.rounds, pipeline, args.seconds, failures)
+    rates = interleave(
+        settings, list(settings), args.rounds, pipeline, args.seconds, failures, threads
+    )
     row["rates"] = {name: (statistics.median(v), min(v), max(v)) for name, v in rates.items() if v}
     row["failures"] = failures
     hand = {n: r[0] for n, r in row["rates"].items() if n.startswith("num_workers=")}
@@ -150,6 +172,7 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
             pipeline,
             args.seconds,
             failures,
+            threads,
         )
         row["final"] = {
             name: (statistics.median(v), min(v), max(v)) for name, v in final.items() if v
@@ -166,13 +189,13 @@ def run_one(pipeline: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         row["best_hand"] = finalists[0]
     print("side by side (unique samples/s, median and min-max of rounds):")
     for name, (median, low, high) in row["rates"].items():
-        print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
+        print(f"  {name:<26} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
     for name, reason in failures.items():
         print(f"  {name:<16} fails: {reason}")
     if "ratio" in row:
         print(f"the tuned setting(s) and the two best by hand, {args.final_rounds} more rounds:")
         for name, (median, low, high) in row["final"].items():
-            print(f"  {name:<16} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
+            print(f"  {name:<26} {median:9,.0f}  ({low:,.0f}-{high:,.0f})")
         same = isinstance(row.get("tuned"), dict) and is_hand_setting(
             row["tuned"], row["best_hand"]
         )
@@ -189,6 +212,7 @@ def tune_here(
     args: argparse.Namespace,
     row: dict[str, Any],
     settings: dict[str, Callable[[], DataLoader[Any]]],
+    threads: dict[str, int | None],
 ) -> None:
     """Tune ``pipeline`` in this process; its report, and one epoch of its loader checked."""
     started = time.perf_counter()
@@ -214,6 +238,7 @@ def tune_here(
         row["epoch"] = epoch_check(result.make_loader(pipeline.dataset), pipeline)
         print(f"one epoch of the tuned loader: {row['epoch']}", flush=True)
         settings["tuned"] = lambda: result.make_loader(pipeline.dataset)
+        threads["tuned"] = result.params.get("step_threads")  # what apply_threads() sets
     row["tuning_seconds"] = time.perf_counter() - started
 
 
@@ -222,6 +247,7 @@ def tune_side_by_side(
     args: argparse.Namespace,
     row: dict[str, Any],
     settings: dict[str, Callable[[], DataLoader[Any]]],
+    threads: dict[str, int | None],
 ) -> list[str]:
     """Tune ``pipeline`` with this checkout and with the code at ``args.before``, each in
     a fresh process; one epoch of each loader checked. The names of the settings to
@@ -240,6 +266,7 @@ def tune_side_by_side(
         if "error" in found:
             continue
         settings[name] = lambda p=found["params"]: tuned_loader(pipeline, p)
+        threads[name] = found["params"].get("step_threads")
         found["epoch"] = epoch_check(settings[name](), pipeline)
         print(f"one epoch of the loader tuned {which}: {found['epoch']}", flush=True)
         if which == "before":
@@ -268,8 +295,10 @@ def interleave(
     pipeline: Pipeline,
     seconds: float,
     failures: dict[str, str],
+    threads: dict[str, int | None] | None = None,
 ) -> dict[str, list[float]]:
-    """Each setting's unique samples/s, ``rounds`` times, in turns rotated each round."""
+    """Each setting's unique samples/s, ``rounds`` times, in turns rotated each round,
+    each with its training process's torch threads (``threads``, by name)."""
     rates: dict[str, list[float]] = {name: [] for name in names}
     for round_number in range(rounds):
         shift = round_number % len(names)
@@ -277,7 +306,9 @@ def interleave(
             if name in failures:
                 continue
             try:
-                rate = training_rate(settings[name](), pipeline.step, pipeline.ids, seconds)
+                with step_threads((threads or {}).get(name)):
+                    loader = settings[name]()
+                    rate = training_rate(loader, pipeline.step, pipeline.ids, seconds)
             except Exception as error:  # a setting the pipeline cannot run with
                 failures[name] = short_error(error)
                 continue
@@ -286,10 +317,14 @@ def interleave(
 
 
 def is_hand_setting(tuned: dict[str, Any], name: str) -> bool:
-    """Whether the tuned setting is the hand setting ``name`` (``num_workers=N`` with
-    DataLoader's defaults otherwise, persistent workers): then their ratio is noise."""
-    workers = int(name.split("=")[1])
+    """Whether the tuned setting is the hand setting ``name`` (``num_workers=N``, with
+    `` threads=T`` where the grid sets the step's threads, DataLoader's defaults
+    otherwise, persistent workers): then their ratio is noise."""
+    parts = dict(part.split("=") for part in name.split())
+    workers = int(parts["num_workers"])
     if tuned.get("num_workers") != workers:
+        return False
+    if "threads" in parts and tuned.get("step_threads") not in (int(parts["threads"]), None):
         return False
     if workers and (tuned.get("prefetch_factor") != 2 or not tuned.get("persistent_workers")):
         return False
@@ -313,20 +348,24 @@ def table(rows: list[dict[str, Any]]) -> str:
         rates = {**grid, **{name: value[0] for name, value in row.get("final", {}).items()}}
         tuned = row.get("tuned")
         if isinstance(tuned, dict):
-            setting = f"{tuned['num_workers']} workers" if tuned["num_workers"] else "0 workers"
+            kind = "thread workers" if tuned.get("worker_kind") == "threads" else "workers"
+            setting = f"{tuned['num_workers']} {kind}" if tuned["num_workers"] else "0 workers"
             if tuned["num_workers"]:
                 setting += f", prefetch {tuned['prefetch_factor']}"
             extras = [k for k in ("batched_fetch",) if tuned.get(k)]
             if tuned.get("worker_threads"):
                 extras.append(f"threads {tuned['worker_threads']}")
+            if tuned.get("step_threads"):
+                extras.append(f"step threads {tuned['step_threads']}")
             setting += "".join(f", {e}" for e in extras)
             searched = sum(n for key, n in row["trials"].items() if key.startswith("search "))
         else:  # refused: the exception's type here, its message in the log
             setting, searched = ":".join(str(tuned).split(":")[:2]), 0
         best = row.get("best_hand")
         measured = "-"  # in the same rounds as num_workers=0
-        if grid.get("tuned") and grid.get("num_workers=0"):
-            measured = f"{grid['tuned'] / grid['num_workers=0']:.2f}x"
+        defaults = "num_workers=0" if "num_workers=0" in grid else _defaults_name(grid)
+        if grid.get("tuned") and grid.get(defaults):
+            measured = f"{grid['tuned'] / grid[defaults]:.2f}x"
         claimed = f"{row['claimed_speedup']:.2f}x" if "claimed_speedup" in row else "-"
         ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
         if isinstance(tuned, dict) and best and is_hand_setting(tuned, best):
@@ -334,10 +373,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['pipeline']} | {row.get('verdict', '-')} | {setting} | "
             f"{rates.get('tuned', 0):,.0f} | {best} {rates.get(best, 0):,.0f} | {ratio} | "
-            f"{rates.get('num_workers=0', 0):,.0f} | {measured} | {claimed} | "
+            f"{rates.get(defaults, 0):,.0f} | {measured} | {claimed} | "
             f"{searched} | {row['tuning_seconds']:.0f} | {row.get('epoch', '-')} |"
         )
     return "\n".join(lines)
+
+
+def _defaults_name(grid: dict[str, float]) -> str:
+    """The grid's name for DataLoader's defaults where it sets the step's threads: no
+    workers, and the process's threads as torch starts them."""
+    return f"num_workers=0 threads={torch.get_num_threads()}"
 
 
 def before_table(rows: list[dict[str, Any]], before: str) -> str:
