@@ -1141,6 +1141,9 @@ def test_a_step_that_waits_or_runs_on_an_accelerator_keeps_its_threads() -> None
     # Asked for in the space, they are searched whatever the step does.
     asked = _policy(accelerator="cuda:0", step_threads_asked=True)
     assert asked.step_threads_left(sleeps, threads=2) is None
+    asked_notes = asked.step_threads_notes(sleeps, asked.choose(sleeps), threads=2)
+    # Asked for: no note says why they were searched (loading is CPU work: the cap is said).
+    assert asked_notes == [WorkersCappedAtCores(2)]
     # Before the baseline nothing is known: the space is as resolved.
     assert policy.sampled_space([]).step_threads == (1, 2)
 

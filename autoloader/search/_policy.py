@@ -365,7 +365,12 @@ class Policy:
         choices = self.space.step_threads
         if left is not None:
             notes.append(left)
-        elif isinstance(choices, tuple) and choices[0] < choices[1] and measured is not None:
+        elif (
+            isinstance(choices, tuple)
+            and choices[0] < choices[1]
+            and not self.step_threads_asked  # asked for, they need no why
+            and measured is not None
+        ):
             busy = measured.step_cpu_seconds
             step_cpus = busy / measured.step_seconds if measured.step_seconds else 0.0
             notes.append(StepThreadsSearched(*choices, _own_share(measured), step_cpus))
