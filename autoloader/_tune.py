@@ -327,6 +327,7 @@ def _lead(problem: Problem, joint: JointRunner, ranks: Ranks, started: float) ->
 def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: float) -> TuneResult:
     """The checks before the search, the search, and the result it comes to."""
     space, space_notes, facts = _check_before_search(problem)
+    threads = torch.get_num_threads()  # the user's, before any trial or step set them
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
         type(problem.dataset).__name__,
@@ -367,7 +368,9 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
         partial = _run(driver, ranks)
         records = [record_of(trial) for trial in driver.history]
         choice = policy.choose(driver.history)
-        notes = _notes(problem, ranks, space_notes, policy, driver, choice, partial, started)
+        notes = _notes(
+            problem, ranks, space_notes, policy, driver, choice, partial, started, threads
+        )
     return _result(problem, choice, records, notes, facts, partial, started)
 
 
@@ -476,10 +479,11 @@ def _notes(
     choice: Choice,
     partial: bool,
     started: float,
+    threads: int,
 ) -> list[Note]:
-    """What the user should know about the run, in the order the result lists it."""
+    """What the user should know about the run, in the order the result lists it;
+    ``threads``: the process's torch threads before the trials."""
     notes: list[Note] = [*space_notes]
-    threads = torch.get_num_threads()  # the user's: each trial put back what it set
     notes += policy.step_threads_notes(driver.history, choice, threads=threads)
     if ranks is not None:
         usable_cpus = problem.environment.usable_cpus

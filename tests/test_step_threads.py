@@ -83,7 +83,9 @@ def test_tune_searches_the_threads_of_a_step_on_the_cpu_and_returns_the_users() 
     assert [t.params["step_threads"] for t in result.trials if t.phase == "baseline"] == [None]
     chosen = result.params["step_threads"]
     if chosen is not None:
-        assert any(note.startswith(f"step_threads={chosen}:") for note in result.notes)
+        # The step set 1 thread itself; the note says what the process had before tune().
+        words = f"step_threads={chosen}: the tuned settings train on {chosen} torch thread"
+        assert any(n.startswith(words) and "(this process had 2)" in n for n in result.notes)
         assert f"the step on {chosen} torch thread" in autoloader.report(result)
         assert result.apply_threads() == 2 and torch.get_num_threads() == chosen
 
