@@ -952,8 +952,10 @@ def test_a_trial_gets_its_workers_start_up_on_top_of_its_measuring_time() -> Non
     policy = Policy(space=_space(), time_budget=60, batch_size=8, usable_cpus=2, worker_start=1.5)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
     driver = Driver(policy, runner, study, deadline=60, clock=runner.clock)
-    driver._trial(policy.next([], seconds_left=60))  # type: ignore[arg-type]
-    driver._trial(policy.next(driver.history, seconds_left=59))  # type: ignore[arg-type]
+    for _ in range(2):
+        proposal = driver.propose()
+        assert proposal is not None
+        driver.finish(proposal, driver._run(proposal.spec))
     _, (workers, seconds, deadlines) = asked
     assert workers > 0
     assert seconds == pytest.approx(trial_seconds(60) + 1.5 * workers)

@@ -14,7 +14,7 @@ Layers, each importing only those below it::
     _reasons         why the search stopped, and notes for the user, typed; render()
 """
 
-from autoloader.search._driver import Driver
+from autoloader.search._driver import Driver, Proposal
 from autoloader.search._outcome import (
     Completed,
     Failed,
@@ -38,6 +38,7 @@ __all__ = [
     "Phase",
     "Plan",
     "Policy",
+    "Proposal",
     "PruneKind",
     "Pruned",
     "Stop",

@@ -19,7 +19,7 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from time import perf_counter
 from types import FrameType
 from typing import Any
@@ -56,6 +56,16 @@ from autoloader.search._reasons import SearchEnd, StopReason, render
 _logger = logging.getLogger(__name__)
 
 _MEASUREMENT_FIELDS = frozenset(f.name for f in fields(Measurement))
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """A trial asked of the study and not yet told: its spec, and its outcome where it
+    is known without running (a setting past a failure boundary)."""
+
+    asked: optuna.Trial
+    spec: TrialSpec
+    known: Outcome | None = None
 
 
 class Driver:
@@ -104,8 +114,27 @@ class Driver:
 
     def run(self) -> None:
         """Run trials until the policy stops; :attr:`history` then holds every trial."""
+        self.begin()
+        while (proposal := self.propose()) is not None:
+            try:
+                outcome = proposal.known or self._run(proposal.spec)
+            except KeyboardInterrupt:
+                self.finish(proposal, Failed(FaultKind.INTERRUPTED, "interrupted (Ctrl-C)"))
+                raise
+            self.finish(proposal, outcome)
+
+    # A trial in three parts, for a loop that measures it itself (AutoLoader's, in the
+    # user's training loop): begin() once, then propose() the next trial, measure it,
+    # and finish() it with its outcome (outcome() or failure() map what happened).
+
+    def begin(self) -> None:
+        """Load the study's earlier trials, once, before the first :meth:`propose`."""
         self._fail_orphans()
         self.history = self._load()
+
+    def propose(self) -> Proposal | None:
+        """The next trial to measure, or ``None`` once the policy stops (``stopped``
+        then says why). A trial known to fail is recorded here without running."""
         while True:
             self._stop_if_interrupted()
             plan = self.policy.next(self.history, seconds_left=self._seconds_left())
@@ -118,14 +147,17 @@ class Driver:
             if isinstance(plan, Stop):
                 self.stopped = plan.why
                 _logger.info("no more trials: %s", render(plan.why))
-                return
+                return None
             if plan.phase is Phase.SEARCH and not any(
                 t.phase is not Phase.BASELINE and not t.earlier for t in self.history
             ):
                 self.search_seconds = self._seconds_left()
-            self._trial(plan)
+            proposal = self._ask(plan)
+            if proposal.known is None:
+                return proposal
+            self.finish(proposal, proposal.known)
 
-    def _trial(self, plan: Plan) -> None:
+    def _ask(self, plan: Plan) -> Proposal:
         with warnings.catch_warnings():
             # A storage with heartbeats warns that they are kept only by optimize():
             # this run's trials carry their owner instead (see _fail_orphans).
@@ -158,16 +190,17 @@ class Driver:
         asked.set_user_attr("phase", spec.phase.value)
         asked.set_user_attr("params", params)
         asked.set_user_attr("owner", self._owner)
-        outcome: Outcome | None = None
-        if plan.params is None:
-            outcome = known_failure(params, self.history)
-        try:
-            if outcome is None:
-                outcome = self._run(spec)
-        except KeyboardInterrupt:
-            self._tell(asked, spec, Failed(FaultKind.INTERRUPTED, "interrupted (Ctrl-C)"))
-            raise
-        self._tell(asked, spec, outcome)
+        known = known_failure(params, self.history) if plan.params is None else None
+        return Proposal(asked, spec, known)
+
+    def finish(self, proposal: Proposal, outcome: Outcome) -> None:
+        """Record ``proposal``'s trial with its ``outcome``."""
+        self._tell(proposal.asked, proposal.spec, outcome)
+
+    def vote(self, spec: TrialSpec, window: int, measurement: Measurement) -> bool:
+        """Whether the trial should stop at this timing window (the policy's vote)."""
+        self._stop_if_interrupted()
+        return self.policy.vote(spec.phase, spec.params, window, measurement, self.history)
 
     def _run(self, spec: TrialSpec) -> Outcome:
         """Measure ``spec`` and map whatever happened to its outcome."""
@@ -175,8 +208,7 @@ class Driver:
 
         def on_window(window: int, measurement: Measurement) -> bool:
             nonlocal voted
-            self._stop_if_interrupted()
-            voted = self.policy.vote(spec.phase, spec.params, window, measurement, self.history)
+            voted = self.vote(spec, window, measurement)
             return voted
 
         try:
@@ -187,25 +219,37 @@ class Driver:
                 deadlines=spec.deadlines,
                 max_batches=spec.max_batches,
             )
-        except MemoryBudgetExceeded as error:
+        except (MemoryBudgetExceeded, TrialError) as error:
+            return self.failure(spec, error)
+        return self.outcome(spec, measurement, voted=voted)
+
+    def outcome(self, spec: TrialSpec, measurement: Measurement, *, voted: bool) -> Outcome:
+        """The outcome of a trial measured to its end (``voted``: stopped by :meth:`vote`)."""
+        return self.policy.judge(spec.phase, spec.params, measurement, self.history, voted=voted)
+
+    def failure(self, spec: TrialSpec, error: MemoryBudgetExceeded | TrialError) -> Outcome:
+        """The outcome of a trial that failed with ``error``.
+
+        Raises:
+            BaselineError: the baseline failed: the fault is the dataset's or the step's.
+        """
+        if isinstance(error, MemoryBudgetExceeded):
             if spec.phase is Phase.BASELINE:
                 raise BaselineError(
                     f"The baseline (num_workers=0) alone went over the memory budget: "
                     f"{error}. Raise memory_budget or use a smaller batch_size."
                 ) from None
             return Pruned(PruneKind.MEMORY, f"memory: {error}", peak_memory=error.peak)
-        except TrialError as error:
-            # Ctrl-C reaches the workers too: their deaths are its doing, not the setting's.
-            self._stop_if_interrupted()
-            if spec.phase is Phase.BASELINE:
-                where = f" at {error.where}" if error.where else ""
-                raise BaselineError(
-                    f"The baseline (num_workers=0) failed while {error.stage}: "
-                    f"{error.summary}{where}. This is a fault in the dataset, collate_fn or "
-                    "step_fn, not in a loader setting; fix it and tune again."
-                ) from error.error
-            return classify(error, params=spec.params, batch_bytes=self._batch_bytes())
-        return self.policy.judge(spec.phase, spec.params, measurement, self.history, voted=voted)
+        # Ctrl-C reaches the workers too: their deaths are its doing, not the setting's.
+        self._stop_if_interrupted()
+        if spec.phase is Phase.BASELINE:
+            where = f" at {error.where}" if error.where else ""
+            raise BaselineError(
+                f"The baseline (num_workers=0) failed while {error.stage}: "
+                f"{error.summary}{where}. This is a fault in the dataset, collate_fn or "
+                "step_fn, not in a loader setting; fix it and tune again."
+            ) from error.error
+        return classify(error, params=spec.params, batch_bytes=self._batch_bytes())
 
     def _tell(self, asked: optuna.Trial, spec: TrialSpec, outcome: Outcome) -> None:
         measurement = outcome.measurement if isinstance(outcome, (Completed, Pruned)) else None
