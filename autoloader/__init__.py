@@ -10,6 +10,7 @@ Example::
     loader = result.make_loader(dataset)
 """
 
+from autoloader._autoloader import AutoLoader
 from autoloader._diagnose import Diagnosis, diagnose
 from autoloader._exceptions import (
     AllSettingsFailedError,
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllSettingsFailedError",
+    "AutoLoader",
     "AutoloaderError",
     "BaselineError",
     "Diagnosis",

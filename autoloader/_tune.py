@@ -9,7 +9,7 @@
                             every rank measures each trial, _lead driving the study
                             and follow() on the other ranks
     _search                 the rest, on the rank that drives the study:
-      _check_before_search  the checks that read items, and the space they leave
+      check_before_search  the checks that read items, and the space they leave
       _run                  the driver's trials, until the policy stops them or Ctrl-C
       _notes                what the user should know, typed (search/_reasons.py)
       _result               the TuneResult, its notes rendered to words once
@@ -254,11 +254,11 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
         return found
     result = _tuned(problem, ranks, started)
     if problem.path is not None:
-        _save(result, problem.path)
+        save_result(result, problem.path)
     return result
 
 
-def _save(result: TuneResult, path: Path) -> None:
+def save_result(result: TuneResult, path: Path) -> None:
     """``result`` saved at ``path``, or a warning: a file that cannot be written loses
     nothing of the run, which the caller gets back."""
     try:
@@ -326,7 +326,7 @@ def _lead(problem: Problem, joint: JointRunner, ranks: Ranks, started: float) ->
 
 def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: float) -> TuneResult:
     """The checks before the search, the search, and the result it comes to."""
-    space, space_notes, facts = _check_before_search(problem)
+    space, space_notes, facts = check_before_search(problem)
     threads = torch.get_num_threads()  # the user's, before any trial or step set them
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
@@ -339,18 +339,8 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
         quiet_optuna(),
         Progress(time_budget=problem.budget, enabled=problem.show_progress) as progress,
     ):
-        study = _study(problem, space)
-        policy = Policy(
-            space=space,
-            time_budget=problem.budget,
-            batch_size=problem.batch_size,
-            batches_per_epoch=problem.batches_per_epoch,
-            n_trials=problem.n_trials,
-            usable_cpus=problem.environment.usable_cpus,
-            worker_start=facts.get("worker_start_seconds"),
-            accelerator=_step_accelerator(problem),
-            step_threads_asked=problem.space.step_threads != "auto",
-        )
+        study = open_study(problem, space)
+        policy = policy_of(problem, space, facts)
 
         def on_trial(trial: Trial) -> None:
             record = record_of(trial)
@@ -368,13 +358,29 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
         partial = _run(driver, ranks)
         records = [record_of(trial) for trial in driver.history]
         choice = policy.choose(driver.history)
-        notes = _notes(
+        notes = notes_of(
             problem, ranks, space_notes, policy, driver, choice, partial, started, threads
         )
-    return _result(problem, choice, records, notes, facts, partial, started)
+    return result_of(problem, choice, records, notes, facts, partial, started)
 
 
-def _step_accelerator(problem: Problem) -> str | None:
+def policy_of(problem: Problem, space: SearchSpace, facts: Mapping[str, Any]) -> Policy:
+    """The search's rules for ``problem``, over the ``space`` and ``facts`` the checks
+    before the search left."""
+    return Policy(
+        space=space,
+        time_budget=problem.budget,
+        batch_size=problem.batch_size,
+        batches_per_epoch=problem.batches_per_epoch,
+        n_trials=problem.n_trials,
+        usable_cpus=problem.environment.usable_cpus,
+        worker_start=facts.get("worker_start_seconds"),
+        accelerator=step_accelerator(problem),
+        step_threads_asked=problem.space.step_threads != "auto",
+    )
+
+
+def step_accelerator(problem: Problem) -> str | None:
     """The accelerator the step runs on: the device batches go to, or, without one, the
     accelerator this process already uses (a model moved there before ``tune()``), or
     ``None`` (see ``Policy.step_threads_left``)."""
@@ -386,7 +392,7 @@ def _step_accelerator(problem: Problem) -> str | None:
     return None
 
 
-def _check_before_search(problem: Problem) -> tuple[SearchSpace, list[SpaceNote], dict[str, Any]]:
+def check_before_search(problem: Problem) -> tuple[SearchSpace, list[SpaceNote], dict[str, Any]]:
     """The checks that read items and start processes, and the space they leave to
     search: only once every argument was checked, and out of the time budget (see
     NOTE [ Checks before the search ])."""
@@ -431,7 +437,7 @@ def _startup(problem: Problem, facts: dict[str, Any]) -> Startup | None:
     return Startup(seconds, problem.start_method, problem.budget, trial_seconds(problem.budget))
 
 
-def _study(problem: Problem, space: SearchSpace) -> optuna.Study:
+def open_study(problem: Problem, space: SearchSpace) -> optuna.Study:
     """The study of this problem: an earlier run's, where the storage holds one."""
     return optuna.create_study(
         storage=problem.storage,
@@ -470,7 +476,7 @@ def _run(driver: Driver, ranks: Ranks | None) -> bool:
     return False
 
 
-def _notes(
+def notes_of(
     problem: Problem,
     ranks: Ranks | None,
     space_notes: list[SpaceNote],
@@ -510,7 +516,7 @@ def _notes(
     return notes
 
 
-def _result(
+def result_of(
     problem: Problem,
     choice: Choice,
     records: list[TrialRecord],

@@ -304,9 +304,13 @@ class MemoryWatch:
     def exceeded(self) -> bool:
         return self._exceeded.is_set()
 
-    def start(self) -> MemoryWatch:
+    def start(self, *, sample: bool = True) -> MemoryWatch:
+        """Note the processes that exist now (those after are the trial's, see
+        :meth:`new_children`) and, with ``sample``, watch the tree's memory."""
         self._preexisting = frozenset(p.pid for p in self._process.children(recursive=True))
         self._started_at = time.time()
+        if not sample:
+            return self
         self.sample()
         self._thread = threading.Thread(target=self._run, name="autoloader-memory", daemon=True)
         self._thread.start()

@@ -74,7 +74,8 @@ class Driver:
 
     Args:
         policy: the rules.
-        runner: measures one setting.
+        runner: measures one setting; ``None`` where the caller measures each trial itself
+            (:meth:`propose`, then :meth:`finish`), and :meth:`run` is not called.
         study: the Optuna study (``direction="maximize"``); it may hold an earlier run's
             trials of the same problem, which the policy sees as ``earlier``.
         deadline: ``perf_counter()`` time when the run must end.
@@ -91,7 +92,7 @@ class Driver:
     def __init__(
         self,
         policy: Policy,
-        runner: Runner,
+        runner: Runner | None,
         study: optuna.Study,
         *,
         deadline: float,
@@ -211,6 +212,7 @@ class Driver:
             voted = self.vote(spec, window, measurement)
             return voted
 
+        assert self.runner is not None, "run() needs a runner"
         try:
             measurement = self.runner.measure(
                 spec.params,

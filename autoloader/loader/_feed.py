@@ -1,0 +1,101 @@
+"""One epoch's batches handed out once each, to the loaders that take turns loading it.
+
+NOTE [ Every batch once ]
+``AutoLoader`` loads one epoch with several loaders in turn (a setting per trial,
+``NOTE [ Tuning in the training loop ]``), and each must load exactly the batches the
+one before it did not deliver. The epoch's batches of indices come from the sampler
+once, in its order, as DataLoader's would (:class:`EpochBatches`); each loader's sampler
+is a :class:`Feed` that takes them from there as the loader asks, and remembers those
+handed out and not yet delivered: a loader asks ``num_workers x prefetch_factor``
+batches ahead. When a loader stops, by a switch or a fault, the batches still in its
+queues are given back, ahead of the rest, and the next loader loads them first. The
+loaders deliver in order (``in_order=True``), so what is delivered is always the oldest
+batch handed out, and the user's loop sees DataLoader's batches, in DataLoader's order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+class EpochBatches:
+    """One epoch's batches of indices in the sampler's order, each handed out once; a
+    batch given back is handed out again, before any other.
+
+    Args:
+        indices: the epoch's iterator over the index sampler (a ``BatchSampler``'s
+            lists of indices), drawn lazily, as DataLoader draws it.
+    """
+
+    def __init__(self, indices: Iterator[Any]) -> None:
+        self._indices = indices
+        self._given_back: deque[Any] = deque()
+        self.taken = 0  # handed out and not given back
+
+    def take(self) -> Any:
+        """The next batch of indices.
+
+        Raises:
+            StopIteration: the epoch has no batch left.
+        """
+        batch = self._given_back.popleft() if self._given_back else next(self._indices)
+        self.taken += 1
+        return batch
+
+    def give_back(self, batches: Iterable[Any]) -> None:
+        """``batches`` (in their order) were not delivered: they come next."""
+        returned = list(batches)
+        self._given_back.extendleft(reversed(returned))
+        self.taken -= len(returned)
+
+
+class Feed:
+    """The sampler of one loader over :class:`EpochBatches`: it hands the loader batches
+    until it is closed (or ``limit`` of them), and remembers those not yet delivered.
+
+    A persistent loader keeps its feed across epochs: :meth:`point_at` gives it the next
+    epoch's batches before the loader is iterated again.
+    """
+
+    def __init__(self, epoch: EpochBatches, *, limit: int | None = None) -> None:
+        self.epoch = epoch
+        self.limit = limit
+        self._handed: deque[Any] = deque()
+        self._open = True
+        self.delivered_count = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while self._open and (self.limit is None or self.handed_count < self.limit):
+            try:
+                batch = self.epoch.take()
+            except StopIteration:
+                return
+            self._handed.append(batch)
+            yield batch
+
+    @property
+    def handed_count(self) -> int:
+        return self.delivered_count + len(self._handed)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches handed to the loader and not delivered yet."""
+        return len(self._handed)
+
+    def delivered(self) -> None:
+        """The loader delivered its oldest batch handed out."""
+        self._handed.popleft()
+        self.delivered_count += 1
+
+    def close(self) -> None:
+        """Hand out no more, and give the undelivered batches back to the epoch."""
+        self._open = False
+        self.epoch.give_back(self._handed)
+        self._handed.clear()
+
+    def point_at(self, epoch: EpochBatches) -> None:
+        """Feed the next epoch's batches (a persistent loader's next epoch)."""
+        self.epoch, self._open, self.delivered_count = epoch, True, 0
+        self._handed.clear()

@@ -1,0 +1,314 @@
+"""A setting measured in the user's own training loop: the batches it loads are the
+ones training gets, and the time between two of the loop's ``next()`` calls is the real
+step (``NOTE [ Tuning in the training loop ]`` in ``_autoloader.py``).
+
+:class:`LiveTrial` is the counterpart of :class:`~autoloader.measure._timing_loop.TimingLoop`
+turned inside out: the loop calls it for each batch instead of it calling the step. It
+times the same warm-up and windows, under the same watch (memory budget, worker deaths,
+per-batch deadlines), and ends with a :class:`Measurement` or with the failure, never
+raising a fault into the loop: the caller hands the undelivered batches to the next
+setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import fields
+from time import perf_counter, process_time, thread_time
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from autoloader.loader._feed import Feed
+from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement, WindowCallback
+from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch, kill
+from autoloader.measure._supervision import (
+    Guard,
+    WorkerDeaths,
+    stop_workers,
+    worker_died,
+    worker_exits,
+)
+from autoloader.measure._timing_loop import (
+    WARMUP_SHARE,
+    Totals,
+    batch_length,
+    estimate,
+    pace_limit,
+    tensor_bytes,
+)
+
+Failure = TrialError | MemoryBudgetExceeded
+
+
+class TrialEnded(Exception):
+    """The trial has ended before this batch: the caller starts the next setting."""
+
+
+class LiveTrial:
+    """Loads batches with one setting for the user's loop, timing the loop as it goes.
+
+    Args:
+        loader: the setting's DataLoader; its sampler is ``feed``.
+        feed: the loader's share of the epoch's batches.
+        params: the setting.
+        batch_size: samples per batch.
+        memory_budget: bytes the process tree may use, or ``None`` to leave memory
+            unwatched (a setting already chosen: the watch's sampling would cost the
+            whole run a little CPU).
+        max_seconds: the trial ends at the first batch after this, ``None``: never (a
+            setting already chosen, serving the rest of training).
+        deadlines: how long a batch may take to load before the setting counts as hung.
+        on_window: called after each timing window; the trial ends there when it
+            returns True.
+        keep_workers: the loader is persistent and outlives the trial (its workers are
+            not stopped by :meth:`close`, unless the trial failed).
+
+    After the trial ends, :attr:`outcome` holds its :class:`Measurement` or failure.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        feed: Feed,
+        params: dict[str, Any],
+        *,
+        batch_size: int,
+        memory_budget: int | None,
+        max_seconds: float | None,
+        deadlines: Deadlines | None,
+        on_window: WindowCallback | None = None,
+        keep_workers: bool = False,
+        min_windows: int = 4,
+        min_window_seconds: float = 0.1,
+        target_relative_error: float = 0.05,
+    ) -> None:
+        self.loader, self.feed, self.params = loader, feed, params
+        self.batch_size = batch_size
+        self.measuring = max_seconds is not None
+        self.on_window = on_window
+        self.keep_workers = keep_workers
+        self.min_windows = min_windows
+        self.min_window_seconds = min_window_seconds
+        self.target_relative_error = target_relative_error
+        self.workers = int(params.get("num_workers", 0))
+        self.started = perf_counter()
+        self.deadline = math.inf if max_seconds is None else self.started + max_seconds
+        self.first_limit = deadlines.first if deadlines else None
+        self.each_limit = deadlines.each if deadlines else None
+        self.outcome: Measurement | Failure | None = None
+        self.voted = False
+        # NOTE [ Warm-up ] (in _timing_loop.py), as a trial of tune() skips it.
+        self.to_skip = self.workers * int(params.get("prefetch_factor") or 0)
+        self.burst = self.to_skip
+        self.burst_left = 0
+        self.warmup_deadline = math.inf
+        self.window: Totals | None = None
+        self.window_start = 0.0
+        self.windows: list[Totals] = []
+        self.total = Totals()
+        self.time_to_first_batch = 0.0
+        self.batch_bytes = 0
+        # The last batch handed to the loop: when, its samples, and what fetching it cost.
+        self.returned_at: float | None = None
+        self.returned_cpu = (0.0, 0.0)
+        self.last_samples = 0
+        self.last_wait = (0.0, 0.0, 0.0)
+        watched = memory_budget is not None
+        self.watch = MemoryWatch(
+            memory_budget if memory_budget is not None else 1 << 62,
+            ends_at=None if max_seconds is None else time.monotonic() + max_seconds,
+        ).start(sample=watched)
+        # In front of DataLoader's SIGCHLD handler for the whole trial: a worker's death
+        # between two fetches, while the user's step runs, is held back until the next
+        # fetch (defer), never raised into the step.
+        self.deaths = WorkerDeaths(self.watch, defer=True)
+        self._handlers = contextlib.ExitStack()
+        self._handlers.enter_context(self.deaths.handled())
+        self.alarm = Alarm()
+        self.guard = Guard(self.watch, self.deaths, self.alarm, self.started, loader=loader)
+        self.iterator: Iterator[Any] | None = None
+
+    # The loop's next() ----------------------------------------------------------------
+
+    def next(self) -> Any:
+        """The next batch.
+
+        Raises:
+            TrialEnded: the trial ended (its time, its windows, or a fault): nothing was
+                fetched; :attr:`outcome` says how it ended.
+            StopIteration: the epoch has no batch left (the trial ended with it). A trial
+                given a number of batches (``feed.limit``) that delivered them all ends
+                with TrialEnded instead.
+        """
+        if self.outcome is not None:
+            raise TrialEnded
+        now, cpu, own = perf_counter(), process_time(), thread_time()
+        if self.returned_at is not None and self.measuring:
+            self._count(now, cpu, own)
+        if self.outcome is not None:
+            raise TrialEnded
+        if now >= self.deadline:
+            self.outcome = self._finish()
+            raise TrialEnded
+        try:
+            self.watch.check()
+            batch = self._fetch()
+        except StopIteration:
+            self.outcome = self._finish()
+            if self.feed.limit is not None and self.feed.handed_count >= self.feed.limit:
+                raise TrialEnded from None  # the batches it was given are delivered
+            raise
+        except (TrialError, MemoryBudgetExceeded) as failure:
+            self.outcome = failure
+            raise TrialEnded from None
+        self.feed.delivered()
+        got, got_cpu, got_own = perf_counter(), process_time(), thread_time()
+        if self.returned_at is None:
+            self.time_to_first_batch = got - self.started
+            self.warmup_deadline = got + WARMUP_SHARE * max(0.0, self.deadline - got)
+            self.batch_bytes = tensor_bytes(batch)
+        self.last_wait = (got - now, got_cpu - cpu, got_own - own)
+        self.last_samples = batch_length(batch, self.batch_size)
+        self.returned_at, self.returned_cpu = got, (got_cpu, got_own)
+        return batch
+
+    def _fetch(self) -> Any:
+        """The loader's next batch, within its deadline, its faults as trial errors."""
+        first = self.iterator is None
+        with self.alarm.installed(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            try:
+                if first:
+                    self.iterator = self.guard.iterator = self.deaths.start(self.loader)
+                self.alarm.arm("loading a batch", self.first_limit if first else self.each_limit)
+                with self.deaths.fetching():
+                    return next(self.iterator)  # type: ignore[arg-type]
+            except (StopIteration, MemoryBudgetExceeded, TrialError):
+                raise
+            except TrialTimeout as error:
+                # NOTE [ Memory growth against the hang deadline ] (in _timing_loop.py)
+                grown = self.watch.outgrows(max(error.seconds, 1.0))
+                if grown is not None:
+                    raise grown from None
+                raise TrialError("loading a batch", error, self.watch.peak) from None
+            except Exception as error:
+                self.deaths.expected = True
+                if self.watch.exceeded:  # a worker the watch killed surfaced as an error
+                    raise self.watch.error() from error
+                failure = TrialError("loading a batch", error, self.watch.peak)
+                if worker_died(error):
+                    failure.worker_signals, failure.worker_exit_codes = worker_exits(
+                        self.iterator, error
+                    )
+                raise failure from error
+            finally:
+                self.alarm.disarm()
+
+    # Timing ---------------------------------------------------------------------------
+
+    def _count(self, now: float, cpu: float, own: float) -> None:
+        """Count the batch last handed to the loop, its step over (``now``); close a
+        window where one is due, ending the trial if it is measured enough."""
+        assert self.returned_at is not None
+        wait, wait_cpu, wait_own = self.last_wait
+        window = self.window
+        if window is None:
+            warming = self.to_skip > 0 and now < self.warmup_deadline
+            if warming:
+                self.to_skip -= 1
+                return
+            if not self.windows:
+                self.burst_left = self.to_skip
+            self.window, self.window_start = Totals(), now
+            return
+        window.samples += self.last_samples
+        window.batches += 1
+        window.wait += wait
+        window.wait_cpu += wait_cpu
+        window.wait_own_cpu += wait_own
+        window.step += now - self.returned_at
+        window.step_cpu += cpu - self.returned_cpu[0]
+        window.step_own_cpu += own - self.returned_cpu[1]
+        if (
+            window.batches < max(2, self.workers)
+            or now - self.window_start < self.min_window_seconds
+        ):
+            return
+        window.seconds = now - self.window_start
+        self.windows.append(window)
+        for name in (f.name for f in fields(Totals)):
+            setattr(self.total, name, getattr(self.total, name) + getattr(window, name))
+        measured = self._estimate()
+        self.voted = self.on_window is not None and self.on_window(len(self.windows), measured)
+        if self.voted or (
+            len(self.windows) >= self.min_windows
+            and measured.relative_error <= self.target_relative_error
+        ):
+            self.outcome = measured
+            return
+        if self.each_limit is not None and self.workers > 0:  # NOTE [ Pace deadline ]
+            self.each_limit = min(self.each_limit, pace_limit(self.total, self.workers))
+        self.window, self.window_start = Totals(), now
+
+    def _finish(self) -> Measurement:
+        """The measurement once the trial's time, or the epoch, is up."""
+        if not self.windows and self.window is not None and self.window.batches > 0:
+            # The end came before a full window: keep the partial one, flagged uncertain.
+            self.window.seconds = max(1e-9, perf_counter() - self.window_start)
+            self.windows.append(self.window)
+            self.total = self.window
+        if not self.windows:
+            # Not one batch after warm-up: the first batch alone.
+            self.total = Totals(
+                samples=self.last_samples or self.batch_size,
+                batches=1,
+                seconds=max(1e-9, self.time_to_first_batch),
+                wait=self.time_to_first_batch,
+            )
+        return self._estimate()
+
+    def _estimate(self) -> Measurement:
+        return estimate(
+            self.total,
+            self.windows,
+            time_to_first_batch=self.time_to_first_batch,
+            restarts=[],
+            duration=perf_counter() - self.started,
+            peak_memory=self.watch.peak,
+            batch_bytes=self.batch_bytes,
+            epochs_samples_per_second=None,
+            burst_left=self.burst_left,
+        )
+
+    # The end ----------------------------------------------------------------------------
+
+    def end(self) -> None:
+        """End the trial here, its time up (the loop left the epoch, or it ended): the
+        windows closed so far are its measurement."""
+        if self.outcome is None:
+            self.outcome = self._finish()
+
+    def close(self) -> None:
+        """Stop the loader (its workers killed if it failed, kept if persistent and
+        well), and give the batches it had not delivered back to the epoch."""
+        self.feed.close()
+        failed = isinstance(self.outcome, (TrialError, MemoryBudgetExceeded))
+        self.watch.stop()
+        self.deaths.expected = True
+        try:
+            if self.keep_workers and not failed:
+                return
+            with self.alarm.installed():
+                if failed:
+                    kill(self.watch.new_children())  # discarded anyway, and possibly hung
+                with contextlib.suppress(Exception):
+                    stop_workers(self.guard, abandon=failed)
+        finally:
+            self._handlers.close()

@@ -1,0 +1,313 @@
+"""AutoLoader: a DataLoader that tunes itself in the training loop, batch for batch
+DataLoader's, with every fault kept from the loop (NOTE [ Tuning in the training loop ])."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import autoloader
+from autoloader import AutoLoader, InvalidInputError
+from autoloader.loader._feed import EpochBatches, Feed
+from tests.workloads import (
+    FailingDataset,
+    FaultInWorkersDataset,
+    MemoryHogDataset,
+    ShardedStream,
+    SleepDataset,
+)
+
+
+def _ids(batch: torch.Tensor) -> list[int]:
+    return batch[:, 0].long().tolist()
+
+
+def _epochs(loader: Any, epochs: int, step: float = 0.002) -> list[list[int]]:
+    """The ids of every batch of ``epochs`` epochs, a sleeping step after each batch."""
+    seen = []
+    for _ in range(epochs):
+        for batch in loader:
+            time.sleep(step)
+            seen.append(_ids(batch))
+    return seen
+
+
+def _until_tuned(loader: AutoLoader[Any], *, after: int = 2) -> tuple[list[list[int]], int]:
+    """Epochs until tuning has ended, and ``after`` more: their batches' ids, and how
+    many epochs that was."""
+    seen: list[list[int]] = []
+    epochs = 0
+    while epochs < 200 and not (loader.tuned and after == 0):
+        after -= loader.tuned
+        seen += _epochs(loader, 1)
+        epochs += 1
+    return seen, epochs
+
+
+def _reference(dataset: Any, epochs: int, **kwargs: Any) -> tuple[list[list[int]], torch.Tensor]:
+    """DataLoader's batches over ``epochs`` epochs, and its generator's state after."""
+    generator = torch.Generator().manual_seed(7)
+    loader = DataLoader(dataset, generator=generator, **kwargs)
+    return _epochs(loader, epochs, step=0.0), generator.get_state()
+
+
+def _every_sample_once(seen: list[list[int]], length: int, epochs: int) -> None:
+    per_epoch = [i for batch in seen for i in batch]
+    assert sorted(per_epoch) == sorted(list(range(length)) * epochs)
+
+
+# The feed: every batch handed out once, given back when not delivered --------------------
+
+
+def test_batches_a_loader_did_not_deliver_are_handed_out_again_first() -> None:
+    epoch = EpochBatches(iter([[0], [1], [2], [3], [4]]))
+    first = Feed(epoch)
+    taken = iter(first)
+    assert [next(taken), next(taken), next(taken)] == [[0], [1], [2]]
+    first.delivered()  # [0] reached the loop; [1] and [2] were in flight
+    first.close()
+    assert list(taken) == []  # a closed feed hands out nothing more
+    second = Feed(epoch, limit=2)
+    assert list(second) == [[1], [2]]
+    assert list(Feed(epoch)) == [[3], [4]]
+
+
+# Batch for batch DataLoader's ----------------------------------------------------------
+
+
+def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -> None:
+    """Shuffled with a generator and drop_last, over enough epochs for tuning to end
+    mid-way: the same batches in the same order as DataLoader's, and the generator
+    drawn as DataLoader draws it."""
+    dataset = SleepDataset(length=300, latency=0.001)
+    kwargs = {"batch_size": 16, "shuffle": True, "drop_last": True}
+    generator = torch.Generator().manual_seed(7)
+    loader = AutoLoader(dataset, generator=generator, time_budget=4, verbose=False, **kwargs)
+    try:
+        assert isinstance(loader, DataLoader)
+        assert len(loader) == 300 // 16
+        seen, epochs = _until_tuned(loader)
+    finally:
+        loader.close()
+    expected, state = _reference(dataset, epochs, **kwargs)
+    assert seen == expected
+    assert torch.equal(generator.get_state(), state)
+    assert loader.tuned and loader.result is not None
+    assert len(loader.history) >= 3  # the baseline and the search, in the loop
+    assert loader.num_workers == loader.result.params["num_workers"]
+    assert "tuned" in loader.report() or "autoloader report" in loader.report()
+
+
+def test_an_epoch_left_early_leaves_the_next_one_dataloaders() -> None:
+    """A loop that breaks out of an epoch (max steps) and starts the next one: the next
+    epoch is DataLoader's next epoch."""
+    dataset = SleepDataset(length=200, latency=0.001)
+
+    def run(loader: Any) -> list[list[int]]:
+        seen = []
+        for epoch in range(4):
+            for number, batch in enumerate(loader):
+                seen.append(_ids(batch))
+                if epoch == 1 and number == 3:
+                    break
+        return seen
+
+    expected = run(
+        DataLoader(dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+    )
+    loader = AutoLoader(
+        dataset,
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        time_budget=3,
+        verbose=False,
+    )
+    try:
+        assert run(loader) == expected
+    finally:
+        loader.close()
+
+
+def test_a_distributed_sampler_set_epoch_orders_as_with_dataloader() -> None:
+    dataset = SleepDataset(length=96, latency=0.0)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    reference = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    loader = AutoLoader(dataset, batch_size=8, sampler=sampler, time_budget=2, verbose=False)
+    plain = DataLoader(dataset, batch_size=8, sampler=reference)
+    try:
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            reference.set_epoch(epoch)
+            assert [_ids(b) for b in loader] == [_ids(b) for b in plain]
+    finally:
+        loader.close()
+    assert loader.sampler is sampler and loader.dataset is dataset and loader.batch_size == 8
+
+
+# Faults stay out of the loop -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL"])
+def test_workers_that_die_above_one_worker_lose_no_batch(fault: str) -> None:
+    """Workers with an id of 1 and above die after loading 5 items, mid-trial: the loop
+    never sees it, every epoch is DataLoader's, and the failures are recorded."""
+    dataset = FaultInWorkersDataset(fault, length=240, from_worker=1, after=5)
+    kwargs = {"batch_size": 8, "shuffle": True}
+    loader = AutoLoader(
+        dataset,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=6,
+        search_space={"num_workers": (1, 4), "worker_kind": ("processes",)},
+        verbose=False,
+        **kwargs,
+    )
+    try:
+        seen, epochs = _until_tuned(loader)
+    finally:
+        loader.close()
+    assert seen == _reference(dataset, epochs, **kwargs)[0]
+    assert loader.failures, "the dying workers were not recorded"
+    failed = [
+        t
+        for t in loader.history
+        if t.state != "complete" and t.kind in ("killed", "worker crashed")
+    ]
+    assert failed, [(t.state, t.kind) for t in loader.history]
+    assert loader.result is not None and loader.result.params["num_workers"] <= 1
+
+
+def test_a_hanging_worker_is_stopped_and_its_batches_loaded_by_the_last_good_setting() -> None:
+    dataset = FaultInWorkersDataset("hang", length=160, from_worker=1, after=3)
+    kwargs = {"batch_size": 8}
+    expected, _ = _reference(dataset, 4, **kwargs)
+    loader = AutoLoader(
+        dataset,
+        time_budget=8,
+        search_space={"num_workers": (2, 2), "worker_kind": ("processes",)},
+        verbose=False,
+        **kwargs,
+    )
+    try:
+        seen = _epochs(loader, 4)
+    finally:
+        loader.close()
+    assert seen == expected
+    assert any(
+        "hung" in failure or "timed out" in failure or "loading a batch" in failure
+        for failure in loader.failures
+    ), loader.failures
+
+
+def test_a_setting_over_the_memory_budget_is_stopped_without_losing_a_batch() -> None:
+    """Each worker holds 400 MiB: two pass a budget of 500 MiB over the tree."""
+    import psutil
+
+    used = psutil.Process().memory_info().rss
+    dataset = MemoryHogDataset(400 << 20, length=400)
+    expected, _ = _reference(dataset, 3, batch_size=8)
+    loader = AutoLoader(
+        dataset,
+        batch_size=8,
+        time_budget=6,
+        memory_budget=used + (500 << 20),
+        search_space={"num_workers": (2, 3), "worker_kind": ("processes",)},
+        verbose=False,
+    )
+    try:
+        seen = _epochs(loader, 3)
+    finally:
+        loader.close()
+    assert seen == expected
+    assert any(t.state == "pruned" and "memory" in (t.reason or "") for t in loader.history)
+
+
+def test_an_error_of_the_dataset_under_every_setting_reaches_the_loop_as_dataloaders() -> None:
+    dataset = FailingDataset(length=64, latency=0.0, bad=20)
+    with pytest.raises(ValueError, match="corrupt record 20"):
+        for _ in DataLoader(dataset, batch_size=8):
+            pass
+    loader = AutoLoader(dataset, batch_size=8, time_budget=4, verbose=False)
+    seen = []
+    with pytest.raises(ValueError, match="corrupt record 20"):
+        for batch in loader:
+            seen.append(_ids(batch))
+    loader.close()
+    assert seen == [list(range(8)), list(range(8, 16))]
+
+
+# Saved and reused ------------------------------------------------------------------------
+
+
+def test_the_next_run_reuses_the_saved_settings_and_a_changed_dataset_tunes_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    dataset = SleepDataset(length=120, latency=0.001)
+    first = AutoLoader(dataset, batch_size=8, time_budget=3, path=path, verbose=False)
+    try:
+        _until_tuned(first, after=0)
+    finally:
+        first.close()
+    assert first.tuned and path.exists()
+    saved = json.loads(path.read_text())
+    assert saved["params"] == first.result.params  # type: ignore[union-attr]
+
+    caplog.set_level(logging.INFO, logger="autoloader")
+    second = AutoLoader(dataset, batch_size=8, time_budget=3, path=path, verbose=False)
+    try:
+        seen = _epochs(second, 1)
+    finally:
+        second.close()
+    assert second.tuned and second.result.params == first.result.params  # type: ignore[union-attr]
+    assert "reusing" in caplog.text
+    _every_sample_once(seen, 120, 1)
+
+    caplog.clear()
+    changed = AutoLoader(
+        SleepDataset(length=130), batch_size=8, time_budget=2, path=path, verbose=False
+    )
+    try:
+        _epochs(changed, 1)
+    finally:
+        changed.close()
+    assert "not reusing" in caplog.text and "dataset length: 120 then, 130 now" in caplog.text
+
+
+# Bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": 4}, "AutoLoader chooses num_workers itself"),
+        ({"pin_memory": True}, "AutoLoader chooses pin_memory itself"),
+        ({"persistent_workers": True}, "persistent_workers"),
+        ({"batch_size": None}, "needs a batch_size"),
+        ({"in_order": False}, "in_order=True"),
+        ({"time_budget": -1}, "time_budget must be positive"),
+        ({"path": "."}, "is a directory"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        AutoLoader(SleepDataset(length=16), **{"batch_size": 4, **kwargs})
+
+
+def test_an_iterable_dataset_or_a_batch_sampler_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="map-style"):
+        AutoLoader(ShardedStream(), batch_size=4)
+    batches = torch.utils.data.BatchSampler(range(16), 4, False)
+    with pytest.raises(InvalidInputError, match="batch_sampler"):
+        AutoLoader(SleepDataset(length=16), batch_size=None, batch_sampler=batches)
+
+
+def test_autoloader_is_exported() -> None:
+    assert autoloader.AutoLoader is AutoLoader
