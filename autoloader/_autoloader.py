@@ -56,9 +56,8 @@ from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs, n
 from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.loader._params import BASELINE_PARAMS, Params, normalize_params
 from autoloader.loader._step_threads import set_step_threads
-from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._errors import TrialError
-from autoloader.measure._live import LiveTrial, TrialEnded
+from autoloader.measure._live import LiveTrial, TrialEnded, release
 from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.results._report import describe, report
@@ -421,6 +420,12 @@ class _Tuning:
         """At the first batch: the saved result, or the checks and the search's start."""
         self.started = perf_counter()
         problem = self.problem
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _logger.warning(
+                "AutoLoader: under torchrun each rank tunes on its own, switching settings "
+                "at its own batches (its batches are DataLoader's all the same); for "
+                "settings tuned jointly by every rank, use autoloader.tune()"
+            )
         found = reused(problem, None)
         if found is not None:
             self._take(found, reused_from=problem.path)
@@ -511,7 +516,7 @@ class _Tuning:
         if self.kept is not None:
             loader, _ = self.kept
             self.kept = None
-            shutdown_workers(None, loader)
+            release(loader)
 
     # Ending a trial --------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ Modules, from the top down, one job each::
     _factory         build_loader(): a DataLoader or ThreadLoader from a setting
     _draws           a tuned loader drawing from the RNGs as the user's own would
                      (NOTE [ A tuned loader's draws ]), for the framework adapters
+    _feed            an epoch's batches handed out once each, to loaders that take turns
+                     (NOTE [ Every batch once ]), for AutoLoader
     _batch_items     BatchItems: a per-item sampler over a batch sampler's batches
     _batched         a whole batch fetched with one indexing (NOTE [ Batched fetch ])
     _thread_loader   ThreadLoader: a DataLoader whose workers are threads

@@ -4,6 +4,7 @@ Modules, from the top down, one job each::
 
     _isolation     SubprocessRunner: each trial in a fresh process of its own
     _runner        TrialRunner: builds a setting's loader and times it under guard
+    _live          LiveTrial: a trial timed by the user's own training loop (AutoLoader's)
     _timing_loop   TimingLoop: one trial's loop (warm-up, windows, checkpoints), its parts
     _supervision   the trial's worker processes: their deaths, shutdown and reaping
     _lockstep      Checkpoint, Lockstep: the processes of a joint trial decide together

@@ -24,6 +24,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from autoloader.loader._feed import Feed
+from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement, WindowCallback
@@ -312,3 +313,8 @@ class LiveTrial:
                     stop_workers(self.guard, abandon=failed)
         finally:
             self._handlers.close()
+
+
+def release(loader: DataLoader[Any]) -> None:
+    """Stop a persistent loader's workers, kept after its last trial."""
+    shutdown_workers(None, loader)
