@@ -56,6 +56,7 @@ from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs, n
 from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.loader._params import BASELINE_PARAMS, Params, normalize_params
 from autoloader.loader._step_threads import set_step_threads
+from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._live import LiveTrial, TrialEnded, release
 from autoloader.measure._measurement import Measurement
@@ -391,7 +392,10 @@ class _Tuning:
         if self.started is None:
             self._begin()
         if self.redo:
-            return self._trial(self.last_good, batches, seed, limit=self.redo)
+            params = self.last_good
+            return self._trial(
+                params, batches, seed, limit=self.redo, deadlines=self._deadlines(params)
+            )
         if self.chosen is None:
             assert self.driver is not None
             try:
@@ -450,7 +454,7 @@ class _Tuning:
         *,
         limit: int | None = None,
         max_seconds: float | None = None,
-        deadlines: Any = None,
+        deadlines: Deadlines | None = None,
         on_window: Any = None,
     ) -> LiveTrial:
         feed = Feed(batches, limit=limit)
@@ -484,9 +488,17 @@ class _Tuning:
             batch_size=self.problem.batch_size,
             memory_budget=None,
             max_seconds=None,
-            deadlines=None,
+            deadlines=self._deadlines(params),
             keep_workers=persistent,
         )
+
+    def _deadlines(self, params: Params) -> Deadlines | None:
+        """How long a batch may take to load with ``params`` before it counts as hung,
+        from the search's baseline; ``None`` (no limit, as DataLoader) with no search
+        (settings read from ``path``)."""
+        if self.policy is None or self.driver is None:
+            return None
+        return self.policy.deadlines(params, self.driver.history)
 
     def _loader(self, params: Params, feed: Feed, seed: int) -> DataLoader[Any]:
         """A loader of ``params`` over the batches ``feed`` hands it, its workers seeded

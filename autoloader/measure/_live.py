@@ -24,7 +24,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from autoloader.loader._feed import Feed
-from autoloader.loader._torch_compat import shutdown_workers
+from autoloader.loader._torch_compat import shutdown_workers, worker_processes
 from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement, WindowCallback
@@ -308,7 +308,12 @@ class LiveTrial:
                 return
             with self.alarm.installed():
                 if failed:
-                    kill(self.watch.new_children())  # discarded anyway, and possibly hung
+                    # Discarded anyway, and possibly hung; a persistent loader's workers
+                    # were there before the trial.
+                    for worker in worker_processes(self.iterator):
+                        with contextlib.suppress(OSError, ValueError):
+                            worker.kill()
+                    kill(self.watch.new_children())
                 with contextlib.suppress(Exception):
                     stop_workers(self.guard, abandon=failed)
         finally:
