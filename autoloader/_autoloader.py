@@ -690,6 +690,8 @@ def _describe(params: Mapping[str, Any]) -> str:
         extra = [f"prefetch {params.get('prefetch_factor')}"]
         if params.get("persistent_workers"):
             extra.append("persistent")
+        if params.get("worker_threads") is not None:
+            extra.append(f"{params['worker_threads']} native thread(s) each")
         words = f"{workers} {kind} ({', '.join(extra)})"
     if params.get("batched_fetch"):
         words += ", batched"

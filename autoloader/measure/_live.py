@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -133,6 +135,11 @@ class LiveTrial:
         self._handlers = contextlib.ExitStack()
         self._handlers.enter_context(self.deaths.handled())
         self.alarm = Alarm()
+        # Where nothing else uses SIGALRM, its handler is installed for the whole trial
+        # (about 20 us a batch less than for each fetch); it fires only while armed.
+        self._alarm_held = deadlines is not None and _alarm_unused()
+        if self._alarm_held:
+            self._handlers.enter_context(self.alarm.installed())
         self.guard = Guard(self.watch, self.deaths, self.alarm, self.started, loader=loader)
         self.iterator: Iterator[Any] | None = None
 
@@ -150,8 +157,10 @@ class LiveTrial:
         """
         if self.outcome is not None:
             raise TrialEnded
+        if not self.measuring:
+            return self._serve()
         now, cpu, own = perf_counter(), process_time(), thread_time()
-        if self.returned_at is not None and self.measuring:
+        if self.returned_at is not None:
             self._count(now, cpu, own)
         if self.outcome is not None:
             raise TrialEnded
@@ -180,35 +189,69 @@ class LiveTrial:
         self.returned_at, self.returned_cpu = got, (got_cpu, got_own)
         return batch
 
+    def _serve(self) -> Any:
+        """The next batch of a setting not measured: the chosen one, or the reload of a
+        failed setting's batches (NOTE [ Tuning in the training loop ])."""
+        try:
+            batch = self._fetch()
+        except StopIteration:
+            self.outcome = self._finish()
+            if self.feed.limit is not None and self.feed.handed_count >= self.feed.limit:
+                raise TrialEnded from None  # the batches it was given are delivered
+            raise
+        except (TrialError, MemoryBudgetExceeded) as failure:
+            self.outcome = failure
+            raise TrialEnded from None
+        self.feed.delivered()
+        return batch
+
     def _fetch(self) -> Any:
         """The loader's next batch, within its deadline, its faults as trial errors."""
-        first = self.iterator is None
-        with self.alarm.installed(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
-            try:
-                if first:
+        try:
+            if self.iterator is None:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="This DataLoader will create")
                     self.iterator = self.guard.iterator = self.deaths.start(self.loader)
-                self.alarm.arm("loading a batch", self.first_limit if first else self.each_limit)
+                return self._next(self.first_limit)
+            return self._next(self.each_limit)
+        except (StopIteration, MemoryBudgetExceeded, TrialError):
+            raise
+        except TrialTimeout as error:
+            # NOTE [ Memory growth against the hang deadline ] (in _timing_loop.py)
+            grown = self.watch.outgrows(max(error.seconds, 1.0))
+            if grown is not None:
+                raise grown from None
+            raise TrialError("loading a batch", error, self.watch.peak) from None
+        except Exception as error:
+            self.deaths.expected = True
+            if self.watch.exceeded:  # a worker the watch killed surfaced as an error
+                raise self.watch.error() from error
+            failure = TrialError("loading a batch", error, self.watch.peak)
+            if worker_died(error):
+                failure.worker_signals, failure.worker_exit_codes = worker_exits(
+                    self.iterator, error
+                )
+            raise failure from error
+
+    def _next(self, limit: float | None) -> Any:
+        """``next()`` of the iterator, under the alarm where there is a ``limit``: the
+        handler is installed for the fetch alone, never while the user's code runs."""
+        assert self.iterator is not None
+        if limit is None:
+            with self.deaths.fetching():
+                return next(self.iterator)
+        if self._alarm_held:
+            self.alarm.arm("loading a batch", limit)
+            try:
                 with self.deaths.fetching():
-                    return next(self.iterator)  # type: ignore[arg-type]
-            except (StopIteration, MemoryBudgetExceeded, TrialError):
-                raise
-            except TrialTimeout as error:
-                # NOTE [ Memory growth against the hang deadline ] (in _timing_loop.py)
-                grown = self.watch.outgrows(max(error.seconds, 1.0))
-                if grown is not None:
-                    raise grown from None
-                raise TrialError("loading a batch", error, self.watch.peak) from None
-            except Exception as error:
-                self.deaths.expected = True
-                if self.watch.exceeded:  # a worker the watch killed surfaced as an error
-                    raise self.watch.error() from error
-                failure = TrialError("loading a batch", error, self.watch.peak)
-                if worker_died(error):
-                    failure.worker_signals, failure.worker_exit_codes = worker_exits(
-                        self.iterator, error
-                    )
-                raise failure from error
+                    return next(self.iterator)
+            finally:
+                self.alarm.disarm()
+        with self.alarm.installed():
+            self.alarm.arm("loading a batch", limit)
+            try:
+                with self.deaths.fetching():
+                    return next(self.iterator)
             finally:
                 self.alarm.disarm()
 
@@ -318,6 +361,15 @@ class LiveTrial:
                     stop_workers(self.guard, abandon=failed)
         finally:
             self._handlers.close()
+
+
+def _alarm_unused() -> bool:
+    """Whether this is the main thread and nothing else has set a SIGALRM handler or
+    the process's real-time timer."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    handler = signal.getsignal(signal.SIGALRM)
+    return handler in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
 
 
 def release(loader: DataLoader[Any]) -> None:
