@@ -30,10 +30,13 @@ step on the real device (:class:`~autoloader.measure._live.LiveTrial`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
@@ -42,7 +45,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from autoloader._exceptions import AllSettingsFailedError, BaselineError, InvalidInputError
-from autoloader._problem import Problem, check_arguments
+from autoloader._problem import Problem, agree, check_arguments
 from autoloader._reuse import reused
 from autoloader._tune import (
     check_before_search,
@@ -52,6 +55,8 @@ from autoloader._tune import (
     result_of,
     save_result,
 )
+from autoloader.distributed._joint import job_outcome
+from autoloader.distributed._ranks import Ranks
 from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs, new_loader
 from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.loader._params import BASELINE_PARAMS, Params, normalize_params
@@ -59,10 +64,10 @@ from autoloader.loader._step_threads import set_step_threads
 from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._live import LiveTrial, TrialEnded, release
-from autoloader.measure._measurement import Measurement
+from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.results._report import describe, report
-from autoloader.results._result import TrialRecord, TuneResult, record_of
+from autoloader.results._result import TrialRecord, TuneResult, in_memory_kwargs, record_of
 from autoloader.search import Completed, Driver, Policy, Proposal
 from autoloader.search._driver import quiet_optuna
 from autoloader.search._space import SearchSpace
@@ -187,24 +192,23 @@ class AutoLoader(DataLoader[_T_co]):
             if value is not default and value != default
         }
         assert isinstance(batch_size, int)
-        problem = check_arguments(
-            None,
-            dataset,
-            TrainingLoop(),
-            batch_size=batch_size,
-            time_budget=time_budget,
-            n_trials=n_trials,
-            memory_budget=memory_budget,
-            search_space=search_space,
-            loader_kwargs=fixed,
-            device=device,
-            seed=seed,
-            storage=None,
-            show_progress=False,
-            isolation="in-process",
-            restore=None,
-            path=path,
-        )
+        arguments: dict[str, Any] = {
+            "batch_size": batch_size,
+            "time_budget": time_budget,
+            "n_trials": n_trials,
+            "memory_budget": memory_budget,
+            "search_space": search_space,
+            "loader_kwargs": fixed,
+            "device": device,
+            "seed": seed,
+            "storage": None,
+            "show_progress": False,
+            "isolation": "in-process",
+            "restore": None,
+            "path": path,
+        }
+        step = TrainingLoop()
+        problem = check_arguments(None, dataset, step, **arguments)
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -226,7 +230,9 @@ class AutoLoader(DataLoader[_T_co]):
         self.seed = seed
         self.verbose = verbose
         self._context = multiprocessing_context
-        self._tuning = _Tuning(self, problem)
+        self._tuning = _Tuning(
+            self, problem, lambda ranks: check_arguments(ranks, dataset, step, **arguments)
+        )
         self._epoch: _Epoch | None = None
 
     @property
@@ -245,6 +251,14 @@ class AutoLoader(DataLoader[_T_co]):
             return list(self._tuning.result.trials)
         driver = self._tuning.driver
         return [] if driver is None else [record_of(trial) for trial in driver.history]
+
+    @property
+    def setting(self) -> Params | None:
+        """The setting loading the current epoch's batches now (a trial's, while it
+        tunes), ``None`` between epochs."""
+        epoch = self._epoch
+        trial = None if epoch is None else epoch.trial
+        return None if trial is None else dict(trial.params)
 
     @property
     def failures(self) -> list[str]:
@@ -367,9 +381,19 @@ class _Tuning:
     """The search of one AutoLoader, driven by the loop: which setting loads next, and
     what each trial's end means (``NOTE [ Tuning in the training loop ]``)."""
 
-    def __init__(self, owner: AutoLoader[Any], problem: Problem) -> None:
+    def __init__(
+        self,
+        owner: AutoLoader[Any],
+        problem: Problem,
+        problem_of: Callable[[Ranks], Problem],
+    ) -> None:
         self.owner = owner
         self.problem = problem
+        self.problem_of = problem_of  # the problem again, as one rank of a torchrun job
+        self.ranks: Ranks | None = None
+        self.segment: _Segment | None = None  # under torchrun: the trial under way
+        self.pace: float | None = None  # rank 0: seconds per batch of the last trial
+        self.fatal: BaseException | None = None  # rank 0: to raise on every rank
         self.started: float | None = None
         self.policy: Policy | None = None
         self.driver: Driver | None = None
@@ -397,43 +421,112 @@ class _Tuning:
                 params, batches, seed, limit=self.redo, deadlines=self._deadlines(params)
             )
         if self.chosen is None:
-            assert self.driver is not None
-            try:
-                with quiet_optuna():
-                    self.proposal = self.driver.propose()
-            except AllSettingsFailedError as error:  # the baseline is left: it completed
-                self.failures.append(str(error))
-                _logger.warning("AutoLoader: %s", error)
-                self.proposal = None
-            if self.proposal is not None:
-                spec, driver = self.proposal.spec, self.driver
-                self.trial_threads = _set_threads(spec.params.get("step_threads"))
+            plan = self._plan() if self.ranks is None else self._joint_plan()
+            if plan is not None:
+                self.trial_threads = _set_threads(plan.params.get("step_threads"))
                 return self._trial(
-                    spec.params,
+                    plan.params,
                     batches,
                     seed,
-                    max_seconds=spec.max_seconds,
-                    deadlines=spec.deadlines,
-                    on_window=lambda window, measured: driver.vote(spec, window, measured),
+                    limit=plan.batches,
+                    max_seconds=plan.max_seconds,
+                    deadlines=plan.deadlines,
+                    on_window=plan.on_window,
                 )
-            self._conclude()
         assert self.chosen is not None
         return self._serve(self.chosen, batches, seed)
+
+    def _plan(self) -> _Plan | None:
+        """The next trial, alone: the driver's proposal; ``None`` once tuning ended."""
+        self.proposal = self._propose()
+        if self.proposal is None:
+            self._take(self._conclude(), reused_from=None)
+            return None
+        spec, driver = self.proposal.spec, self.driver
+        assert driver is not None
+        return _Plan(
+            spec.params,
+            spec.deadlines,
+            max_seconds=spec.max_seconds,
+            on_window=lambda window, measured: driver.vote(spec, window, measured),
+        )
+
+    def _propose(self) -> Proposal | None:
+        assert self.driver is not None
+        try:
+            with quiet_optuna():
+                return self.driver.propose()
+        except AllSettingsFailedError as error:  # the baseline is left: it completed
+            self.failures.append(str(error))
+            _logger.warning("AutoLoader: %s", error)
+            return None
+
+    # NOTE [ Joint segments ]
+    # Under torchrun every rank switches settings at the same batch: rank 0 proposes each
+    # trial with a length in batches (its time over rank 0's last pace; the first, the
+    # baseline, _FIRST_SEGMENT), the same on every rank, which loads exactly that many
+    # batches of its epoch in the trial, a failed setting's share by the last good one.
+    # At the trial's end (or its epoch's, at the same batch on every rank when their
+    # samplers give them epochs of one length, as DistributedSampler does), the ranks
+    # gather how it went, and rank 0 tells the study the job's figures: the slowest
+    # rank's, or the failure, as in tune() (job_outcome). Two exchanges a trial, none
+    # within one, and none once tuning ended.
+
+    def _joint_plan(self) -> _Plan | None:
+        """The next trial, decided by rank 0 and the same on every rank; ``None`` once
+        tuning ended (every rank then trains with rank 0's result)."""
+        ranks = self.ranks
+        assert ranks is not None
+        message: Any = None
+        if ranks.drives:
+            if self.fatal is not None:
+                message = ("error", self.fatal)
+            else:
+                self.proposal = self._propose()
+                if self.proposal is None:
+                    result = self._conclude()
+                    message = ("done", dataclasses.replace(result, _in_memory_kwargs={}))
+                else:
+                    spec = self.proposal.spec
+                    batches = (
+                        _FIRST_SEGMENT
+                        if self.pace is None
+                        else max(_MIN_SEGMENT, math.ceil(spec.max_seconds / self.pace))
+                    )
+                    message = ("trial", spec.params, spec.deadlines, batches, self.last_good)
+        message = ranks.broadcast(message, during="deciding AutoLoader's next trial")
+        kind = message[0]
+        if kind == "error":
+            raise message[1]
+        if kind == "done":
+            result = dataclasses.replace(
+                message[1], _in_memory_kwargs=in_memory_kwargs(self.problem.fixed)
+            )
+            ranks.close()
+            self.ranks = None
+            self._take(result, reused_from=None)
+            return None
+        _, params, deadlines, batches, self.last_good = message
+        self.segment = _Segment(params, batches)
+        return _Plan(params, deadlines, batches=batches, max_seconds=math.inf)
 
     def _begin(self) -> None:
         """At the first batch: the saved result, or the checks and the search's start."""
         self.started = perf_counter()
+        self.ranks = ranks = Ranks.join()
+        if ranks is not None:
+            # The machine as this rank's job sees it, and the same problem on every rank.
+            self.problem = agree(ranks, self.problem_of(ranks))
         problem = self.problem
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            _logger.warning(
-                "AutoLoader: under torchrun each rank tunes on its own, switching settings "
-                "at its own batches (its batches are DataLoader's all the same); for "
-                "settings tuned jointly by every rank, use autoloader.tune()"
-            )
-        found = reused(problem, None)
+        found = reused(problem, ranks)
         if found is not None:
+            if ranks is not None:
+                ranks.close()
+                self.ranks = None
             self._take(found, reused_from=problem.path)
             return
+        if ranks is not None and not ranks.drives:
+            return  # rank 0 runs the checks and the search
         space, self.space_notes, self.facts = check_before_search(problem)
         self.policy = policy_of(problem, space, self.facts)
         with quiet_optuna():
@@ -458,12 +551,14 @@ class _Tuning:
         on_window: Any = None,
     ) -> LiveTrial:
         feed = Feed(batches, limit=limit)
+        ranks = self.ranks
+        share = 1 if ranks is None else ranks.local_world_size  # the node's, in equal shares
         return LiveTrial(
             self._loader(params, feed, seed),
             feed,
             params,
             batch_size=self.problem.batch_size,
-            memory_budget=self.problem.memory_bytes if max_seconds is not None else None,
+            memory_budget=self.problem.memory_bytes // share if max_seconds is not None else None,
             max_seconds=max_seconds,
             deadlines=deadlines,
             on_window=on_window,
@@ -534,18 +629,35 @@ class _Tuning:
 
     def trial_ended(self, trial: LiveTrial, undelivered: int) -> None:
         """Record how ``trial`` ended; after a fault, its ``undelivered`` batches are
-        loaded next by the last setting that completed.
+        loaded next by the last setting that completed (under torchrun, the rest of the
+        trial's batches: ``NOTE [ Joint segments ]``).
 
         Raises:
             The dataset's own error, where the baseline raises it too.
         """
         outcome = trial.outcome
         failed = isinstance(outcome, (TrialError, MemoryBudgetExceeded))
-        if self.redo and trial.feed.limit is not None:  # a failed setting's batches
-            if failed:
+        if self.redo and trial.feed.limit is not None and trial.params is self.last_good:
+            if failed:  # the last good setting failed on a failed setting's batches
                 self._redo_failed(trial.params, outcome)  # type: ignore[arg-type]
             else:
                 self.redo = 0
+                if self.segment is not None:
+                    self._end_segment()
+            return
+        segment = self.segment
+        if segment is not None:
+            _set_threads(self.trial_threads)
+            self._keep_pace(trial)
+            segment.outcome = outcome
+            if failed:
+                self._record_failure(segment.params, outcome)  # type: ignore[arg-type]
+                # The trial's other batches, by the last good setting, before the exchange.
+                self.redo = segment.batches - trial.feed.delivered_count
+                if self.redo > 0:
+                    return
+                self.redo = 0
+            self._end_segment()
             return
         proposal, self.proposal = self.proposal, None
         if proposal is not None:
@@ -555,6 +667,48 @@ class _Tuning:
             self._chosen_failed(trial.params, outcome)  # type: ignore[arg-type]
         if failed:
             self.redo = undelivered
+
+    def _keep_pace(self, trial: LiveTrial) -> None:
+        """Rank 0's seconds per batch in ``trial``: the next trial's length comes from it."""
+        if trial.feed.delivered_count:
+            self.pace = (perf_counter() - trial.started) / trial.feed.delivered_count
+
+    def _end_segment(self) -> None:
+        """This rank's trial has loaded its batches: gather how it went on every rank;
+        rank 0 tells the study the job's outcome (``NOTE [ Joint segments ]``)."""
+        segment, ranks = self.segment, self.ranks
+        assert segment is not None and ranks is not None
+        self.segment = None
+        everyone = ranks.gather(segment.outcome, during="ending AutoLoader's trial")
+        proposal, self.proposal = self.proposal, None
+        if not ranks.drives or proposal is None:
+            return
+        driver = self.driver
+        assert driver is not None
+        with quiet_optuna():
+            try:
+                measured = job_outcome(everyone, ranks.hosts)
+            except (TrialError, MemoryBudgetExceeded) as error:
+                try:
+                    told = driver.failure(proposal.spec, error)
+                except BaselineError:
+                    self.fatal = _users_error(error)
+                    return
+            else:
+                told = driver.outcome(proposal.spec, measured, voted=False)
+            driver.finish(proposal, told)
+        if isinstance(told, Completed):
+            self.last_good = proposal.spec.params
+
+    def _record_failure(self, params: Params, error: TrialError | MemoryBudgetExceeded) -> None:
+        self.failures.append(f"{_describe(params)}: {error}")
+        _logger.warning(
+            "AutoLoader: the setting %s failed (%s); its batches are loaded again by %s, "
+            "and tuning goes on",
+            _describe(params),
+            error,
+            _describe(self.last_good),
+        )
 
     def _tell(
         self,
@@ -572,14 +726,7 @@ class _Tuning:
                     told = driver.failure(spec, outcome)
                 except BaselineError:
                     raise _users_error(outcome) from None
-                self.failures.append(f"{_describe(spec.params)}: {outcome}")
-                _logger.warning(
-                    "AutoLoader: the setting %s failed (%s); its batches are loaded again "
-                    "by %s, and tuning goes on",
-                    _describe(spec.params),
-                    outcome,
-                    _describe(self.last_good),
-                )
+                self._record_failure(spec.params, outcome)
             driver.finish(proposal, told)
         if isinstance(told, Completed):
             self.last_good = spec.params
@@ -609,14 +756,14 @@ class _Tuning:
 
     # The end of tuning -----------------------------------------------------------------
 
-    def _conclude(self) -> None:
-        """The policy stopped: choose, save, say so in one line."""
+    def _conclude(self) -> TuneResult:
+        """The policy stopped: the result, saved."""
         driver, policy, problem = self.driver, self.policy, self.problem
         assert driver is not None and policy is not None and self.started is not None
         choice = policy.choose(driver.history)
         notes = notes_of(
             problem,
-            None,
+            self.ranks,
             self.space_notes,
             policy,
             driver,
@@ -629,7 +776,7 @@ class _Tuning:
         result = result_of(problem, choice, records, notes, self.facts, False, self.started)
         if problem.path is not None:
             save_result(result, problem.path)
-        self._take(result, reused_from=None)
+        return result
 
     def _take(self, result: TuneResult, *, reused_from: Path | None) -> None:
         """Train with ``result``'s settings from here on, and say so."""
@@ -657,8 +804,36 @@ class _Tuning:
                 f"{result.speedup:.2f}x the defaults{saved}"
             )
         _logger.info("%s", line)
-        if self.owner.verbose:
+        if self.owner.verbose and int(os.environ.get("RANK", "0")) == 0:
             print(line, file=sys.stderr, flush=True)
+
+
+# NOTE [ Joint segments ]: the first trial's length in batches, before any pace is
+# known, and the shortest.
+_FIRST_SEGMENT = 16
+_MIN_SEGMENT = 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A trial to run: its setting, hang deadlines, and its end: ``batches`` (under
+    torchrun) or ``max_seconds`` and the windows' vote (``on_window``)."""
+
+    params: Params
+    deadlines: Deadlines | None
+    batches: int | None = None
+    max_seconds: float | None = None
+    on_window: WindowCallback | None = None
+
+
+@dataclass(slots=True)
+class _Segment:
+    """Under torchrun, the trial under way: its setting, its length in batches, and how
+    it went on this rank (``NOTE [ Joint segments ]``)."""
+
+    params: Params
+    batches: int
+    outcome: Measurement | TrialError | MemoryBudgetExceeded | None = None
 
 
 def _set_threads(threads: int | None) -> int | None:

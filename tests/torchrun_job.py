@@ -78,7 +78,66 @@ class DDPStep:
         time.sleep(0.004)
 
 
+def autoloader_job(out: Path, scenario: str) -> int:
+    """``AutoLoader`` over a DistributedSampler, stepped by a DDP step, until it has tuned
+    and one epoch more: each rank reports the setting that loaded each of its batches,
+    each epoch's ids against DataLoader's, and the result. With
+    ``autoloader-crash-on-last-rank``, that rank's workers from index 1 up die."""
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dataset: SleepDataset = SleepDataset(length=384, latency=0.002)
+    if scenario == "autoloader-crash-on-last-rank" and rank == size - 1:
+        dataset = FaultInWorkersDataset("SIGKILL", length=384, from_worker=1, after=3)
+    sampler = DistributedSampler(dataset, seed=3)
+    reference = torch.utils.data.DataLoader(
+        dataset, batch_size=8, sampler=DistributedSampler(dataset, seed=3)
+    )
+    loader = autoloader.AutoLoader(
+        dataset,
+        batch_size=8,
+        sampler=sampler,
+        time_budget=8,
+        search_space={"num_workers": (0, 3), "worker_kind": "processes"},
+    )
+    step = DDPStep()
+    report: dict[str, object] = {"rank": rank, "settings": [], "epochs_equal": []}
+    batch_number = 0
+    last = None
+    try:
+        for epoch in range(100):
+            sampler.set_epoch(epoch)
+            reference.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            tuned_before = loader.tuned
+            seen = []
+            for batch in loader:
+                setting = json.dumps(loader.setting, sort_keys=True)
+                if setting != last:
+                    report["settings"].append([batch_number, setting])  # type: ignore[attr-defined]
+                    last = setting
+                seen.append(batch[:, 0].tolist())
+                step(batch)
+                batch_number += 1
+            expected = [b[:, 0].tolist() for b in reference]
+            report["epochs_equal"].append(seen == expected)  # type: ignore[attr-defined]
+            if tuned_before:
+                break
+        assert loader.result is not None
+        report["result"] = loader.result.as_dict()
+        report["failures"] = loader.failures
+    except BaseException as error:
+        report["error"] = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        loader.close()
+        report["steps"] = step.steps
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+    return 0
+
+
 def main(out: Path, scenario: str, budget: float | None = None) -> int:
+    if scenario.startswith("autoloader"):
+        return autoloader_job(out, scenario)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     dataset: SleepDataset = SleepDataset(length=768, latency=0.002)

@@ -65,7 +65,9 @@ class LiveTrial:
         memory_budget: bytes the process tree may use, or ``None`` to leave memory
             unwatched (a setting already chosen: the watch's sampling would cost the
             whole run a little CPU).
-        max_seconds: the trial ends at the first batch after this, ``None``: never (a
+        max_seconds: the trial ends at the first batch after this, or once its rate is
+            known well enough; ``inf``: it is measured until its feed's ``limit`` of
+            batches is delivered (a torchrun job's trial); ``None``: not measured (a
             setting already chosen, serving the rest of training).
         deadlines: how long a batch may take to load before the setting counts as hung.
         on_window: called after each timing window; the trial ends there when it
@@ -95,6 +97,9 @@ class LiveTrial:
         self.loader, self.feed, self.params = loader, feed, params
         self.batch_size = batch_size
         self.measuring = max_seconds is not None
+        # A trial of a set length (max_seconds inf: its feed's limit) is measured to its
+        # end, the same on every rank of a torchrun job; a timed one ends once measured.
+        self.stop_early = max_seconds is not None and math.isfinite(max_seconds)
         self.on_window = on_window
         self.keep_workers = keep_workers
         self.min_windows = min_windows
@@ -126,7 +131,7 @@ class LiveTrial:
         watched = memory_budget is not None
         self.watch = MemoryWatch(
             memory_budget if memory_budget is not None else 1 << 62,
-            ends_at=None if max_seconds is None else time.monotonic() + max_seconds,
+            ends_at=time.monotonic() + max_seconds if max_seconds and self.stop_early else None,
         ).start(sample=watched)
         # In front of DataLoader's SIGCHLD handler for the whole trial: a worker's death
         # between two fetches, while the user's step runs, is held back until the next
@@ -292,7 +297,8 @@ class LiveTrial:
         measured = self._estimate()
         self.voted = self.on_window is not None and self.on_window(len(self.windows), measured)
         if self.voted or (
-            len(self.windows) >= self.min_windows
+            self.stop_early
+            and len(self.windows) >= self.min_windows
             and measured.relative_error <= self.target_relative_error
         ):
             self.outcome = measured
