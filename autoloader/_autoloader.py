@@ -70,6 +70,7 @@ from autoloader.results._report import describe, report
 from autoloader.results._result import TrialRecord, TuneResult, in_memory_kwargs, record_of
 from autoloader.search import Completed, Driver, Policy, Proposal
 from autoloader.search._driver import quiet_optuna
+from autoloader.search._objective import trial_seconds
 from autoloader.search._space import SearchSpace
 
 _logger = logging.getLogger("autoloader")
@@ -420,6 +421,16 @@ class _Tuning:
             return self._trial(
                 params, batches, seed, limit=self.redo, deadlines=self._deadlines(params)
             )
+        if self.chosen is None and self.ranks is None and self._too_few_left(batches):
+            # NOTE [ An epoch's tail ]: the last good setting loads it, unmeasured.
+            self.redo = len(self.owner) - batches.taken
+            return self._trial(
+                self.last_good,
+                batches,
+                seed,
+                limit=self.redo,
+                deadlines=self._deadlines(self.last_good),
+            )
         if self.chosen is None:
             plan = self._plan() if self.ranks is None else self._joint_plan()
             if plan is not None:
@@ -435,6 +446,25 @@ class _Tuning:
                 )
         assert self.chosen is not None
         return self._serve(self.chosen, batches, seed)
+
+    # NOTE [ An epoch's tail ]
+    # A trial ends with its epoch: cut short there, before two timing windows, it is
+    # pruned as too short and its time is lost to the search. So where the batches left
+    # in the epoch would take less than half a trial's time at the last trial's pace,
+    # no trial starts: the last good setting loads them, and the next trial starts with
+    # the next epoch. Not where a whole epoch is that short (every trial would wait),
+    # nor before the baseline, nor under torchrun, whose trials have a length in batches.
+
+    def _too_few_left(self, batches: EpochBatches) -> bool:
+        if self.pace is None or self.driver is None:
+            return False
+        try:
+            length = len(self.owner)
+        except TypeError:
+            return False
+        wanted = 0.5 * trial_seconds(self.problem.budget)
+        left = length - batches.taken
+        return left > 0 and left * self.pace < wanted <= length * self.pace
 
     def _plan(self) -> _Plan | None:
         """The next trial, alone: the driver's proposal; ``None`` once tuning ended."""
@@ -528,7 +558,10 @@ class _Tuning:
         if ranks is not None and not ranks.drives:
             return  # rank 0 runs the checks and the search
         space, self.space_notes, self.facts = check_before_search(problem)
-        self.policy = policy_of(problem, space, self.facts)
+        # In the training loop the baseline's pace is training's: measured once.
+        self.policy = dataclasses.replace(
+            policy_of(problem, space, self.facts), runoff_baseline=False
+        )
         with quiet_optuna():
             self.driver = Driver(
                 self.policy,
@@ -662,6 +695,7 @@ class _Tuning:
         proposal, self.proposal = self.proposal, None
         if proposal is not None:
             _set_threads(self.trial_threads)
+            self._keep_pace(trial)
             self._tell(proposal, trial, outcome)  # type: ignore[arg-type]
         elif failed:
             self._chosen_failed(trial.params, outcome)  # type: ignore[arg-type]
@@ -669,7 +703,9 @@ class _Tuning:
             self.redo = undelivered
 
     def _keep_pace(self, trial: LiveTrial) -> None:
-        """Rank 0's seconds per batch in ``trial``: the next trial's length comes from it."""
+        """The loop's seconds per batch in ``trial``: under torchrun, rank 0's sets the
+        next trial's length (``NOTE [ Joint segments ]``); alone, it tells whether an
+        epoch's tail is worth a trial (``NOTE [ An epoch's tail ]``)."""
         if trial.feed.delivered_count:
             self.pace = (perf_counter() - trial.started) / trial.feed.delivered_count
 

@@ -215,6 +215,10 @@ class Policy:
             asked for (``step_threads_asked``).
         step_threads_asked: the user asked for ``step_threads`` in the search space:
             they are searched whatever the step does.
+        runoff_baseline: the runoff measures the baseline again in each round, beside
+            the candidates, so that the speedup is measured side by side too. AutoLoader
+            leaves it out: in the training loop, each of its trials is training run at
+            the defaults' pace.
     """
 
     space: SearchSpace
@@ -226,6 +230,7 @@ class Policy:
     worker_start: float | None = None
     accelerator: str | None = None
     step_threads_asked: bool = False
+    runoff_baseline: bool = True
 
     # The next trial -------------------------------------------------------------
 
@@ -428,14 +433,15 @@ class Policy:
         self, history: Sequence[Trial], mine: Sequence[Trial], seconds_left: float
     ) -> Plan | Stop:
         """The next setting of the runoff's rounds: each round measures the candidates,
-        best first, then the baseline. A setting is run only if its typical duration
-        fits in the time left; the runoff ends at the first that does not."""
+        best first, then the baseline (``runoff_baseline``). A setting is run only if
+        its typical duration fits in the time left; the runoff ends at the first that
+        does not."""
         order = self.runoff_order(history)
         if not order:
             return Stop(NothingToMeasureAgain())
         rounds = 1 if self.step_bound(history) is not None else _RUNOFF_ROUNDS
         done = sum(t.phase is Phase.RUNOFF for t in mine)
-        sequence = [*order, BASELINE_PARAMS] * rounds
+        sequence = [*order, *([BASELINE_PARAMS] if self.runoff_baseline else [])] * rounds
         if done >= len(sequence):
             return Stop(RunoffDone(rounds))
         params = sequence[done]
