@@ -79,6 +79,21 @@ def test_batches_a_loader_did_not_deliver_are_handed_out_again_first() -> None:
     assert list(Feed(epoch)) == [[3], [4]]
 
 
+def test_a_stopped_feed_keeps_what_its_loader_holds_for_the_loop() -> None:
+    """NOTE [ Draining a trial ]: stopped, a feed hands out nothing more and gives
+    nothing back: the batches its loader holds reach the loop through it."""
+    epoch = EpochBatches(iter([[0], [1], [2], [3]]))
+    feed = Feed(epoch)
+    taken = iter(feed)
+    assert [next(taken), next(taken)] == [[0], [1]]
+    feed.stop()
+    assert list(taken) == []
+    feed.delivered()
+    feed.delivered()
+    feed.close()
+    assert list(Feed(epoch)) == [[2], [3]]
+
+
 # Batch for batch DataLoader's ----------------------------------------------------------
 
 

@@ -316,6 +316,25 @@ def test_the_runoff_measures_the_candidates_best_first_then_the_baseline() -> No
     assert planned == [8, 16, 0, 4, 8, 16, 0]  # two rounds in all, then it stops
 
 
+def test_a_runoff_without_the_baseline_measures_the_candidates_alone() -> None:
+    """AutoLoader's (runoff_baseline=False): in the training loop, a baseline trial is
+    training at the defaults' pace, measured once is enough."""
+    policy = dataclasses.replace(_policy(), runoff_baseline=False)
+    history = [_baseline(wait=0.5)]
+    for number, (workers, value) in enumerate([(2, 300.0), (4, 500.0), (8, 450.0)]):
+        history.append(_done(number + 1, _params(workers), value))
+    history.append(_done(9, _params(4), 500.0, phase=Phase.RUNOFF))  # the runoff began
+    planned = []
+    for number in range(10, 20):
+        plan = policy.next(history, seconds_left=30)
+        if isinstance(plan, Stop):
+            break
+        assert plan.phase is Phase.RUNOFF and plan.params is not None
+        planned.append(plan.params["num_workers"])
+        history.append(_done(number, plan.params, 400.0, phase=Phase.RUNOFF))
+    assert planned == [8, 2, 4, 8, 2]  # two rounds in all, then it stops
+
+
 def test_the_runoff_stops_when_the_next_trial_does_not_fit() -> None:
     policy = _policy()
     history = [_baseline(), _done(1, _params(4), 500.0, duration=3.0)]

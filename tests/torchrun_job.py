@@ -7,8 +7,9 @@ returned or raised, its host and the call's seconds to ``OUT/rank<r>.json``. Sce
 1 GiB, over its node's budget of 1 GiB, and with 4 the fourth segfaults);
 ``hang-on-last-rank`` (that rank's workers from index 2 up hang); ``stored`` (the study
 in ``study.db`` next to ``OUT``, for jobs run in folders side by side); ``long`` (a long
-budget, for the tests that kill a rank or press Ctrl-C). ``BUDGET`` replaces the
-scenario's time budget.
+budget, for the tests that kill a rank or press Ctrl-C); ``autoloader`` and
+``autoloader-crash-on-last-rank``, an ``AutoLoader`` in place of tune() (see
+:func:`autoloader_job`). ``BUDGET`` replaces the scenario's time budget.
 """
 
 from __future__ import annotations

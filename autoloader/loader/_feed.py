@@ -89,6 +89,10 @@ class Feed:
         self._handed.popleft()
         self.delivered_count += 1
 
+    def stop(self) -> None:
+        """Hand out no more; the loader delivers those it has (NOTE [ Draining a trial ])."""
+        self._open = False
+
     def close(self) -> None:
         """Hand out no more, and give the undelivered batches back to the epoch."""
         self._open = False

@@ -111,6 +111,7 @@ class LiveTrial:
         self.first_limit = deadlines.first if deadlines else None
         self.each_limit = deadlines.each if deadlines else None
         self.outcome: Measurement | Failure | None = None
+        self.draining = False  # NOTE [ Draining a trial ]
         self.voted = False
         # NOTE [ Warm-up ] (in _timing_loop.py), as a trial of tune() skips it.
         self.to_skip = self.workers * int(params.get("prefetch_factor") or 0)
@@ -161,17 +162,18 @@ class LiveTrial:
                 with TrialEnded instead.
         """
         if self.outcome is not None:
+            if self.draining:
+                return self._drain()
             raise TrialEnded
         if not self.measuring:
             return self._serve()
         now, cpu, own = perf_counter(), process_time(), thread_time()
         if self.returned_at is not None:
             self._count(now, cpu, own)
-        if self.outcome is not None:
-            raise TrialEnded
-        if now >= self.deadline:
+        if self.outcome is None and now >= self.deadline:
             self.outcome = self._finish()
-            raise TrialEnded
+        if self.outcome is not None:
+            return self._drain_from_here()
         try:
             self.watch.check()
             batch = self._fetch()
@@ -192,6 +194,36 @@ class LiveTrial:
         self.last_wait = (got - now, got_cpu - cpu, got_own - own)
         self.last_samples = batch_length(batch, self.batch_size)
         self.returned_at, self.returned_cpu = got, (got_cpu, got_own)
+        return batch
+
+    # NOTE [ Draining a trial ]
+    # When a timed trial has measured enough, its loader holds up to num_workers x
+    # prefetch_factor batches handed out and not delivered, loaded or being loaded. They
+    # are the epoch's next batches in order: given back, the next setting would load
+    # them again (with 8 workers x prefetch 8, an epoch's worth of loading thrown away
+    # at each switch). So the feed stops handing out batches, and the loop gets those
+    # already handed out, unmeasured, before the next setting starts. A fault while
+    # draining is the trial's (its setting did fail): what was not delivered is given
+    # back then, as after any failure.
+
+    def _drain_from_here(self) -> Any:
+        if self.feed.limit is not None or not self.feed.in_flight:
+            raise TrialEnded
+        self.feed.stop()
+        self.draining = True
+        return self._drain()
+
+    def _drain(self) -> Any:
+        try:
+            batch = self._fetch()
+        except StopIteration:
+            self.draining = False
+            raise TrialEnded from None
+        except (TrialError, MemoryBudgetExceeded) as failure:
+            self.draining = False
+            self.outcome = failure
+            raise TrialEnded from None
+        self.feed.delivered()
         return batch
 
     def _serve(self) -> Any:
@@ -342,6 +374,7 @@ class LiveTrial:
     def end(self) -> None:
         """End the trial here, its time up (the loop left the epoch, or it ended): the
         windows closed so far are its measurement."""
+        self.draining = False
         if self.outcome is None:
             self.outcome = self._finish()
 
