@@ -174,18 +174,7 @@ class LiveTrial:
             self.outcome = self._finish()
         if self.outcome is not None:
             return self._drain_from_here()
-        try:
-            self.watch.check()
-            batch = self._fetch()
-        except StopIteration:
-            self.outcome = self._finish()
-            if self.feed.limit is not None and self.feed.handed_count >= self.feed.limit:
-                raise TrialEnded from None  # the batches it was given are delivered
-            raise
-        except (TrialError, MemoryBudgetExceeded) as failure:
-            self.outcome = failure
-            raise TrialEnded from None
-        self.feed.delivered()
+        batch = self._serve()
         got, got_cpu, got_own = perf_counter(), process_time(), thread_time()
         if self.returned_at is None:
             self.time_to_first_batch = got - self.started
@@ -227,9 +216,11 @@ class LiveTrial:
         return batch
 
     def _serve(self) -> Any:
-        """The next batch of a setting not measured: the chosen one, or the reload of a
-        failed setting's batches (NOTE [ Tuning in the training loop ])."""
+        """The next batch, delivered; the trial's end where there is none. Alone, for a
+        setting not measured: the chosen one, or the reload of a failed setting's
+        batches (NOTE [ Tuning in the training loop ])."""
         try:
+            self.watch.check()  # a watch not sampling never finds the budget passed
             batch = self._fetch()
         except StopIteration:
             self.outcome = self._finish()
