@@ -268,14 +268,7 @@ class LiveTrial:
         if limit is None:
             with self.deaths.fetching():
                 return next(self.iterator)
-        if self._alarm_held:
-            self.alarm.arm("loading a batch", limit)
-            try:
-                with self.deaths.fetching():
-                    return next(self.iterator)
-            finally:
-                self.alarm.disarm()
-        with self.alarm.installed():
+        with contextlib.nullcontext() if self._alarm_held else self.alarm.installed():
             self.alarm.arm("loading a batch", limit)
             try:
                 with self.deaths.fetching():
