@@ -115,7 +115,6 @@ class LiveTrial:
         self.voted = False
         # NOTE [ Warm-up ] (in _timing_loop.py), as a trial of tune() skips it.
         self.to_skip = self.workers * int(params.get("prefetch_factor") or 0)
-        self.burst = self.to_skip
         self.burst_left = 0
         self.warmup_deadline = math.inf
         self.window: Totals | None = None
