@@ -10,25 +10,22 @@
                             and follow() on the other ranks
     _search                 the rest, on the rank that drives the study:
       check_before_search  the checks that read items, and the space they leave
-      _run                  the driver's trials, until the policy stops them or Ctrl-C
+      _run                  the driver's trials, until the policy stops them, Ctrl-C or
+                            SIGTERM (NOTE [ SIGTERM while tuning ], in _sigterm.py)
       _notes                what the user should know, typed (search/_reasons.py)
       _result               the TuneResult, its notes rendered to words once
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
 import os
-import signal
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from time import perf_counter
-from types import FrameType
 from typing import Any
 
 import optuna
@@ -39,6 +36,7 @@ from autoloader._exceptions import InvalidInputError, RankError
 from autoloader._preserve import Restorable, preserved
 from autoloader._problem import Problem, agree, check_arguments
 from autoloader._reuse import reused
+from autoloader._sigterm import Sigterm, sigterm_while_tuning
 from autoloader.checks._facts import Checks, checks_seconds
 from autoloader.checks._validation import Isolation
 from autoloader.distributed._joint import JointRunner, follow, spare_batch
@@ -59,7 +57,7 @@ from autoloader.results._result import (
     split_loader_kwargs,
 )
 from autoloader.search import Choice, Driver, Policy, Trial
-from autoloader.search._driver import quiet_optuna, remember_ctrl_c
+from autoloader.search._driver import Interruption, Terminated, quiet_optuna, remember_ctrl_c
 from autoloader.search._objective import trial_seconds
 from autoloader.search._reasons import (
     BudgetGivenBack,
@@ -170,7 +168,8 @@ def tune(
         TuneResult: the tuned settings, throughput against the baseline, and every trial.
 
     Raises:
-        InvalidInputError: an argument is wrong; raised before any trial runs. Or the
+        InvalidInputError: an argument is wrong, or this is not the main thread (see
+            ``NOTE [ Main thread only ]``); raised before any trial runs. Or the
             workers of an ``IterableDataset`` repeat each other's samples (it does not
             split its items with ``get_worker_info()``), found before the baseline.
         UnpicklableError: the start method pickles the dataset or collate_fn into
@@ -184,6 +183,13 @@ def tune(
             trial under way, kills its workers and returns the best of the finished
             trials with ``partial=True``.
 
+    SIGTERM (how SLURM, Kubernetes and torchrun stop a job) stops the run as Ctrl-C does;
+    the best of the finished trials is saved at ``path`` (``partial=True``: never reused
+    as a complete result), then SIGTERM is delivered again to the handler that was there
+    before ``tune()``: by default the process then ends by SIGTERM, as it would have
+    without autoloader; a handler of your own runs, and if it returns, ``tune()``
+    returns the partial result. See ``NOTE [ SIGTERM while tuning ]``.
+
     Example::
 
         result = autoloader.tune(dataset, train_step, batch_size=64, time_budget=120)
@@ -195,7 +201,7 @@ def tune(
     ranks = Ranks.join()
     try:
         # The random number generators, and this process's threads (step_threads).
-        with _stopped_by_sigterm(ranks), preserved(), kept_threads():
+        with sigterm_while_tuning(ranks) as sigterm, preserved(), kept_threads():
             problem = check_arguments(
                 ranks,
                 dataset,
@@ -215,7 +221,7 @@ def tune(
                 path=path,
             )
             with preserved(*problem.restore, rng=False):
-                return _tune(ranks, started, problem)
+                return _tune(ranks, started, problem, sigterm)
     finally:
         if ranks is not None:
             ranks.close()
@@ -244,7 +250,7 @@ def check_passed_through(
             )
 
 
-def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
+def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigterm) -> TuneResult:
     """:func:`tune` once its arguments are checked, for this process alone (``ranks``
     is ``None``) or as one of the ranks of a torchrun job."""
     if ranks is not None:
@@ -252,10 +258,19 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem) -> TuneResult:
     found = reused(problem, ranks)
     if found is not None:
         return found
-    result = _tuned(problem, ranks, started)
+    result = _tuned(problem, ranks, started, sigterm.interruption)
+    sigterm.hold()  # NOTE [ SIGTERM while tuning ]: a SIGTERM now waits for the file
     if problem.path is not None:
         save_result(result, problem.path)
     return result
+    if sigterm.interruption.by == "SIGTERM":
+        _logger.log(
+            logging.INFO if problem.path is None else logging.WARNING,
+            "stopped by SIGTERM after %d finished trials%s; SIGTERM goes on to the handler "
+            "that was there before tune()",
+            sum(trial.kind != "interrupted" for trial in result.trials),
+            "" if problem.path is None else f", saved to {problem.path}",
+        )
 
 
 def save_result(result: TuneResult, path: Path) -> None:
@@ -271,12 +286,15 @@ def save_result(result: TuneResult, path: Path) -> None:
         )
 
 
-def _tuned(problem: Problem, ranks: Ranks | None, started: float) -> TuneResult:
-    """The search, in this process alone or as one of the ranks."""
+def _tuned(
+    problem: Problem, ranks: Ranks | None, started: float, interruption: Interruption
+) -> TuneResult:
+    """The search, in this process alone or as one of the ranks; ``interruption`` notes
+    Ctrl-C and SIGTERM."""
     in_process = _trial_runner(problem, ranks)
     if ranks is None:
         runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
-        return _search(problem, runner, ranks, started)
+        return _search(problem, runner, ranks, started, interruption)
     baseline_kwargs = merge_loader_kwargs(
         BASELINE_PARAMS, batch_size=problem.batch_size, fixed=problem.fixed
     )
@@ -291,7 +309,7 @@ def _tuned(problem: Problem, ranks: Ranks | None, started: float) -> TuneResult:
     if not ranks.drives:
         found: TuneResult = follow(in_process, ranks, spare=spare)
         return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
-    return _lead(problem, JointRunner(in_process, ranks, spare=spare), ranks, started)
+    return _lead(problem, JointRunner(in_process, ranks, spare=spare), ranks, started, interruption)
 
 
 def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:
@@ -310,11 +328,17 @@ def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:
     )
 
 
-def _lead(problem: Problem, joint: JointRunner, ranks: Ranks, started: float) -> TuneResult:
+def _lead(
+    problem: Problem,
+    joint: JointRunner,
+    ranks: Ranks,
+    started: float,
+    interruption: Interruption,
+) -> TuneResult:
     """As the rank that drives the study: search with every rank measuring each trial,
     then send the others the result, or the error."""
     try:
-        result = _search(problem, joint, ranks, started)
+        result = _search(problem, joint, ranks, started, interruption)
     except (RankError, KeyboardInterrupt):
         raise  # the other ranks stop with their own RankError
     except Exception as error:
@@ -324,7 +348,13 @@ def _lead(problem: Problem, joint: JointRunner, ranks: Ranks, started: float) ->
     return result
 
 
-def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: float) -> TuneResult:
+def _search(
+    problem: Problem,
+    runner: Runner,
+    ranks: Ranks | None,
+    started: float,
+    interruption: Interruption,
+) -> TuneResult:
     """The checks before the search, the search, and the result it comes to."""
     space, space_notes, facts = check_before_search(problem)
     threads = torch.get_num_threads()  # the user's, before any trial or step set them
@@ -353,7 +383,7 @@ def _search(problem: Problem, runner: Runner, ranks: Ranks | None, started: floa
             study,
             deadline=started + problem.budget,
             on_trial=on_trial,
-            interrupted=threading.Event(),
+            interrupted=interruption,
         )
         partial = _run(driver, ranks)
         records = [record_of(trial) for trial in driver.history]
@@ -460,18 +490,22 @@ def open_study(problem: Problem, space: SearchSpace) -> optuna.Study:
 
 
 def _run(driver: Driver, ranks: Ranks | None) -> bool:
-    """Run the driver's trials; whether Ctrl-C cut them short (the result is partial)."""
+    """Run the driver's trials; whether Ctrl-C or SIGTERM cut them short (the result is
+    partial)."""
     try:
         with remember_ctrl_c(driver.interrupted):
             driver.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         # Under torchrun the other ranks stop too (torchrun ends the job): no
         # partial result for all to agree on; the storage keeps the trials.
         if not driver.has_baseline() or ranks is not None:
             raise
         # The trial under way has stopped and its workers are gone; what finished
         # before is still a measured answer.
-        _logger.warning("tuning interrupted; returning the best of the finished trials")
+        _logger.warning(
+            "tuning interrupted (%s); returning the best of the finished trials",
+            "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C",
+        )
         return True
     return False
 
@@ -497,7 +531,8 @@ def notes_of(
             TunedJointly(ranks.world_size, ranks.local_world_size, usable_cpus, ranks.nodes)
         )
     if partial:
-        notes.append(Interrupted())
+        by = driver.interrupted.by if driver.interrupted is not None else None
+        notes.append(Interrupted(by or "Ctrl-C"))
     step_bound = policy.step_bound(driver.history)
     if step_bound is not None:
         notes.append(step_bound)
@@ -548,31 +583,3 @@ def result_of(
         problem=problem.key(),
         _in_memory_kwargs=in_memory_kwargs(problem.fixed),
     )
-
-
-@contextlib.contextmanager
-def _stopped_by_sigterm(ranks: Ranks | None) -> Iterator[None]:
-    """Under torchrun, turn SIGTERM into a :class:`RankError`.
-
-    torchrun stops every rank with SIGTERM when one of them fails (or dies); by
-    default the process would end on the spot, its trial's workers orphaned and no
-    word of why. Raised instead, the error unwinds the trial (its workers stopped)
-    and says what happened.
-    """
-    if ranks is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        raise RankError(
-            f"rank {ranks.rank} was stopped (SIGTERM) while tuning: torchrun stops every "
-            "rank when the job is interrupted (Ctrl-C) or a rank fails or dies; the first "
-            "error in the job's output says which"
-        )
-
-    signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

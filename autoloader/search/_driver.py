@@ -81,9 +81,9 @@ class Driver:
         deadline: ``perf_counter()`` time when the run must end.
         on_trial: called after each trial.
         clock: seconds, as ``deadline`` counts them (a fake one in tests).
-        interrupted: set when Ctrl-C was pressed (see :func:`remember_ctrl_c`); checked
-            at every timing window and trial, in case the KeyboardInterrupt itself was
-            lost on its way.
+        interrupted: set by Ctrl-C (see :func:`remember_ctrl_c`) or SIGTERM (see
+            ``NOTE [ SIGTERM while tuning ]``); checked at every timing window and trial,
+            in case the KeyboardInterrupt itself was lost on its way.
 
     After :meth:`run`, :attr:`search_ended` says why the search phase ended and
     :attr:`stopped` why the trials did, as typed reasons (``search/_reasons.py``).
@@ -97,7 +97,7 @@ class Driver:
         *,
         deadline: float,
         on_trial: Callable[[Trial], None] | None = None,
-        interrupted: threading.Event | None = None,
+        interrupted: Interruption | None = None,
         clock: Callable[[], float] = perf_counter,
     ) -> None:
         self.policy = policy
@@ -119,8 +119,9 @@ class Driver:
         while (proposal := self.propose()) is not None:
             try:
                 outcome = proposal.known or self._run(proposal.spec)
-            except KeyboardInterrupt:
-                self.finish(proposal, Failed(FaultKind.INTERRUPTED, "interrupted (Ctrl-C)"))
+            except KeyboardInterrupt as error:
+                by = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
+                self.finish(proposal, Failed(FaultKind.INTERRUPTED, f"interrupted ({by})"))
                 raise
             self.finish(proposal, outcome)
 
@@ -339,14 +340,37 @@ class Driver:
 
     def _stop_if_interrupted(self) -> None:
         if self.interrupted is not None and self.interrupted.is_set():
-            raise KeyboardInterrupt
+            raise self.interrupted.error()
 
     def _seconds_left(self) -> float:
         return max(0.0, self.deadline - self._clock())
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while tuning (``NOTE [ SIGTERM while tuning ]``): a KeyboardInterrupt, so
+    that every path that stops a trial and its workers on Ctrl-C stops them on it too."""
+
+
+class Interruption(threading.Event):
+    """Set by the first Ctrl-C or SIGTERM of a run; :attr:`by` says which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by: str | None = None
+
+    def note(self, by: str) -> None:
+        """``by`` (``"Ctrl-C"`` or ``"SIGTERM"``) stopped the run, unless one did already."""
+        if not self.is_set():
+            self.by = by
+            self.set()
+
+    def error(self) -> KeyboardInterrupt:
+        """The exception that stops the run: :class:`Terminated` for SIGTERM."""
+        return Terminated() if self.by == "SIGTERM" else KeyboardInterrupt()
+
+
 @contextlib.contextmanager
-def remember_ctrl_c(interrupted: threading.Event | None) -> Iterator[None]:
+def remember_ctrl_c(interrupted: Interruption | None) -> Iterator[None]:
     """Note each Ctrl-C in ``interrupted``, then raise KeyboardInterrupt as usual.
 
     The KeyboardInterrupt is raised at whatever bytecode the main thread runs. If that
@@ -364,7 +388,7 @@ def remember_ctrl_c(interrupted: threading.Event | None) -> Iterator[None]:
         return
 
     def handle(signum: int, frame: FrameType | None) -> None:
-        interrupted.set()
+        interrupted.note("Ctrl-C")
         if callable(previous):
             previous(signum, frame)
         else:

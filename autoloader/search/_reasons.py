@@ -218,7 +218,10 @@ class TunedJointly:
 
 @dataclass(frozen=True, slots=True)
 class Interrupted:
-    """Ctrl-C stopped the run: the result is the best of the trials that finished."""
+    """Ctrl-C or SIGTERM (``by``) stopped the run: the result is the best of the trials
+    that finished."""
+
+    by: str = "Ctrl-C"
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +391,7 @@ def render(value: Note) -> str:
             )
         case Interrupted():
             return (
-                "interrupted (Ctrl-C): these settings are the best of the trials that "
+                f"interrupted ({value.by}): these settings are the best of the trials that "
                 "finished; tune again for a complete search"
             )
         case BudgetGivenBack():
