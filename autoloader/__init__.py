@@ -22,6 +22,8 @@ from autoloader._exceptions import (
     LoopError,
     RankError,
     ResultFileError,
+    StorageError,
+    StudyInUseError,
     UnpicklableError,
 )
 from autoloader._preserve import preserved
@@ -49,6 +51,8 @@ __all__ = [
     "RankError",
     "ResultFileError",
     "SearchSpace",
+    "StorageError",
+    "StudyInUseError",
     "ThreadLoader",
     "TrialRecord",
     "TuneResult",

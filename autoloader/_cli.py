@@ -2,26 +2,38 @@
 
 Library errors (:class:`~autoloader.AutoloaderError`) become one line on stderr and exit
 status 1; usage errors, including a ``MODULE:NAME`` that cannot be imported, exit 2
-(argparse's convention).
+(argparse's convention). ``tune`` and ``demo`` check ``--out`` before the first trial;
+stopped by SIGTERM, they save the finished trials there and exit with 143 (128 + 15, as a
+shell reports a process ended by SIGTERM); Ctrl-C before the baseline exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from autoloader._exceptions import AutoloaderError
+
+if TYPE_CHECKING:
+    from autoloader.results._result import TuneResult
+
+# The exit status of a run stopped by SIGTERM, and of one stopped by Ctrl-C.
+_SIGTERM_STATUS = 128 + signal.SIGTERM
+_SIGINT_STATUS = 128 + signal.SIGINT
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -29,6 +41,7 @@ def _tune(args: argparse.Namespace) -> int:
     from autoloader.results._report import report
 
     dataset = factory = args.dataset
+    out = _checked_out(args.out)  # before the dataset is built, or any trial
     if not isinstance(dataset, Dataset) and callable(factory):
         try:  # a factory: the dataset is built here, not at import
             dataset = factory()
@@ -38,29 +51,107 @@ def _tune(args: argparse.Namespace) -> int:
     loader_kwargs: dict[str, Any] | None = {"shuffle": True} if args.shuffle else None
     if dist.is_initialized():  # under torchrun: each rank reads its share, as in training
         loader_kwargs = {"sampler": DistributedSampler(dataset, shuffle=args.shuffle)}
-    result = tune(
-        dataset,
-        args.step,
-        batch_size=args.batch_size,
-        time_budget=args.time_budget,
-        n_trials=args.n_trials,
-        memory_budget=args.memory_budget,
-        loader_kwargs=loader_kwargs,
-        device=args.device,
-        seed=args.seed,
-        storage=args.storage,
-        show_progress=not args.quiet,
-        isolation=args.isolation,
+    result, path, code = _tuned_and_saved(
+        lambda: tune(
+            dataset,
+            args.step,
+            batch_size=args.batch_size,
+            time_budget=args.time_budget,
+            n_trials=args.n_trials,
+            memory_budget=args.memory_budget,
+            loader_kwargs=loader_kwargs,
+            device=args.device,
+            seed=args.seed,
+            storage=args.storage,
+            show_progress=not args.quiet,
+            isolation=args.isolation,
+        ),
+        out,
     )
-    # Saved first: a report that fails to print (a closed pipe) loses nothing measured.
-    path = result.save(args.out)
     if path is None or (dist.is_initialized() and dist.get_rank() != 0):
-        return 0  # every rank holds the same result: rank 0 saves and prints it
+        return code  # every rank holds the same result: rank 0 saves and prints it
     print(report(result))
     print(f"\nsaved to {path}: autoloader.load({str(path)!r}).make_loader(dataset)")
     if result.params.get("step_threads") is not None:
         print("and, where the step trains: autoloader.load(...).apply_threads()")
-    return 0
+    return code
+
+
+def _checked_out(out: str) -> Path:
+    """``--out``, refused before any trial where the result could not be written
+    there: a folder, a file that is not an autoloader result (``tune(path=...)``'s
+    guard), a place this process cannot create a file in. Under torchrun only rank 0
+    writes it, and checks it."""
+    from autoloader._problem import check_result_path
+    from autoloader.results._result import check_writable
+
+    try:
+        path = check_result_path(out)
+        assert path is not None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            check_writable(path)
+    except AutoloaderError as error:
+        raise AutoloaderError(f"--out: {error}") from None
+    return path
+
+
+def _tuned_and_saved(
+    run: Callable[[], TuneResult], out: Path
+) -> tuple[TuneResult, Path | None, int]:
+    """``run()``'s result, saved at ``out`` (the path written, ``None`` on a rank that
+    does not write), and the exit status: 143 where SIGTERM stopped the run.
+
+    Saved before the report prints: a report that fails to print (a closed pipe) loses
+    nothing measured.
+
+    Raises:
+        AutoloaderError: the file could not be written; the report is printed first,
+            so that the settings are not lost.
+    """
+    from autoloader.results._report import report
+
+    with _sigterm_noted() as terminated:
+        result = run()
+        try:
+            path = result.save(out)
+        except (OSError, ValueError) as error:  # ValueError: a figure JSON cannot hold
+            print(report(result))
+            raise AutoloaderError(
+                f"could not write the result to {out}: {error}; its settings are above"
+            ) from None
+    if not terminated.is_set():
+        return result, path, 0
+    if path is not None:
+        print(
+            f"autoloader: stopped by SIGTERM; the best of the finished trials is saved to {path}",
+            file=sys.stderr,
+        )
+    return result, path, _SIGTERM_STATUS
+
+
+@contextlib.contextmanager
+def _sigterm_noted() -> Iterator[threading.Event]:
+    """SIGTERM noted in the event, not acted on at once, while the run and its saving
+    last.
+
+    ``tune()`` holds SIGTERM itself (``NOTE [ SIGTERM while tuning ]``): it stops the
+    trials, comes to its partial result, and delivers SIGTERM again to the handler that
+    was there before it, this one, which notes it and returns, so that ``tune()``
+    returns the result for the command to save. A SIGTERM in the moment before
+    ``tune()`` holds it, or while the file is written, is noted too: the command ends
+    with 143 once the result is saved.
+    """
+    terminated = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(
+        signal.SIGTERM
+    ) in (signal.SIG_IGN, None):
+        yield terminated
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    try:
+        yield terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -90,6 +181,7 @@ def _demo(args: argparse.Namespace) -> int:
     from autoloader.results._report import report
 
     dataset = SyntheticImageDataset(args.items, read_latency=args.read_latency)
+    out = _checked_out(args.out)
     print(
         f"Tuning a DataLoader for a synthetic image dataset ({args.items} items, "
         f"{args.read_latency * 1000:.0f} ms read latency + CPU transform) and a "
@@ -97,18 +189,20 @@ def _demo(args: argparse.Namespace) -> int:
         f"for up to {args.time_budget:.0f} s...",
         flush=True,
     )
-    result = tune(
-        dataset,
-        SleepStep(args.step_time),
-        batch_size=args.batch_size,
-        time_budget=args.time_budget,
-        loader_kwargs={"shuffle": True},
-        show_progress=not args.quiet,
+    result, path, code = _tuned_and_saved(
+        lambda: tune(
+            dataset,
+            SleepStep(args.step_time),
+            batch_size=args.batch_size,
+            time_budget=args.time_budget,
+            loader_kwargs={"shuffle": True},
+            show_progress=not args.quiet,
+        ),
+        out,
     )
-    path = result.save(args.out)
     print(report(result))
     print(f"\nsaved to {path}; load it with autoloader.load({str(path)!r}).make_loader(dataset)")
-    return 0
+    return code
 
 
 def import_object(spec: str) -> Any:
@@ -335,9 +429,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AutoloaderError as error:
         print(f"autoloader: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
+        from autoloader.search._driver import Terminated
+
+        if isinstance(error, Terminated):  # before the baseline: nothing measured to save
+            print("autoloader: stopped by SIGTERM before the baseline ended", file=sys.stderr)
+            return _SIGTERM_STATUS
         print("autoloader: interrupted", file=sys.stderr)
-        return 130
+        return _SIGINT_STATUS
     return code
 
 

@@ -15,7 +15,11 @@ The tree::
     │                                           process could not start or load its work
     ├── RankError                               under torchrun, another rank stopped
     │                                           answering, or the ranks disagree
-    └── ResultFileError                         a saved result cannot be read back
+    ├── ResultFileError                         a saved result cannot be read back
+    └── StorageError                            the study's storage (storage=) cannot
+        │                                       be used: a journal file not readable
+        └── StudyInUseError                     another live run is tuning the same
+                                                study in that storage
 
     EnvironmentMismatchWarning (a UserWarning)  a loaded result was measured elsewhere
 """
@@ -75,6 +79,20 @@ class RankError(AutoloaderError):
 
 class ResultFileError(AutoloaderError):
     """A result file is missing, malformed or of an unknown schema version."""
+
+
+class StorageError(AutoloaderError):
+    """The storage given as ``storage=`` (``--storage``) cannot be used as it is: the
+    message says what to do with it."""
+
+
+class StudyInUseError(StorageError):
+    """Another tuning run, still alive, is tuning the same study in the same storage.
+
+    Two runs at once would measure each trial under the other's load and mix their
+    trials; the message names the live run (host, pid, since when). Raised before any
+    trial.
+    """
 
 
 class EnvironmentMismatchWarning(UserWarning):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -210,3 +212,97 @@ def test_tune_saves_the_result_before_it_prints_the_report(
         main(["tune", "pipeline_for_save:make_dataset", "pipeline_for_save:step",
               "--batch-size", "4", "--out", str(out)])  # fmt: skip
     assert autoloader.load(out).params == _result().params
+
+
+def test_sigterm_saves_the_finished_trials_to_out_and_exits_143(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler stopping the job) after the first trials: they are saved to
+    ``--out``, marked partial, and the command exits with 143 (NOTE [ SIGTERM while
+    tuning ])."""
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    out = tmp_path / "best.json"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "autoloader", "-v", "tune", "pipe:make_dataset", "pipe:step",
+         "--batch-size", "4", "--time-budget", "20", "-q", "--out", str(out)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stderr is not None
+    said = []
+    try:
+        for line in child.stderr:
+            said.append(line)
+            if line.startswith("trial 1 "):
+                break
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    err = "".join(said) + err
+    assert child.returncode == 143, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("autoloader: stopped by SIGTERM")
+    result = autoloader.load(out)
+    assert result.partial and len(result.trials) >= 2
+    assert result.trials[0].state == "complete"
+
+
+def test_an_out_holding_another_file_is_refused_before_any_trial(tmp_path: Path) -> None:
+    """``--out`` naming a file that is not an autoloader result (a mistyped config
+    path) is refused at once, as ``tune(path=...)`` refuses it, and the file is left as
+    it was."""
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    precious = tmp_path / "precious.toml"
+    precious.write_text("[training]\nepochs = 90\n")
+    precious.chmod(0o640)
+    done = _run("-v", "tune", "pipe:make_dataset", "pipe:step", "--batch-size", "4",
+                "--time-budget", "600", "--out", str(precious), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"autoloader: error: --out: path {str(precious)!r} holds a file that is not an "
+        "autoloader result; it would be overwritten. Give another path, or delete the file."
+    ]
+    assert precious.read_text() == "[training]\nepochs = 90\n"
+    assert precious.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        "/proc/autoloader-test/best.json",  # where no file can be created, root or not
+        "pipe.py/best.json",  # under a file
+    ],
+)
+def test_an_out_that_cannot_be_written_is_refused_before_any_trial(
+    tmp_path: Path, out: str
+) -> None:
+    """Refused at once with one line, not after the whole budget with a traceback and
+    the run lost."""
+    (tmp_path / "pipe.py").write_text(PIPELINE)
+    done = _run("-v", "tune", "pipe:make_dataset", "pipe:step", "--batch-size", "4",
+                "--time-budget", "600", "--out", out, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autoloader: error: --out: cannot write")
+    assert not Path(out).exists()
+
+
+def test_the_result_file_follows_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Written as ``open()`` writes a file (0o666 less the umask), not 0o600: a result
+    in a shared project folder is readable by the group."""
+    from tests.test_result import _result
+
+    monkeypatch.setattr("autoloader._tune.tune", lambda *args, **kwargs: _result())
+    (tmp_path / "pipeline_for_umask.py").write_text(PIPELINE)
+    umask = os.umask(0o027)
+    try:
+        done = _main("tune", "pipeline_for_umask:make_dataset", "pipeline_for_umask:step",
+                     "--batch-size", "4", "--out", "best.json",
+                     cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)  # fmt: skip
+    finally:
+        os.umask(umask)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "best.json").stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -1,13 +1,18 @@
-"""A tuning run SIGKILLed mid-trial resumes from its storage: a real kill of a real run."""
+"""A tuning run SIGKILLed mid-trial resumes from its storage: a real kill of a real run;
+and a run elsewhere holds the study while it beats."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -53,7 +58,9 @@ def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int
     raise AssertionError("no trial started within 60 s")
 
 
-def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
+def test_a_killed_run_resumes_from_its_storage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     url = f"sqlite:///{tmp_path / 'study.db'}"
     root = Path(__file__).resolve().parents[1]
     child = subprocess.Popen(
@@ -81,21 +88,37 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
             child.kill()
             child.wait()
     (summary,) = optuna.get_all_study_summaries(url)
-    before = optuna.load_study(study_name=summary.study_name, storage=url).trials
+    killed = optuna.load_study(study_name=summary.study_name, storage=url)
+    before = killed.trials
     assert any(t.state == TrialState.RUNNING for t in before), "killed between trials"
+    # It held the study's lease, and its running trial beat (Optuna's own heartbeat).
+    lease = killed.user_attrs["autoloader:run"]
+    assert lease["pid"] == child.pid and lease["ended"] is None
+    with contextlib.closing(sqlite3.connect(tmp_path / "study.db")) as db:
+        beaten = {row[0] for row in db.execute("SELECT trial_id FROM trial_heartbeats")}
+    assert {t._trial_id for t in before if t.state == TrialState.RUNNING} <= beaten
 
-    result = autoloader.tune(
-        SleepDataset(100_000),
-        sleep_step,
-        batch_size=4,
-        time_budget=8,
-        n_trials=1,
-        search_space=SPACE,
-        storage=url,
-        show_progress=False,
-    )
+    with caplog.at_level(logging.WARNING, logger="autoloader"):
+        result = autoloader.tune(
+            SleepDataset(100_000),
+            sleep_step,
+            batch_size=4,
+            time_budget=8,
+            n_trials=1,
+            search_space=SPACE,
+            storage=url,
+            show_progress=False,
+        )
     assert result.throughput > 0
-    after = optuna.load_study(study_name=summary.study_name, storage=url).trials
+    # The next run took the dead run's lease over, and gave it back at its end.
+    assert any(
+        f"pid {child.pid} on host" in r.getMessage() and "takes it over" in r.getMessage()
+        for r in caplog.records
+    )
+    resumed = optuna.load_study(study_name=summary.study_name, storage=url)
+    assert resumed.user_attrs["autoloader:run"]["ended"] is not None
+    assert "autoloader-heartbeat" not in {t.name for t in threading.enumerate()}
+    after = resumed.trials
     assert not [t for t in after if t.state == TrialState.RUNNING]
     orphans = [
         t for t in after if t.number < len(before) and before[t.number].state == TrialState.RUNNING
@@ -126,33 +149,42 @@ def test_a_killed_run_resumes_from_its_storage(tmp_path: Path) -> None:
             assert queued == measured
 
 
-@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
-def test_a_trial_of_another_machine_is_failed_once_its_heartbeat_stops(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_run_of_another_machine_holds_the_study_until_its_heartbeat_lapses(
+    tmp_path: Path,
 ) -> None:
+    """A run elsewhere cannot be looked up: its lease is live while it beats. Once its
+    heartbeat is older than the grace period, the next run takes the study over and fails
+    the trial it left running."""
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    autoloader.tune(
-        SleepDataset(512), sleep_step, batch_size=4, time_budget=10, n_trials=1,
-        search_space=SPACE, storage=url, show_progress=False,
+    tune = functools.partial(
+        autoloader.tune, SleepDataset(512), sleep_step, batch_size=4, time_budget=10,
+        n_trials=1, search_space=SearchSpace(num_workers=(0, 0)), storage=url,
+        show_progress=False,
     )  # fmt: skip
+    tune()
     (summary,) = optuna.get_all_study_summaries(url)
-    # A tuning process on another machine starts a trial, beats once, then goes silent.
-    elsewhere = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=1)
-    study = optuna.load_study(study_name=summary.study_name, storage=elsewhere)
-    with pytest.warns(UserWarning, match="Heartbeat"):  # Optuna expects optimize(), not ask()
-        trial = study.ask()
+    # What a tuning run on another machine leaves: its lease, and a trial it runs.
+    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    finished = study.trials[-1]
+    trial = study.ask()
+    for name in ("phase", "params"):
+        trial.set_user_attr(name, finished.user_attrs[name])
     trial.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 0.0})
-    elsewhere.record_heartbeat(trial._trial_id)
-    monkeypatch.setattr("autoloader.search._study._HEARTBEAT_GRACE", 1)
-    time.sleep(2.5)  # older than the grace period
+    now = time.time()
+    lease = {
+        "host": "elsewhere", "pid": 1, "started": 0.0, "since": now - 600,
+        "heartbeat": now - 5, "token": "theirs", "ended": None,
+    }  # fmt: skip
+    study.set_user_attr("autoloader:run", lease)
 
-    autoloader.tune(
-        SleepDataset(512), sleep_step, batch_size=4, time_budget=10, n_trials=1,
-        search_space=SPACE, storage=url, show_progress=False,
-    )  # fmt: skip
-    states = {
-        t.number: t.state
-        for t in optuna.load_study(study_name=summary.study_name, storage=url).trials
-    }
-    assert states[trial.number] == TrialState.FAIL
-    assert TrialState.RUNNING not in states.values()
+    with pytest.raises(autoloader.StudyInUseError, match="pid 1 on host elsewhere") as refused:
+        tune()
+    assert "its lease lapses 60 s after its last heartbeat" in str(refused.value)
+    assert study.trials[trial.number].state == TrialState.RUNNING
+
+    study.set_user_attr("autoloader:run", {**lease, "heartbeat": now - 120})
+    result = tune()
+    assert study.trials[trial.number].state == TrialState.FAIL
+    (record,) = [r for r in result.trials if r.number == trial.number]
+    assert record.reason == "interrupted: the tuning process (pid 1 on elsewhere) died"
+    assert TrialState.RUNNING not in {t.state for t in study.trials}

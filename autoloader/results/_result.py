@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-import tempfile
+import secrets
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
+from autoloader._exceptions import EnvironmentMismatchWarning, InvalidInputError, ResultFileError
 from autoloader.checks._environment import Environment, usable_cpus, world, world_nodes
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
 from autoloader.loader._params import TUNED_KEYS, WORKER_KINDS, Params, normalize_params
@@ -329,7 +329,10 @@ class TuneResult:
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path | None:
-        """Write the result as JSON; the file is replaced atomically.
+        """Write the result as JSON; the file is replaced atomically: written beside it
+        under a hidden name, then renamed over it, so that a reader, or a process killed
+        while saving, finds the old file or the new one, never part of one. Its
+        permissions follow the umask, as ``open()``'s do.
 
         In a torchrun job that tuned jointly, every rank holds the same result and only
         global rank 0 writes it: the others write nothing and return ``None`` (logged
@@ -347,7 +350,7 @@ class TuneResult:
             return None
         text = json.dumps(self.as_dict(), indent=2, allow_nan=False) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        descriptor, temporary = _new_file(path)
         try:
             with os.fdopen(descriptor, "w") as file:
                 file.write(text)
@@ -355,7 +358,7 @@ class TuneResult:
                 os.fsync(file.fileno())
             os.replace(temporary, path)
         except BaseException:
-            Path(temporary).unlink(missing_ok=True)
+            temporary.unlink(missing_ok=True)
             raise
         return path
 
@@ -430,6 +433,54 @@ class TuneResult:
             )
         except (TypeError, ValueError) as error:
             raise ResultFileError(f"malformed result: {error}") from None
+
+
+# Saving ------------------------------------------------------------------------------
+
+
+def check_writable(path: Path) -> None:
+    """Raise :class:`InvalidInputError` unless :meth:`TuneResult.save` can write at
+    ``path``: the nearest of its folders that exists (``save()`` creates the others) is
+    a folder this process can create a file in.
+
+    Tried by creating a file there and removing it: permission bits do not tell (root
+    writes past them, a read-only mount or ``/proc`` refuses root too). For a run that
+    writes its result only at its end, so that a path it cannot write is refused before
+    its first trial rather than after its whole budget.
+    """
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InvalidInputError(
+            f"cannot write the result at {str(path)!r}: {str(folder)!r} is not a folder. "
+            "Give another path."
+        )
+    try:
+        descriptor, probe = _new_file(folder / "autoloader-probe")
+    except OSError as error:
+        raise InvalidInputError(
+            f"cannot write the result at {str(path)!r}: creating a file in "
+            f"{str(folder)!r} failed ({error.strerror or error}). Give a path in a folder "
+            "you can write to."
+        ) from None
+    os.close(descriptor)
+    probe.unlink(missing_ok=True)
+
+
+def _new_file(path: Path) -> tuple[int, Path]:
+    """A new, empty file beside ``path``, hidden, opened for writing: its descriptor and
+    path. Created with mode 0o666 as ``open()`` creates files, so that the umask sets
+    its permissions (``tempfile.mkstemp`` would make it 0o600, and the result unreadable
+    to the user's group)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        try:
+            return os.open(temporary, flags, 0o666), temporary
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name for a temporary file beside {path}")
 
 
 # What to do about a field that fails a check.

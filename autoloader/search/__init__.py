@@ -4,6 +4,7 @@ Layers, each importing only those below it::
 
     _driver          Driver: the loop; the one place an outcome is mapped to a study state
     _study           the study's storage and its name: which problem it keeps trials of
+    _lease           who tunes a study now: the live run's lease, its heartbeat thread
     _policy          Policy: every rule, pure functions of the finished trials
     _known_failures  what failed trials tell of settings not yet run; the failure boundary
     _objective       what a trial is worth (the epoch model) and how long it may measure

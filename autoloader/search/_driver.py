@@ -25,7 +25,6 @@ from types import FrameType
 from typing import Any
 
 import optuna
-import psutil
 from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
@@ -37,6 +36,7 @@ from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._runner import Runner
 from autoloader.search._faults import classify
 from autoloader.search._known_failures import failing_from, known_failure
+from autoloader.search._lease import Heartbeat, Lease, this_process
 from autoloader.search._outcome import (
     Completed,
     Failed,
@@ -110,29 +110,59 @@ class Driver:
         self.stopped: StopReason | None = None
         self.search_ended: SearchEnd | None = None
         self.search_seconds = 0.0
-        self._owner = _this_process()
+        self._owner = this_process()
         self._clock = clock
+        self._heartbeat: Heartbeat | None = None
 
     def run(self) -> None:
-        """Run trials until the policy stops; :attr:`history` then holds every trial."""
+        """Run trials until the policy stops; :attr:`history` then holds every trial.
+
+        Raises:
+            StudyInUseError: another live run is tuning the study (before any trial).
+        """
         self.begin()
-        while (proposal := self.propose()) is not None:
-            try:
-                outcome = proposal.known or self._run(proposal.spec)
-            except KeyboardInterrupt as error:
-                by = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
-                self.finish(proposal, Failed(FaultKind.INTERRUPTED, f"interrupted ({by})"))
-                raise
-            self.finish(proposal, outcome)
+        try:
+            while (proposal := self.propose()) is not None:
+                try:
+                    outcome = proposal.known or self._run(proposal.spec)
+                except KeyboardInterrupt as error:
+                    by = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C"
+                    self.finish(proposal, Failed(FaultKind.INTERRUPTED, f"interrupted ({by})"))
+                    raise
+                self.finish(proposal, outcome)
+        finally:
+            self.end()
 
     # A trial in three parts, for a loop that measures it itself (AutoLoader's, in the
     # user's training loop): begin() once, then propose() the next trial, measure it,
     # and finish() it with its outcome (outcome() or failure() map what happened).
 
     def begin(self) -> None:
-        """Load the study's earlier trials, once, before the first :meth:`propose`."""
-        self._fail_orphans()
-        self.history = self._load()
+        """Take the study's lease, fail a dead run's trials and load the earlier ones,
+        once, before the first :meth:`propose`. A study kept in a storage (not in
+        memory) is then this run's until :meth:`end`, which must follow.
+
+        Raises:
+            StudyInUseError: another live run is tuning the study.
+        """
+        storage = self.study._storage
+        if not isinstance(storage, optuna.storages.InMemoryStorage):
+            self._heartbeat = Heartbeat(Lease.take(self.study), storage)
+        try:
+            self._fail_orphans()
+            self.history = self._load()
+        except BaseException:
+            self.end()
+            raise
+        if self._heartbeat is not None:
+            self._heartbeat.start()
+
+    def end(self) -> None:
+        """Stop the heartbeat and give the study's lease back; idempotent."""
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+            heartbeat.lease.release()
 
     def propose(self) -> Proposal | None:
         """The next trial to measure, or ``None`` once the policy stops (``stopped``
@@ -162,9 +192,11 @@ class Driver:
     def _ask(self, plan: Plan) -> Proposal:
         with warnings.catch_warnings():
             # A storage with heartbeats warns that they are kept only by optimize():
-            # this run's trials carry their owner instead (see _fail_orphans).
+            # this run's heartbeat thread keeps them (NOTE [ The study's lease ]).
             warnings.filterwarnings("ignore", message=".*[Hh]eartbeat", category=UserWarning)
             asked = self.study.ask(self._sampler_bounds() if plan.params is None else None)
+        if self._heartbeat is not None:
+            self._heartbeat.beating(asked._trial_id)
         with warnings.catch_warnings():
             # Drawn from the bounds above, num_workers is then asked again with the
             # space's own range: Optuna keeps the first, and says so.
@@ -267,6 +299,8 @@ class Driver:
             self.study.tell(asked, state=TrialState.PRUNED)
         else:
             self.study.tell(asked, state=TrialState.FAIL)
+        if self._heartbeat is not None:
+            self._heartbeat.beating(None)
         trial = Trial(spec.number, spec.phase, spec.params, outcome)
         self.history.append(trial)
         if self.on_trial is not None:
@@ -287,22 +321,18 @@ class Driver:
         return earlier
 
     def _fail_orphans(self) -> None:
-        """Fail the RUNNING trials of tuning processes that died.
+        """Fail the RUNNING trials of tuning runs that died.
 
         A run killed mid-trial (SIGKILL, the OOM killer, a power cut) leaves its trial
-        RUNNING in the storage forever. Its owner is recorded with each trial: a gone
-        process on this machine (or a pid reused by another) means the trial will never
-        finish. A storage with heartbeats also fails the trials of other machines whose
-        heartbeat stopped. Trials of live processes are left alone.
+        RUNNING in the storage forever. This run holds the study's lease: no other run
+        on it is alive, on this machine or another (``NOTE [ The study's lease ]``), so
+        every trial still RUNNING will never finish. A study in memory has none.
         """
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(self.study)
+        if self._heartbeat is None:
+            return
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         for trial in running:
             owner = trial.user_attrs.get("owner") or {}
-            if owner.get("host") != self._owner["host"] or _is_alive(owner):
-                continue
             self.study.tell(trial.number, state=TrialState.FAIL)
             _logger.info("trial %d: %s", trial.number, _orphan_reason(owner))
 
@@ -445,18 +475,6 @@ def _trial_of(frozen: FrozenTrial) -> Trial | None:
 
 
 def _orphan_reason(owner: Mapping[str, Any]) -> str:
-    return f"interrupted: the tuning process (pid {owner.get('pid')}) died"
-
-
-def _this_process() -> dict[str, Any]:
-    process = psutil.Process()
-    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
-
-
-def _is_alive(owner: Mapping[str, Any]) -> bool:
-    """Whether the process that ran a trial still runs (and is not a reused pid)."""
-    try:
-        process = psutil.Process(int(owner["pid"]))
-        return bool(abs(process.create_time() - float(owner["started"])) < 1.0)
-    except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
-        return False
+    host = owner.get("host")
+    on = f" on {host}" if host is not None and host != socket.gethostname() else ""
+    return f"interrupted: the tuning process (pid {owner.get('pid')}{on}) died"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import socket
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import optuna
 import torch
@@ -17,9 +19,12 @@ from torch.utils.data import (
     Dataset,
 )
 
-from autoloader._exceptions import InvalidInputError
+from autoloader._exceptions import InvalidInputError, StorageError
 from autoloader.checks._environment import Environment
+from autoloader.search._lease import HEARTBEAT_GRACE, HEARTBEAT_SECONDS
 from autoloader.search._space import SearchSpace
+
+_logger = logging.getLogger(__name__)
 
 
 def study_name(
@@ -117,26 +122,23 @@ def _identity(value: object) -> str:
 
 # Seconds after which a journal file's lock, left by a killed tuning process, is broken.
 _JOURNAL_LOCK_GRACE = 5
-# NOTE [ Trials of other machines ]
-# A trial left RUNNING by a dead tuning process on this machine is failed as soon as a
-# run starts (its owner's pid is gone, see Search._fail_orphans). A process on another
-# machine sharing the study cannot be looked up: while a trial runs, Optuna records a
-# heartbeat every _HEARTBEAT_SECONDS, and any process starting a trial fails the trials
-# whose heartbeat is older than _HEARTBEAT_GRACE seconds. A trial stays alive however
-# long it measures; only a dead or frozen process stops its heartbeat.
-_HEARTBEAT_SECONDS = 10
-_HEARTBEAT_GRACE = 60
 
 
 def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
     """The Optuna storage for ``tune(storage=...)``.
 
     A storage object is used as given. A URL (``sqlite:///tuning.db``,
-    ``postgresql://...``) opens a database with heartbeats (see
-    ``NOTE [ Trials of other machines ]``); it is opened here, so a wrong URL or an
+    ``postgresql://...``) opens a database that keeps Optuna's trial heartbeats (see
+    ``NOTE [ The study's lease ]``); it is opened here, so a wrong URL or an
     unreachable server is reported before any work. A plain path is a journal file: no
-    database needed, safe for several processes, and a lock left by a killed run is
-    broken after a few seconds.
+    database needed, safe for several processes, a lock left by a killed run is broken
+    after a few seconds, and a last record torn by a killed writer is removed (see
+    :func:`_repair_journal`).
+
+    Raises:
+        InvalidInputError: a storage of another type, a URL that cannot be opened, a
+            journal file in a folder that does not exist.
+        StorageError: a journal file that cannot be read back.
     """
     if storage is None or isinstance(storage, optuna.storages.BaseStorage):
         return storage
@@ -145,7 +147,7 @@ def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
             with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 return optuna.storages.RDBStorage(
-                    storage, heartbeat_interval=_HEARTBEAT_SECONDS, grace_period=_HEARTBEAT_GRACE
+                    storage, heartbeat_interval=HEARTBEAT_SECONDS, grace_period=HEARTBEAT_GRACE
                 )
         except Exception as error:  # a driver missing, a bad URL, a server down...
             raise InvalidInputError(
@@ -160,12 +162,105 @@ def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
                 f"storage {str(storage)!r}: the folder {str(path.parent)!r} does not exist; "
                 "create it, or give another path."
             )
-        backend = JournalFileBackend(
-            str(path), lock_obj=JournalFileOpenLock(str(path), grace_period=_JOURNAL_LOCK_GRACE)
-        )
-        return optuna.storages.JournalStorage(backend)
+        lock = JournalFileOpenLock(str(path), grace_period=_JOURNAL_LOCK_GRACE)
+        _repair_journal(path, lock)
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
+        except ValueError as error:  # json.JSONDecodeError is one
+            raise StorageError(_unreadable_journal(path, error)) from error
     raise InvalidInputError(
         f"storage must be None (in memory), a journal file path such as 'tuning.log', an "
         f"Optuna storage URL such as 'sqlite:///tuning.db', or an "
         f"optuna.storages.BaseStorage, but got {type(storage).__name__}."
+    )
+
+
+# NOTE [ A torn journal ]
+# Optuna appends each record to a journal file as one line, under the journal's lock. A
+# writer killed mid-write (or a full disk, a power cut) leaves a last line without its
+# newline. Optuna's reader skips a last line it cannot parse, but the next record is
+# appended to it: the line becomes two records glued, which no reader can parse, and as
+# soon as another line follows, every run fails with a JSONDecodeError. A last line that
+# is not one whole record was never read by anyone (readers skip it), so dropping it
+# loses nothing any run has seen: it is cut, under the lock, before any record is
+# written. A broken line inside the file (glued before this repair existed) has been
+# skipped by no one: the error names it and says what to do.
+_RECORD_START = b'{"op_code":'
+
+
+def _repair_journal(path: Path, lock: JournalFileOpenLock) -> None:
+    """Cut a torn last line off the journal file at ``path`` (``NOTE [ A torn journal ]``),
+    under the journal's lock: a live writer's line is whole once it lets go.
+
+    Raises:
+        StorageError: the file is not a journal (its first line is not a record): it is
+            left as it is, where Optuna would have appended records to it.
+    """
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    lock.acquire()
+    try:
+        with open(path, "rb+") as file:
+            if file.read(len(_RECORD_START)) != _RECORD_START:
+                raise StorageError(
+                    f"storage {str(path)!r} is not an Optuna journal file (its first line is "
+                    "not a journal record), and autoloader would write into it: give the path "
+                    "of a journal file, or of a new file."
+                )
+            size = file.seek(0, os.SEEK_END)
+            end = _last_line_start(file, size)
+            file.seek(end)
+            last = file.read(size - end)
+            if last.endswith(b"\n") and _is_record(last):
+                return
+            file.truncate(end)
+    finally:
+        lock.release()
+    _logger.warning(
+        "the journal file %s ended with an incomplete record (%d bytes, left by a run "
+        "stopped while writing it): removed it; the %d bytes of records before it are kept, "
+        "as every run read them",
+        path,
+        size - end,
+        end,
+    )
+
+
+def _last_line_start(file: BinaryIO, size: int) -> int:
+    """Where the last line of ``file`` (of ``size`` bytes) starts."""
+    end = size - 1  # its own newline, if it has one, is not the one before it
+    while end > 0:
+        start = max(0, end - 65536)
+        file.seek(start)
+        newline = file.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _unreadable_journal(path: Path, error: ValueError) -> str:
+    """What to do about a journal file Optuna cannot read: which line is broken."""
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                json.loads(line)
+            except ValueError:
+                return (
+                    f"The journal file {str(path)!r} cannot be read: its line {number} is not "
+                    f"one whole record ({type(error).__name__}: {error}); a run was likely "
+                    "stopped while writing it and another wrote after it. Delete that line "
+                    "to keep the other trials (each line is one record), or move the file "
+                    "aside to start the study afresh."
+                )
+    return (
+        f"The journal file {str(path)!r} cannot be read ({type(error).__name__}: {error}); "
+        "move it aside to start the study afresh."
     )

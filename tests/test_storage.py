@@ -1,0 +1,241 @@
+"""A study in a storage is tuned by one run at a time, and a journal torn by a killed
+writer is read again: real processes, real files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+import autoloader
+from autoloader import SearchSpace
+
+from .workloads import SleepDataset, sleep_step
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+FAST = SearchSpace(num_workers=(0, 0))  # two short trials: where only the storage matters
+
+# The first run: long enough to be still tuning when the second one starts.
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import autoloader
+    from tests.test_storage import SPACE
+    from tests.workloads import SleepDataset, sleep_step
+
+    autoloader.tune(SleepDataset(100_000), sleep_step, batch_size=4, time_budget=120,
+                    search_space=SPACE, storage=sys.argv[1], show_progress=False)
+    """
+)
+
+
+def _storage(kind: str, tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "study.log")
+
+
+def _study(storage: str) -> optuna.Study | None:
+    """The one study in ``storage`` (a URL or a journal file), read-only; ``None`` before
+    it exists."""
+    opened: str | optuna.storages.BaseStorage = (
+        storage if "://" in storage else optuna.storages.JournalStorage(JournalFileBackend(storage))
+    )
+    with contextlib.suppress(KeyError, ValueError, OSError):
+        (summary,) = optuna.get_all_study_summaries(opened)
+        return optuna.load_study(study_name=summary.study_name, storage=opened)
+    return None
+
+
+@contextlib.contextmanager
+def _tuning(storage: str) -> Iterator[subprocess.Popen[str]]:
+    """A tuning run in another process, on ``storage``, once it measures a trial; killed
+    with its workers at the end."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, storage],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert child.poll() is None, f"the first run ended: {child.communicate()[1]}"
+            assert time.monotonic() < deadline, "the first run measured no trial in 60 s"
+            study = _study(storage)
+            if study is not None and study.get_trials(states=(TrialState.RUNNING,)):
+                break
+            time.sleep(0.05)
+        yield child
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # the run and its DataLoader workers
+        child.communicate()
+
+
+def _tune(
+    storage: str | Path, *, step: Callable[[Any], None] = sleep_step, space: SearchSpace = SPACE
+) -> autoloader.TuneResult:
+    """:data:`SCRIPT`'s problem (with another step or space, another one), one trial."""
+    return autoloader.tune(
+        SleepDataset(100_000), step, batch_size=4, time_budget=8, n_trials=1,
+        search_space=space, storage=storage, show_progress=False,
+    )  # fmt: skip
+
+
+def _heartbeats() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "autoloader-heartbeat"]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_second_run_on_a_study_in_use_is_refused_naming_the_first(
+    kind: str, tmp_path: Path
+) -> None:
+    """Two runs at once would each measure under the other's load and mix their trials:
+    the second stops before any trial of its own, and names the live run."""
+    storage = _storage(kind, tmp_path)
+    with _tuning(storage) as first:
+        started = time.monotonic()
+        with pytest.raises(autoloader.StudyInUseError) as refused:
+            _tune(storage)
+        seconds = time.monotonic() - started
+        study = _study(storage)
+        assert study is not None
+        mine = [t for t in study.trials if t.user_attrs.get("owner", {}).get("pid") == os.getpid()]
+    message = str(refused.value)
+    assert f"pid {first.pid} on host " in message and "tuning since " in message
+    assert "another storage" in message  # what to do
+    assert not mine, "the refused run measured a trial"
+    assert seconds < 60  # its checks, then the refusal: not a wait for the first run
+    assert not _heartbeats()
+
+
+def test_the_cli_refuses_a_second_run_on_a_study_in_use(tmp_path: Path) -> None:
+    storage = str(tmp_path / "study.log")
+    command = [
+        sys.executable, "-m", "autoloader", "tune", "tests.workloads:SleepDataset",
+        "tests.workloads:sleep_step", "--batch-size", "4", "--storage", storage, "-q",
+    ]  # fmt: skip
+    first = subprocess.Popen(
+        [*command, "--time-budget", "120", "--out", str(tmp_path / "first.json")],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ((study := _study(storage)) and study.get_trials(states=(TrialState.RUNNING,))):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        second = subprocess.run(  # the same problem (the budget bounds the space searched)
+            [
+                *command,
+                "--time-budget",
+                "120",
+                "--n-trials",
+                "1",
+                "--out",
+                str(tmp_path / "second.json"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert second.returncode == 1, second.stderr
+    (line,) = second.stderr.strip().splitlines()
+    assert "is being tuned by another run" in line and f"pid {first.pid} " in line
+    assert not (tmp_path / "second.json").exists()
+
+
+def test_a_run_that_raises_gives_the_study_back(tmp_path: Path) -> None:
+    """The lease and its thread end with tune(), however it ends: the next run on the
+    study, in the same (live) process, is not refused."""
+    storage = str(tmp_path / "study.log")
+    _BROKEN.set()
+    try:
+        with pytest.raises(autoloader.BaselineError):
+            _tune(storage, step=_breakable_step, space=FAST)
+    finally:
+        _BROKEN.clear()
+    assert not _heartbeats()
+    assert _tune(storage, step=_breakable_step, space=FAST).throughput > 0
+    assert not _heartbeats()
+    study = _study(storage)
+    assert study is not None
+    assert study.user_attrs["autoloader:run"]["ended"] is not None
+
+
+_BROKEN = threading.Event()
+
+
+def _breakable_step(batch: object) -> None:
+    if _BROKEN.is_set():
+        raise RuntimeError("the step is broken")
+    sleep_step(batch)
+
+
+# A journal record cut short, as a writer killed mid-write leaves it.
+TORN = b'{"op_code":5,"worker_id":"a-1","trial_id":3,"user_attr":{"outc'
+
+
+def test_a_journal_with_a_torn_last_line_is_repaired_by_the_next_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = tmp_path / "study.log"
+    _tune(journal, space=FAST)
+    kept = journal.read_bytes()
+    with journal.open("ab") as file:
+        file.write(TORN)
+
+    with caplog.at_level(logging.WARNING, logger="autoloader"):
+        result = _tune(journal, space=FAST)  # raised JSONDecodeError
+    assert any("resumed from storage" in note for note in result.notes)
+    assert journal.read_bytes().startswith(kept)
+    warned = [r.getMessage() for r in caplog.records if "incomplete record" in r.getMessage()]
+    assert warned and str(journal) in warned[0]
+    for line in journal.read_bytes().splitlines():
+        json.loads(line)
+    assert _tune(journal, space=FAST).throughput > 0  # and the next one
+
+
+def test_a_journal_broken_inside_names_its_line_and_is_left_as_it_is(tmp_path: Path) -> None:
+    """A torn record another record was glued to, with more after it (what Optuna left
+    before the repair): the error says which line, and what to do."""
+    journal = tmp_path / "study.log"
+    _tune(journal, space=FAST)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    broken = b"".join([*lines[:3], TORN + lines[3], *lines[4:]])
+    journal.write_bytes(broken)
+
+    with pytest.raises(autoloader.StorageError, match="its line 4 is not one whole record"):
+        _tune(journal, space=FAST)
+    assert journal.read_bytes() == broken
+
+
+def test_a_file_that_is_not_a_journal_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    with pytest.raises(autoloader.StorageError, match="not an Optuna journal file"):
+        _tune(notes, space=FAST)
+    assert notes.read_text() == "my notes\n"
