@@ -118,3 +118,36 @@ def test_sigterm_goes_on_to_the_programs_own_handler_after_saving(tmp_path: Path
     assert said["mine_back"] is True
     assert said["partial"] is True
     assert len(autoloader.load(path).trials) == said["trials"] >= 2
+
+
+SAVING = """
+import sys
+from tests.test_result import _result
+
+result = _result()
+result.save(sys.argv[1])
+print("saving", flush=True)
+while True:
+    result.save(sys.argv[1])
+"""
+
+
+def test_a_process_killed_while_saving_leaves_a_whole_file(tmp_path: Path) -> None:
+    """What ``AutoLoader`` (which installs no SIGTERM handler in the training loop) and
+    ``tune()`` write at ``path`` stays whole whenever the process is killed: a process
+    saving in a loop, SIGKILLed (no handler runs), leaves a file that loads, and
+    nothing but hidden temporary files beside it."""
+    from tests.test_result import _result
+
+    path = tmp_path / "loader.json"
+    child = subprocess.Popen(
+        [sys.executable, "-c", SAVING, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "saving\n"
+        time.sleep(0.5)  # hundreds of saves: killed in the middle of one
+    finally:
+        child.kill()
+        child.wait()
+    assert autoloader.load(path).as_dict() == _result().as_dict()
+    assert all(p.name.startswith(".loader.json.") for p in tmp_path.iterdir() if p != path)

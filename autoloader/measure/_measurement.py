@@ -40,12 +40,13 @@ class Measurement:
         duration: seconds the whole trial took.
         peak_memory: bytes, highest PSS of the process tree during the trial.
         batch_bytes: bytes of the tensors in the first batch.
-        load_cpu_seconds: mean CPU seconds this process spent per batch while blocked in
+        load_cpu_seconds: mean CPU seconds this process used, or was ready to use and
+            waited for (``NOTE [ CPU demand ]``), per batch while blocked in
             ``next()``. With ``num_workers=0`` it tells CPU-bound loading (close to
             ``load_seconds``) from waiting on I/O (close to 0).
-        step_cpu_seconds: mean CPU seconds this process spent per batch in the step,
-            all its threads counted: a step that trains on the CPU keeps as many cores
-            busy as ``step_cpu_seconds / step_seconds``, cores workers then compete for.
+        step_cpu_seconds: the same per batch in the step, all its threads counted: a
+            step that trains on the CPU keeps as many cores busy as
+            ``step_cpu_seconds / step_seconds``, cores workers then compete for.
         step_thread_cpu_seconds: the same for the thread that runs the step alone. It
             tells a step that works on the CPU (close to ``step_seconds``) from one that
             waits, on an accelerator or in a sleep, whose ``step_cpu_seconds`` can still

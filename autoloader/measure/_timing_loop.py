@@ -8,12 +8,13 @@ import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from time import perf_counter, process_time, thread_time
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from autoloader.measure._cpu_demand import CpuDemand
 from autoloader.measure._deadlines import SiblingPace, TrialTimeout
 from autoloader.measure._device import move_to_device, synchronize
 from autoloader.measure._errors import TrialError
@@ -41,10 +42,12 @@ class Totals:
     batches: int = 0
     seconds: float = 0.0
     wait: float = 0.0
+    # CPU seconds asked for, run or waited for (NOTE [ CPU demand ]): the process's, and
+    # this thread's alone (NOTE [ Step threads ]).
     wait_cpu: float = 0.0
     step: float = 0.0
     step_cpu: float = 0.0
-    step_own_cpu: float = 0.0  # this thread's alone (NOTE [ Step threads ])
+    step_own_cpu: float = 0.0
     wait_own_cpu: float = 0.0
 
 
@@ -200,7 +203,9 @@ class TimingLoop:
     """
 
     # Set as the loop begins (_begin): the loader's iterator (a new one each epoch),
-    # the batch last fetched, and what the first batch showed.
+    # the batch last fetched, and what the first batch showed; by run(), what reads
+    # the CPU demand.
+    cpu: CpuDemand
     iterator: Iterator[Any]
     batch: Any
     time_to_first_batch: float
@@ -289,6 +294,13 @@ class TimingLoop:
             TrialError: the dataset, collate_fn or step_fn raised or hung.
             PeerFailed: another process of a joint trial failed.
         """
+        self.cpu = CpuDemand()
+        try:
+            return self._run()
+        finally:
+            self.cpu.close()
+
+    def _run(self) -> Measurement:
         try:
             self._begin()
         except _NotStarted:
@@ -372,7 +384,7 @@ class TimingLoop:
         """Fetch, step and count the next batch (the first of a new epoch, once one
         ends). Returns when its step ended, and whether the open window is long enough
         to close (``ready``) and must close (``last``: ``max_batches`` timed)."""
-        t0, cpu0, own0 = perf_counter(), process_time(), thread_time()
+        t0, cpu0, own0 = self.cpu.read()
         restarted = False
         try:
             self.batch = self._fetch(self.each_limit)
@@ -382,9 +394,9 @@ class TimingLoop:
             self.batch = self._fetch(self.first_limit)
             self.restarts.append(perf_counter() - t0)
             restarted = True
-        t1, cpu1, own1 = perf_counter(), process_time(), thread_time()
+        t1, cpu1, own1 = self.cpu.read()
         self._step(self.batch)
-        t2, cpu2, own2 = perf_counter(), process_time(), thread_time()
+        t2, cpu2, own2 = self.cpu.read()
         samples = batch_length(self.batch, self.batch_size)
         if restarted:
             self.epochs.restarted()
