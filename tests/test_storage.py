@@ -239,3 +239,33 @@ def test_a_file_that_is_not_a_journal_is_refused_and_left_as_it_is(tmp_path: Pat
     with pytest.raises(autoloader.StorageError, match="not an Optuna journal file"):
         _tune(notes, space=FAST)
     assert notes.read_text() == "my notes\n"
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_the_heartbeat_renews_the_lease_and_keeps_the_running_trial_alive(tmp_path: Path) -> None:
+    """Faster than a run's 10 s, the same thread: the lease's heartbeat moves, and the
+    running trial's Optuna heartbeat keeps fail_stale_trials off it until it stops."""
+    from autoloader.search._lease import Heartbeat, Lease
+
+    storage = optuna.storages.RDBStorage(
+        f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1
+    )
+    study = optuna.create_study(storage=storage)
+    lease = Lease.take(study)
+    heartbeat = Heartbeat(lease, storage, interval=0.1)
+    heartbeat.start()
+    try:
+        with pytest.warns(UserWarning, match="Heartbeat"):  # Optuna expects optimize()
+            trial = study.ask()
+        heartbeat.beating(trial._trial_id)
+        time.sleep(2.5)  # past the grace period, beating
+        optuna.storages.fail_stale_trials(study)
+        assert study.trials[trial.number].state == TrialState.RUNNING
+        held = study.user_attrs["autoloader:run"]
+        assert held["heartbeat"] > held["since"] + 1
+    finally:
+        heartbeat.stop()
+    assert not _heartbeats()
+    time.sleep(2.5)  # silent
+    optuna.storages.fail_stale_trials(study)
+    assert study.trials[trial.number].state == TrialState.FAIL
