@@ -291,7 +291,7 @@ def test_the_result_file_follows_the_umask(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Written as ``open()`` writes a file (0o666 less the umask), not 0o600: a result
-    in a shared project folder is readable by the group."""
+    in a shared project folder is readable by the group. A missing folder is created."""
     from tests.test_result import _result
 
     monkeypatch.setattr("autoloader._tune.tune", lambda *args, **kwargs: _result())
@@ -299,10 +299,10 @@ def test_the_result_file_follows_the_umask(
     umask = os.umask(0o027)
     try:
         done = _main("tune", "pipeline_for_umask:make_dataset", "pipeline_for_umask:step",
-                     "--batch-size", "4", "--out", "best.json",
+                     "--batch-size", "4", "--out", "results/best.json",
                      cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)  # fmt: skip
     finally:
         os.umask(umask)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "best.json").stat().st_mode & 0o777 == 0o640
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert (tmp_path / "results" / "best.json").stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in (tmp_path / "results").iterdir()] == ["best.json"]

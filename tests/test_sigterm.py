@@ -27,22 +27,28 @@ from tests.workloads import SleepDataset, sleep_step
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 {before}
 result = autoloader.tune(
-    SleepDataset(100_000), sleep_step, batch_size=4, time_budget=20, show_progress=False,
-    path=sys.argv[1],
+    SleepDataset(100_000), sleep_step, batch_size=4, time_budget=float(sys.argv[2]),
+    show_progress=False, path=sys.argv[1],
 )
 {after}
 """
 
 
 def _tune_until_sigterm(
-    path: Path, *, before: str = "", after: str = "", trials: int = 2
+    path: Path,
+    *,
+    before: str = "",
+    after: str = "",
+    at: str = "trial 1 ",
+    budget: float = 20,
 ) -> tuple[subprocess.CompletedProcess[str], set[int]]:
-    """Run ``tune(path=path)`` in a process of its own; once ``trials`` trials have
-    finished and a trial's workers run, send it SIGTERM (to it alone, as ``kill`` and
-    Kubernetes do). Its exit, and the pids of the workers it had then."""
+    """Run ``tune(path=path)`` in a process of its own; once it logs a line that starts
+    with ``at`` (by default: two trials finished) and, after the baseline, a trial's
+    workers run, send it SIGTERM (to it alone, as ``kill`` and Kubernetes do). Its exit,
+    and the pids of the workers it had then."""
     script = TUNE.format(before=textwrap.dedent(before), after=textwrap.dedent(after))
     child = subprocess.Popen(
-        [sys.executable, "-c", script, str(path)],
+        [sys.executable, "-c", script, str(path), str(budget)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -55,9 +61,9 @@ def _tune_until_sigterm(
     try:
         for line in child.stderr:
             said.append(line)
-            if line.startswith(f"trial {trials - 1} "):
+            if line.startswith(at):
                 break
-        give_up = time.monotonic() + 30
+        give_up = time.monotonic() + (30 if at.startswith("trial") else 0)
         while not descendants and time.monotonic() < give_up:
             time.sleep(0.05)
             descendants = {p.pid for p in psutil.Process(child.pid).children(recursive=True)}
@@ -118,6 +124,29 @@ def test_sigterm_goes_on_to_the_programs_own_handler_after_saving(tmp_path: Path
     assert said["mine_back"] is True
     assert said["partial"] is True
     assert len(autoloader.load(path).trials) == said["trials"] >= 2
+
+
+def test_sigterm_before_the_baseline_ended_ends_the_process_with_nothing_saved(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "loader.json"
+    done, _ = _tune_until_sigterm(path, at="tuning SleepDataset")
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_the_program_ignores_stays_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "loader.json"
+    before = "signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    after = """
+        print(json.dumps({"partial": result.partial,
+                          "ignored": signal.getsignal(signal.SIGTERM) is signal.SIG_IGN}))
+    """
+    done, _ = _tune_until_sigterm(path, before=before, after=after, budget=8)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"partial": False, "ignored": True}
+    assert not autoloader.load(path).partial
 
 
 SAVING = """
