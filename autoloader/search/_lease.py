@@ -52,6 +52,7 @@ _KEY = "autoloader:run"
 HEARTBEAT_SECONDS = 10
 HEARTBEAT_GRACE = 60
 _SETTLE_SECONDS = 1.0
+_STOP_SECONDS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +143,20 @@ class Lease:
             return True
 
     def release(self) -> None:
-        """Give the lease back, where it is still this run's."""
+        """Give the lease back, where it is still this run's. Called as a run ends,
+        maybe with an error on its way: a storage that fails now is logged, not raised
+        (the lease then lapses as a dead run's does)."""
         with self._lock:
-            held = _holder(self.study)
-            if held is not None and held.token == self.mine.token:
-                now = time.time()
-                self.mine = replace(self.mine, heartbeat=now, ended=now)
-                self.study.set_user_attr(_KEY, asdict(self.mine))
+            try:
+                held = _holder(self.study)
+                if held is not None and held.token == self.mine.token:
+                    now = time.time()
+                    self.mine = replace(self.mine, heartbeat=now, ended=now)
+                    self.study.set_user_attr(_KEY, asdict(self.mine))
+            except Exception as error:
+                _logger.warning(
+                    "study %s: its lease could not be given back: %s", self.study.study_name, error
+                )
 
 
 class Heartbeat:
@@ -189,10 +197,19 @@ class Heartbeat:
             self._woken.set()
 
     def stop(self) -> None:
+        """End the thread: at once, unless a storage call of its own hangs (a database
+        that stopped answering), which it is left to finish, a daemon, after a warning."""
         self._stopped.set()
         self._woken.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(_STOP_SECONDS)
+            if self._thread.is_alive():
+                _logger.warning(
+                    "study %s: the heartbeat's storage call has not returned in %d s; "
+                    "the run ends without it",
+                    self.lease.study.study_name,
+                    _STOP_SECONDS,
+                )
 
     def _loop(self) -> None:
         next_renewal = time.monotonic() + self.interval
