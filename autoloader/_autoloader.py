@@ -500,7 +500,9 @@ class _Tuning:
     # samplers give them epochs of one length, as DistributedSampler does), the ranks
     # gather how it went, and rank 0 tells the study the job's figures: the slowest
     # rank's, or the failure, as in tune() (job_outcome). Two exchanges a trial, none
-    # within one, and none once tuning ended.
+    # within one, and none once tuning ended. Both come between the user's steps, where a
+    # rank may spend minutes alone (evaluating, checkpointing between epochs): they wait
+    # as long as the job's own collectives (NOTE [ How long a rank waits ]).
 
     def _joint_plan(self) -> _Plan | None:
         """The next trial, decided by rank 0 and the same on every rank; ``None`` once

@@ -11,6 +11,7 @@ import math
 import pickle
 import warnings
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from autoloader.distributed._joint import (
     next_stride,
     node_memory_budget,
 )
-from autoloader.distributed._ranks import Ranks
+from autoloader.distributed._ranks import Ranks, job_timeout
 from autoloader.measure._deadlines import TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
@@ -130,6 +131,9 @@ class _ReducingRanks:
 
     def maximum(self, values: Sequence[float], *, during: str) -> list[float]:
         return [max(column) for column in zip(values, *self.others, strict=True)]
+
+    def within_trial(self) -> _ReducingRanks:
+        return self
 
 
 def test_checkpoints_come_at_least_four_times_an_epoch_on_every_rank() -> None:
@@ -380,6 +384,21 @@ def test_a_world_of_one_tunes_alone(tmp_path: Path) -> None:
     finally:
         torch.distributed.destroy_process_group()
     assert math.isfinite(result.throughput)
+
+
+def test_the_ranks_wait_outside_a_trial_as_long_as_the_jobs_own_group(tmp_path: Path) -> None:
+    """NOTE [ How long a rank waits ]: the default group's timeout, as given to
+    init_process_group or torch's default (30 min with gloo)."""
+    for given, expected in ((timedelta(seconds=37), 37.0), (None, 1800.0)):
+        store = tmp_path / f"store{expected:.0f}"
+        options: dict[str, Any] = {} if given is None else {"timeout": given}
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=0, world_size=1, **options
+        )
+        try:
+            assert job_timeout() == expected
+        finally:
+            torch.distributed.destroy_process_group()
 
 
 def test_each_rank_runs_its_step_on_the_trials_threads_from_its_share_of_the_node(

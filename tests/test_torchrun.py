@@ -10,6 +10,7 @@ with no process of the job left, on any node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -319,4 +320,57 @@ def test_autoloader_ranks_switch_settings_at_the_same_batches(tmp_path: Path) ->
         for t in first["result"]["trials"]
     ), first["result"]["trials"]
     assert first["result"]["params"]["num_workers"] <= 1
+    _assert_nothing_left(tmp_path)
+
+
+def test_rank_0_alone_between_epochs_waits_as_long_as_the_process_group(tmp_path: Path) -> None:
+    """Rank 0 spends 8 s alone between AutoLoader's first epochs (an evaluation, a
+    checkpoint), while the other rank waits for the next trial: longer than a trial's own
+    exchange may wait (shrunk to 3 s here), within the process group's timeout (60 s).
+    The job lives, as DDP lets it (NOTE [ How long a rank waits ])."""
+    from tests.torchrun_job import _TRIAL_TIMEOUT, EVALUATION
+
+    assert _TRIAL_TIMEOUT < EVALUATION  # each trial's exchange alone would fail the job
+    code, output, reports = _job(2, tmp_path, "autoloader-evaluates-on-rank-0")
+    assert code == 0, output[-3000:]
+    assert sorted(reports) == [0, 1]
+    assert reports[0]["evaluated_while_tuning"]  # between two of the search's trials
+    assert "error" not in reports[1], reports[1]["error"]
+    assert reports[0]["result"] == reports[1]["result"]
+    assert reports[0]["steps"] == reports[1]["steps"]
+    _assert_nothing_left(tmp_path)
+
+
+def test_a_stopped_rank_ends_the_trial_within_the_process_groups_timeout(tmp_path: Path) -> None:
+    """Rank 1 stopped (SIGSTOP) mid-trial, while rank 0's DDP step all-reduces with it:
+    rank 0 waits in DDP's C++ (where no alarm reaches) for the process group's timeout
+    (10 s here), then at most as long at the trial's next exchange, and fails with a
+    RankError: README, "Multi-GPU / torchrun". (When every exchange waited 120 s, rank 0
+    was still waiting 80 s after the stop.)"""
+    from tests.torchrun_job import PG_TIMEOUTS
+
+    timeout = PG_TIMEOUTS["stopped-rank"]
+    job = _start(_torchrun(2, "-m", "tests.torchrun_job", str(tmp_path), "stopped-rank"), tmp_path)
+    victim = None
+    try:
+        victim = _rank_pid(tmp_path, 1)
+        _wait_for_trials(tmp_path, victim, settled=1.0)
+        stopped = time.time()
+        os.kill(victim, signal.SIGSTOP)
+        give_up = time.monotonic() + 2 * timeout + 60
+        while not (tmp_path / "rank0.json").exists() and time.monotonic() < give_up:
+            time.sleep(0.2)
+    finally:
+        if victim is not None:  # stopped, it would hold torchrun's SIGTERM for 30 s
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        output = _finish(job)
+    assert job.returncode != 0
+    failed = _reports(tmp_path)[0]
+    assert failed["error"].startswith("RankError:"), output[-3000:]
+    assert "stopped answering" in failed["error"]
+    seconds = failed["failed_at"] - stopped
+    # The group's timeout in DDP's all-reduce, then at most as long at the checkpoint,
+    # then the trial's clean-up.
+    assert timeout - 1 < seconds < 2 * timeout + 25, seconds
     _assert_nothing_left(tmp_path)

@@ -7,9 +7,11 @@ returned or raised, its host and the call's seconds to ``OUT/rank<r>.json``. Sce
 1 GiB, over its node's budget of 1 GiB, and with 4 the fourth segfaults);
 ``hang-on-last-rank`` (that rank's workers from index 2 up hang); ``stored`` (the study
 in ``study.db`` next to ``OUT``, for jobs run in folders side by side); ``long`` (a long
-budget, for the tests that kill a rank or press Ctrl-C); ``autoloader`` and
-``autoloader-crash-on-last-rank``, an ``AutoLoader`` in place of tune() (see
-:func:`autoloader_job`). ``BUDGET`` replaces the scenario's time budget.
+budget, for the tests that kill a rank or press Ctrl-C); ``stopped-rank`` (a process
+group whose timeout is ``PG_TIMEOUTS``'s, for a test that stops a rank with SIGSTOP);
+``autoloader``, ``autoloader-crash-on-last-rank`` and ``autoloader-evaluates-on-rank-0``,
+an ``AutoLoader`` in place of tune() (see :func:`autoloader_job`). ``BUDGET`` replaces
+the scenario's time budget.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, get_worker_info
 
 import autoloader
+from autoloader.distributed import _ranks
 from tests.workloads import FaultInWorkersDataset, SleepDataset, _fault
 
 # The faults come with a worker process's index: thread workers have none. With 2 to 4
@@ -38,7 +42,28 @@ SPACES: dict[str, dict[str, object]] = {
     "hang-on-last-rank": {"num_workers": (2, 4), "worker_kind": "processes"},
 }
 
-BUDGETS = {"long": 120.0, "faults-on-last-rank": 14.0, "stored": 6.0}
+# stopped-rank: long enough to be stopped mid-search, short enough that rank 0's checks
+# before it (a tenth of the budget) keep well within the group's timeout.
+BUDGETS = {"long": 120.0, "stopped-rank": 30.0, "faults-on-last-rank": 14.0, "stored": 6.0}
+
+# The default process group's timeout (init_process_group's timeout=), where a scenario
+# sets one: how long the job's own collectives (DDP's) wait for a rank.
+PG_TIMEOUTS = {"stopped-rank": 10.0, "autoloader-evaluates-on-rank-0": 60.0}
+# autoloader-evaluates-on-rank-0: rank 0 alone spends EVALUATION seconds between its first
+# two epochs (an evaluation, a checkpoint), longer than a trial's own exchanges may wait
+# (TRIAL_TIMEOUT, shrunk from 120 s to keep the test short), shorter than the job's
+# process group waits.
+EVALUATION = 8.0
+_TRIAL_TIMEOUT = 3.0
+
+
+def init_process_group(scenario: str) -> None:
+    """The job's default group, on gloo, with the scenario's timeout if it sets one."""
+    seconds = PG_TIMEOUTS.get(scenario)
+    if seconds is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=seconds))
 
 
 class FaultsOnOneRank(SleepDataset):
@@ -83,8 +108,12 @@ def autoloader_job(out: Path, scenario: str) -> int:
     """``AutoLoader`` over a DistributedSampler, stepped by a DDP step, until it has tuned
     and one epoch more: each rank reports the setting that loaded each of its batches,
     each epoch's ids against DataLoader's, and the result. With
-    ``autoloader-crash-on-last-rank``, that rank's workers from index 1 up die."""
-    dist.init_process_group("gloo")
+    ``autoloader-crash-on-last-rank``, that rank's workers from index 1 up die; with
+    ``autoloader-evaluates-on-rank-0``, rank 0 spends ``EVALUATION`` seconds alone after
+    its first epoch."""
+    init_process_group(scenario)
+    if scenario == "autoloader-evaluates-on-rank-0":
+        _ranks.TRIAL_TIMEOUT = _TRIAL_TIMEOUT
     rank, size = dist.get_rank(), dist.get_world_size()
     dataset: SleepDataset = SleepDataset(length=384, latency=0.002)
     if scenario == "autoloader-crash-on-last-rank" and rank == size - 1:
@@ -120,6 +149,10 @@ def autoloader_job(out: Path, scenario: str) -> int:
                 batch_number += 1
             expected = [b[:, 0].tolist() for b in reference]
             report["epochs_equal"].append(seen == expected)  # type: ignore[attr-defined]
+            if scenario == "autoloader-evaluates-on-rank-0" and rank == 0 and epoch == 0:
+                report["evaluated_while_tuning"] = not loader.tuned
+                report["evaluation_began"] = time.time()
+                time.sleep(EVALUATION)
             if tuned_before:
                 break
         assert loader.result is not None
@@ -127,6 +160,7 @@ def autoloader_job(out: Path, scenario: str) -> int:
         report["failures"] = loader.failures
     except BaseException as error:
         report["error"] = f"{type(error).__name__}: {error}"
+        report["failed_at"] = time.time()
         raise
     finally:
         loader.close()
@@ -139,7 +173,7 @@ def autoloader_job(out: Path, scenario: str) -> int:
 def main(out: Path, scenario: str, budget: float | None = None) -> int:
     if scenario.startswith("autoloader"):
         return autoloader_job(out, scenario)
-    dist.init_process_group("gloo")
+    init_process_group(scenario)
     rank, size = dist.get_rank(), dist.get_world_size()
     dataset: SleepDataset = SleepDataset(length=768, latency=0.002)
     if scenario == "faults-on-last-rank" and rank == size - 1:
@@ -166,6 +200,7 @@ def main(out: Path, scenario: str, budget: float | None = None) -> int:
         report["saved"] = str(result.save(out / "best.json"))
     except BaseException as error:
         report["error"] = f"{type(error).__name__}: {error}"
+        report["failed_at"] = time.time()
         raise
     finally:
         # torchrun stops the other ranks with SIGTERM when one fails: let this rank

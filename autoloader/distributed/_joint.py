@@ -57,13 +57,14 @@ class JointLockstep:
 
     The checkpoints are spaced by batch count, the same on every rank: the count is set
     again at each checkpoint from the longest time any rank took since the last one and
-    the shortest epoch of any rank, values every rank receives alike.
+    the shortest epoch of any rank, values every rank receives alike. Its exchanges are
+    a trial's, with a trial's timeout (``NOTE [ How long a rank waits ]``).
     """
 
     joint = True
 
     def __init__(self, ranks: Ranks, *, spare: Any = None) -> None:
-        self.ranks = ranks
+        self.ranks = ranks.within_trial()
         self.spare = spare
         self._stride = _FIRST_STRIDE
         self._epoch_batches: int | None = None
@@ -251,6 +252,7 @@ class JointRunner:
 
     def __init__(self, local: TrialRunner, ranks: Ranks, *, spare: Any) -> None:
         self.local = local
+        self.ranks = ranks
         self.lockstep = JointLockstep(ranks, spare=spare)
         self.batch_size = local.batch_size
 
@@ -264,12 +266,13 @@ class JointRunner:
         max_batches: int | None = None,
     ) -> Measurement:
         command = _Measure(dict(params), max_seconds, deadlines, max_batches)
-        self.lockstep.ranks.broadcast(command, during="the start of a trial")
+        # The others wait for it outside a trial: NOTE [ How long a rank waits ].
+        self.ranks.broadcast(command, during="the start of a trial")
         return measure_together(self.local, self.lockstep, command, on_window)
 
     def finish(self, *, result: Any = None, error: BaseException | None = None) -> None:
         """Tell the other ranks the run is over: what it found, or how it failed."""
-        self.lockstep.ranks.broadcast(_Done(result, error), during="the end of the run")
+        self.ranks.broadcast(_Done(result, error), during="the end of the run")
 
 
 def follow(local: TrialRunner, ranks: Ranks, *, spare: Any) -> Any:
