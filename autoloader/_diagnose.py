@@ -61,6 +61,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from autoloader._exceptions import InvalidInputError, LoopError
+from autoloader._problem import check_main_thread
 from autoloader.checks._environment import Environment
 from autoloader.checks._facts import Checks, copied_per_worker
 from autoloader.checks._validation import check_positive_number, check_step_fn, start_method
@@ -308,7 +309,8 @@ def diagnose(
         Diagnosis: the figures and the verdict; ``print()`` it.
 
     Raises:
-        InvalidInputError: an argument is wrong; raised before anything runs. Or the
+        InvalidInputError: an argument is wrong, or this is not the main thread (see
+            ``NOTE [ Main thread only ]``); raised before anything runs. Or the
             loader's workers repeat each other's samples (an ``IterableDataset`` that
             does not split its items between workers).
         LoopError: the dataset, collate_fn or step_fn raised or hung, or a worker died.
@@ -317,6 +319,7 @@ def diagnose(
 
         print(autoloader.diagnose(train_loader, train_step))
     """
+    check_main_thread("diagnose()")
     if not isinstance(loader, DataLoader):
         raise InvalidInputError(
             f"loader must be a torch.utils.data.DataLoader, but got {type(loader).__name__}. "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,33 @@ class Problem:
             fixed_loader_kwargs=self.fixed,
             device=self.device,
         )
+
+
+# NOTE [ Main thread only ]
+# Every wait of tune() and diagnose() on user code (a batch, a step, a check that reads
+# items) ends at a deadline that SIGALRM enforces: it interrupts the main thread waiting
+# for a batch, or running a dataset's read or a step that blocks. Python runs signal
+# handlers in the main thread only, and a thread cannot be interrupted otherwise: from
+# another thread such a wait would last forever, the code it ran in the baseline
+# (num_workers=0) blocked in that very thread. So both refuse another thread before any
+# work starts, rather than promise deadlines they cannot keep. AutoLoader runs in the
+# user's own loop, where a blocked batch blocks it as a DataLoader's would.
+def check_main_thread(caller: str) -> None:
+    """Refuse a call from a thread other than the main one (``NOTE [ Main thread only ]``).
+
+    Raises:
+        InvalidInputError: this is not the main thread.
+    """
+    current = threading.current_thread()
+    if current is threading.main_thread():
+        return
+    raise InvalidInputError(
+        f"{caller} must be called from the main thread because its deadlines (a batch, a "
+        "step or a check that hangs) are enforced by SIGALRM, which Python delivers to "
+        f"the main thread only: from thread {current.name!r}, a dataset or step that "
+        f"blocks would block it forever. Call {caller} from the main thread, or from a "
+        "process of its own (multiprocessing) if it must run beside other work."
+    )
 
 
 def check_arguments(

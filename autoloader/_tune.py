@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from autoloader._exceptions import InvalidInputError, RankError
 from autoloader._preserve import Restorable, preserved
-from autoloader._problem import Problem, agree, check_arguments
+from autoloader._problem import Problem, agree, check_arguments, check_main_thread
 from autoloader._reuse import reused
 from autoloader._sigterm import Sigterm, sigterm_while_tuning
 from autoloader.checks._facts import Checks, checks_seconds
@@ -197,6 +197,7 @@ def tune(
         loader = result.make_loader(dataset)
     """
     started = perf_counter()
+    check_main_thread("tune()")
     # Under torchrun every rank calls tune(): they tune together (see distributed/_joint.py).
     ranks = Ranks.join()
     try:

@@ -34,7 +34,8 @@ get ``checks_seconds(time_budget)``, a small share of it, and each check a fixed
 that (``_SHARES``). Each is held to its time: in this process by the trial's alarm
 (:func:`~autoloader.measure._deadlines.time_limit`), with workers through
 :meth:`TrialRunner.first_batches <autoloader.measure._runner.TrialRunner.first_batches>` (the
-trial's watchdog, deadline and clean-up), in the forked probe by waiting for it no
+trial's watchdog, deadline and clean-up), in a forked process (the threads check, the
+copy-on-read probe: NOTE [ Checks that can be abandoned ]) by waiting for it no
 longer and killing it. A check that overruns costs its share and no more; its fact is
 recorded missing with the reason, the run goes on, and the report says what was not
 checked.
@@ -83,13 +84,10 @@ from __future__ import annotations
 import gc
 import itertools
 import math
-import multiprocessing
 import random
 import shutil
-import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -100,6 +98,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from autoloader._exceptions import InvalidInputError
 from autoloader.checks._batched_fetch import batched_fetch_problem, same_batch
+from autoloader.checks._forked import ForkedCheckFailed, can_fork, run_forked
 from autoloader.loader._factory import build_loader, merge_loader_kwargs, new_loader
 from autoloader.measure._deadlines import TrialTimeout, time_limit
 from autoloader.measure._errors import TrialError, describe_error
@@ -227,7 +226,7 @@ class Checks:
             )
         if isinstance(error, TrialError):
             return f"the check failed: {error.summary}"
-        if isinstance(error, _ProbeFailed):
+        if isinstance(error, ForkedCheckFailed):
             return f"the check failed: {error}"
         return f"the check failed: {describe_error(error)[0]}"
 
@@ -253,7 +252,9 @@ class Checks:
     # between two reads in one thread (random augmentations) cannot be compared: for
     # them the batches must have the same layout (types, dtypes and shapes). A fault
     # that shows only now and then can pass this check; a thread trial that then fails
-    # is recorded failed, and no thread setting is run again.
+    # is recorded failed, and no thread setting is run again. The check runs in a forked
+    # process (NOTE [ Checks that can be abandoned ]): a dataset whose reads block
+    # forever leaves no thread of this process blocked.
     def threads_problem(self) -> str | None:
         """Why thread workers cannot load the dataset, or ``None`` if they can (see
         ``NOTE [ Threads check ]``)."""
@@ -280,36 +281,19 @@ class Checks:
         }
         batches = math.ceil(count / size)
 
-        def alone(seconds: float) -> list[Any]:
-            with time_limit(seconds, "reading batches in this thread"):
-                return list(new_loader(self.dataset, options))
-
         def check(seconds: float) -> str | None:
-            ends = time.monotonic() + seconds
-            try:
-                threaded = self._runner.first_batches(
-                    lambda: new_loader(
-                        self.dataset,
-                        {**options, "num_workers": _THREAD_CHECK_THREADS, "prefetch_factor": 1},
-                        threads=True,
-                    ),
-                    batches,
-                    seconds=seconds / 2,
+            arguments = (self.dataset, options, batches)
+            stage = "reading batches from threads and from one"
+            if can_fork():
+                return run_forked(
+                    _threads_verdict,
+                    arguments,
+                    seconds=seconds,
+                    stage=stage,
+                    name="autoloader-threads-check",
                 )
-            except TrialError as error:
-                if isinstance(error.error, TrialTimeout):
-                    raise
-                return f"reading it from {_THREAD_CHECK_THREADS} threads raised {error.summary}"
-            first = alone(max(_MIN_CHECK_SECONDS, ends - time.monotonic()))
-            if same_batch(threaded, first):
-                return None
-            second = alone(max(_MIN_CHECK_SECONDS, ends - time.monotonic()))
-            if not same_batch(first, second) and same_batch(threaded, first, values=False):
-                return None  # random items: the layout is all that can be compared
-            return (
-                f"reading it from {_THREAD_CHECK_THREADS} threads gave other batches than "
-                "reading it from one: it keeps state of its own between reads"
-            )
+            with time_limit(seconds, stage):
+                return _threads_verdict(*arguments)
 
         problem = self._run("threads", check)
         if problem is None and "threads" in self.missing:
@@ -460,10 +444,6 @@ class Checks:
         return seconds, True, None
 
 
-class _ProbeFailed(Exception):
-    """The copy-on-read probe could not measure; its message says why."""
-
-
 def copied_per_worker(facts: Mapping[str, Any]) -> float | None:
     """Bytes of the dataset each forked worker can end up copying over an epoch, if the
     probe found copy-on-read beyond the allocator's noise; else ``None``.
@@ -485,10 +465,8 @@ def _copy_on_read(dataset: Dataset[Any], length: int, seconds: float) -> tuple[f
     if isinstance(dataset, IterableDataset) or length < _PROBE_MIN_ITEMS:
         return None
     if not _SMAPS.exists():
-        raise _ProbeFailed(f"the probe reads {_SMAPS}, which this system does not have")
-    try:
-        context = multiprocessing.get_context("fork")
-    except ValueError:  # no fork on this platform
+        raise ForkedCheckFailed(f"the probe reads {_SMAPS}, which this system does not have")
+    if not can_fork():
         return None
     # O(items) whatever the length (no permutation of a billion indices).
     count = min(length, _PROBE_WARMUP_ITEMS + _PROBE_MAX_ITEMS)
@@ -497,71 +475,61 @@ def _copy_on_read(dataset: Dataset[Any], length: int, seconds: float) -> tuple[f
     # The two runs read items of different halves of the dataset, so that the second
     # does not find pages the first copied (items stored side by side share pages).
     runs = ([i for i in fresh if i < length // 2], [i for i in fresh if i >= length // 2])
-    receiver, sender = context.Pipe(duplex=False)
     reading = min(_PROBE_MAX_READING, _PROBE_READING_SHARE * seconds)
-    process = context.Process(
-        target=_probe, args=(dataset, warmup, runs, reading, sender), name="autoloader-probe"
+    (first, again, second), items, second_items = run_forked(
+        _probe,
+        (dataset, warmup, runs, reading),
+        seconds=seconds,
+        stage="reading items in the copy-on-read probe",
+        name="autoloader-probe",
     )
-    ends = time.monotonic() + seconds
-    process.start()
-    sender.close()
-    try:
-        if not receiver.poll(max(0.0, ends - time.monotonic())):
-            raise TrialTimeout("reading items in the copy-on-read probe", seconds)
-        outcome: tuple[list[int], int, int] | str = receiver.recv()
-    except EOFError:
-        raise _ProbeFailed(f"the probe process {_ending(process)}") from None
-    finally:
-        receiver.close()
-        if process.is_alive():
-            process.kill()
-        process.join()
-        process.close()  # its sentinel is a file descriptor too
-    if isinstance(outcome, str):
-        raise _ProbeFailed(outcome)
-    (first, again, second), items, second_items = outcome
     if not (items and second_items):
         return None
     per_item = min(first / items, second / second_items) - again / items
     return max(0.0, per_item), items + second_items
 
 
-def _ending(process: multiprocessing.process.BaseProcess) -> str:
-    """How a probe that stopped answering ended."""
-    process.join(1.0)
-    code = process.exitcode
-    if code is None:
-        return "closed its pipe"
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-
-
 def _probe(
-    dataset: Dataset[Any],
-    warmup: list[int],
-    runs: tuple[list[int], list[int]],
-    seconds: float,
-    out: Connection,
-) -> None:
+    dataset: Dataset[Any], warmup: list[int], runs: tuple[list[int], list[int]], seconds: float
+) -> tuple[list[int], int, int]:
     """In a forked process: shared memory turned private by a run of fresh items, by the
     same items again, and by as many fresh items of the dataset's other half."""
-    # NOTE [ Forked processes ]: as a DataLoader worker does, before reading anything.
-    torch.set_num_threads(1)
     gc.freeze()
+    _read(dataset, warmup, until=time.monotonic() + seconds / 4)  # slow items: enough
+    shared = [_shared_dirty()]
+    items = _read(dataset, runs[0], until=time.monotonic() + seconds / 4)
+    shared.append(_shared_dirty())
+    _read(dataset, runs[0][:items], until=math.inf)
+    shared.append(_shared_dirty())
+    second = _read(dataset, runs[1][:items], until=time.monotonic() + seconds / 4)
+    shared.append(_shared_dirty())
+    lost = [before - after for before, after in itertools.pairwise(shared)]
+    return lost, items, second
+
+
+def _threads_verdict(dataset: Dataset[Any], options: dict[str, Any], batches: int) -> str | None:
+    """Why thread workers cannot load the dataset, or ``None`` if they can: the first
+    ``batches`` batches read by threads, then by this thread alone (twice where they
+    differ), compared (see ``NOTE [ Threads check ]``)."""
+    threaded_options = {**options, "num_workers": _THREAD_CHECK_THREADS, "prefetch_factor": 1}
     try:
-        _read(dataset, warmup, until=time.monotonic() + seconds / 4)  # slow items: enough
-        shared = [_shared_dirty()]
-        items = _read(dataset, runs[0], until=time.monotonic() + seconds / 4)
-        shared.append(_shared_dirty())
-        _read(dataset, runs[0][:items], until=math.inf)
-        shared.append(_shared_dirty())
-        second = _read(dataset, runs[1][:items], until=time.monotonic() + seconds / 4)
-        shared.append(_shared_dirty())
-        lost = [before - after for before, after in itertools.pairwise(shared)]
-        out.send((lost, items, second))
+        loader = new_loader(dataset, threaded_options, threads=True)
+        threaded = list(itertools.islice(loader, batches))
+    except TrialTimeout:
+        raise
     except Exception as error:
-        out.send(describe_error(error)[0])
-    finally:
-        out.close()
+        summary = describe_error(error)[0]
+        return f"reading it from {_THREAD_CHECK_THREADS} threads raised {summary}"
+    first = list(new_loader(dataset, options))
+    if same_batch(threaded, first):
+        return None
+    second = list(new_loader(dataset, options))
+    if not same_batch(first, second) and same_batch(threaded, first, values=False):
+        return None  # random items: the layout is all that can be compared
+    return (
+        f"reading it from {_THREAD_CHECK_THREADS} threads gave other batches than "
+        "reading it from one: it keeps state of its own between reads"
+    )
 
 
 def _read(dataset: Dataset[Any], indices: list[int], *, until: float) -> int:
@@ -578,7 +546,7 @@ def _shared_dirty() -> int:
     for line in _SMAPS.read_text().splitlines():
         if line.startswith("Shared_Dirty:"):
             return int(line.split()[1]) * 1024
-    raise _ProbeFailed(f"{_SMAPS} has no Shared_Dirty line")
+    raise ForkedCheckFailed(f"{_SMAPS} has no Shared_Dirty line")
 
 
 def shm_bytes() -> int | None:

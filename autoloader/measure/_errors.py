@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import re
 import signal
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
 from typing import Any
+
+import torch
+
+import autoloader
+from autoloader.measure._deadlines import TrialTimeout
 
 
 class TrialError(Exception):
@@ -132,10 +141,54 @@ def describe_error(error: BaseException) -> tuple[str, str]:
         after = [line for line in lines[last + 1 :] if not line[0].isspace()]
         raised = after[0].strip() if after else lines[-1].strip()
         return f"{raised} (in {worker})", f"{frame['file']}:{frame['line']} in {frame['name']}"
-    stack = traceback.extract_tb(error.__traceback__)
-    where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+    if isinstance(error, TrialTimeout):
+        stuck = user_frame(error.__traceback__)
+        where = f"{stuck.filename}:{stuck.lineno} in {stuck.name}" if stuck else ""
+    else:
+        stack = traceback.extract_tb(error.__traceback__)
+        where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
     first = lines[0].strip() if lines else ""
     return f"{type(error).__name__}: {first}".rstrip(": "), where
+
+
+# NOTE [ Where user code was stuck ]
+# A deadline's TrialTimeout is raised by the alarm's handler, in whatever frame the main
+# thread was: its innermost frames are the handler's (autoloader's) and those of what
+# the user's code was waiting in (threading, a socket, torch). The frame that says
+# where to look is the innermost one of the user's own code: not autoloader's, torch's
+# or the standard library's. Where there is none (the main thread waited for a worker
+# process), the error names no place.
+_NOT_USERS = tuple(
+    str(Path(path).resolve()) + os.sep
+    for path in (
+        Path(autoloader.__file__).parent,
+        Path(torch.__file__).parent,
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["platstdlib"],
+    )
+)
+_INSTALLED = tuple(
+    str(Path(sysconfig.get_paths()[name]).resolve()) + os.sep for name in ("purelib", "platlib")
+)
+
+
+def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
+    """The innermost frame of ``tb`` in the user's code (see ``NOTE [ Where user code
+    was stuck ]``), or ``None``."""
+    for frame in reversed(traceback.extract_tb(tb)):
+        if is_users(frame.filename):
+            return frame
+    return None
+
+
+def is_users(filename: str) -> bool:
+    """Whether ``filename`` is the user's code (see ``NOTE [ Where user code was stuck ]``)."""
+    if filename.startswith("<"):  # <frozen ...>, <string>
+        return False
+    path = str(Path(filename).resolve())
+    mine = path.startswith(_NOT_USERS[:2])
+    standard = path.startswith(_NOT_USERS[2:]) and not path.startswith(_INSTALLED)
+    return not (mine or standard)
 
 
 def exception_chain(error: BaseException) -> Iterator[BaseException]:

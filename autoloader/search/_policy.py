@@ -89,9 +89,12 @@ _TIE_TOLERANCE = 0.02
 # the baseline's time per batch, and never less than _MIN_BATCH_TIMEOUT seconds. With
 # more workers than CPUs a CPU-bound batch legitimately slows by workers / CPUs; the
 # first batch of an epoch also waits for workers to start (Deadlines.per_batch).
-# Before the baseline there is nothing to derive from: the baseline gets the whole
-# budget, at least _BASELINE_TIMEOUT. Within a trial, its own pace tightens the
-# deadline (NOTE [ Pace deadline ] in measure/_timing_loop.py).
+# Before the baseline there is nothing to derive from: a baseline batch may take
+# _BASELINE_SHARE of the time budget, at least _MIN_BASELINE_TIMEOUT seconds, so that a
+# dataset or step that blocks forever fails the baseline (BaselineError) within the
+# checks' share of the budget plus that (4 s at a 5 s budget, 36 s at 60 s) rather than
+# a minute past a short budget. Within a trial, its own pace tightens the deadline
+# (NOTE [ Pace deadline ] in measure/_timing_loop.py).
 _TIMEOUT_FACTOR = 20.0
 _MIN_BATCH_TIMEOUT = 3.0
 # A batch late by its sibling workers' pace (NOTE [ Sibling pace ] in
@@ -104,7 +107,8 @@ _START_TIMEOUT_FACTOR = 3.0
 _MIN_START_TIMEOUT = 0.5
 # Loading whose CPU time is at least this share of its time competes for the CPUs.
 _CPU_BOUND_SHARE = 0.5
-_BASELINE_TIMEOUT = 60.0
+_BASELINE_SHARE = 0.5
+_MIN_BASELINE_TIMEOUT = 3.0
 # NOTE [ Enough searching ]
 # Once the starting points (the cost model's guesses and the ladder) are measured, the
 # search stops when _PATIENCE measured trials in a row (settings skipped as known to
@@ -472,7 +476,7 @@ class Policy:
         workers = int(params["num_workers"])
         measured = baseline_measurement(history)
         if measured is None:
-            limit = max(_BASELINE_TIMEOUT, self.time_budget)
+            limit = max(_MIN_BASELINE_TIMEOUT, _BASELINE_SHARE * self.time_budget)
             return Deadlines(first=limit, each=limit)
         per_batch = measured.load_seconds + measured.step_seconds
         slowdown = max(1.0, workers / self.usable_cpus)
