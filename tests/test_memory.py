@@ -133,9 +133,12 @@ def test_tree_memory_counts_children() -> None:
         child.wait()
 
 
-def test_watch_kills_new_children_over_budget() -> None:
+def test_watch_kills_the_trial_workers_over_budget() -> None:
     budget = tree_memory() + 100 * 1024**2
-    with MemoryWatch(budget, interval=0.05) as watch:
+    child: subprocess.Popen[bytes] | None = None  # named to the watch as the trial's worker
+    with MemoryWatch(
+        budget, interval=0.05, workers=lambda: [] if child is None else [child.pid]
+    ) as watch:
         child = _hog(300, wait_ready=False)
         try:
             child.wait(timeout=10)

@@ -11,15 +11,17 @@ release that moves one of them is fixed here, and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from torch._C import _error_if_any_worker_fails
 from torch._utils import KeyErrorMessage as _KeyErrorMessage
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, _utils
+from torch.utils.data._utils import signal_handling as _signal_handling
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
-from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 # The base class of DataLoader's iterators (torch 2.6 to 2.13). A subclass gets from
@@ -48,17 +50,53 @@ def raise_if_any_worker_failed() -> None:
     _error_if_any_worker_fails()
 
 
-def install_sigchld_handler() -> None:
-    """Install DataLoader's SIGCHLD handler, as DataLoader does once per process when
-    it first starts workers; later calls, and calls outside the main thread, do nothing
-    (``torch.utils.data._utils.signal_handling``; torch 2.6 to 2.13)."""
-    _set_SIGCHLD_handler()
+@contextlib.contextmanager
+def sigchld_handler_held() -> Iterator[None]:
+    """Keep DataLoader from installing its SIGCHLD handler in the block: the caller's
+    handler does its work (:func:`raise_if_any_worker_failed`) there. After the block,
+    DataLoader installs its handler the next time it starts workers, as it would have
+    without the block, and finds in place the handler it would have found.
+
+    DataLoader installs its handler once per process, for good, the first time workers
+    start, and notes that it did in ``_SIGCHLD_handler_set``
+    (``torch.utils.data._utils.signal_handling``; torch 2.6 to 2.13).
+    """
+    with _held_lock:
+        if not _held:
+            _held.append(_signal_handling._SIGCHLD_handler_set)
+            _signal_handling._SIGCHLD_handler_set = True
+        _held.append(True)
+    try:
+        yield
+    finally:
+        with _held_lock:
+            _held.pop()
+            if len(_held) == 1:  # the last block held ends, whatever the order they end
+                _signal_handling._SIGCHLD_handler_set = _held.pop()
+
+
+# The flag as found before the first of the blocks held now, then one entry a block.
+_held: list[bool] = []
+_held_lock = threading.Lock()
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting, as DataLoader sees it: its iterators' shutdown
+    then does nothing (``torch.utils.data._utils.python_exit_status``, set by an atexit
+    hook; torch 2.6 to 2.13)."""
+    return _utils.python_exit_status is not False
 
 
 def worker_processes(iterator: object) -> list[BaseProcess]:
     """The worker processes of a DataLoader iterator; none for an iterator without
     them (``_workers`` of ``_MultiProcessingDataLoaderIter``; torch 2.6 to 2.13)."""
     return list(getattr(iterator, "_workers", None) or ())
+
+
+def loader_iterator(loader: object) -> object:
+    """The iterator a persistent DataLoader keeps across epochs, or ``None``
+    (``DataLoader._iterator``; torch 2.6 to 2.13)."""
+    return getattr(loader, "_iterator", None)
 
 
 def awaited_batch(iterator: object) -> tuple[int, int, dict[int, int]] | None:

@@ -26,11 +26,11 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from autoloader.loader._feed import Feed
-from autoloader.loader._torch_compat import shutdown_workers, worker_processes
+from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement, WindowCallback
-from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch, kill
+from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch
 from autoloader.measure._supervision import (
     Guard,
     WorkerDeaths,
@@ -147,6 +147,7 @@ class LiveTrial:
             self._handlers.enter_context(self.alarm.installed())
         self.guard = Guard(self.watch, self.deaths, self.alarm, self.started, loader=loader)
         self.iterator: Iterator[Any] | None = None
+        self.closed = False
 
     # The loop's next() ----------------------------------------------------------------
 
@@ -361,28 +362,37 @@ class LiveTrial:
         if self.outcome is None:
             self.outcome = self._finish()
 
-    def close(self) -> None:
-        """Stop the loader (its workers killed if it failed, kept if persistent and
-        well), and give the batches it had not delivered back to the epoch."""
+    def close(self, *, kill: bool = False) -> None:
+        """Stop the loader (its workers killed if it failed or with ``kill``, kept if
+        persistent and well), give the batches it had not delivered back to the epoch,
+        and put back the signal handlers the trial found. Once; from any thread
+        (``NOTE [ Nothing outlives the loop ]`` in ``_autoloader.py``), where no handler
+        can be set and no alarm rings: the handlers are then left to pass every signal
+        on. ``kill`` is for the interpreter's exit, where DataLoader's shutdown does
+        nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self.feed.close()
-        failed = isinstance(self.outcome, (TrialError, MemoryBudgetExceeded))
+        failed = kill or isinstance(self.outcome, (TrialError, MemoryBudgetExceeded))
         self.watch.stop()
         self.deaths.expected = True
+        main = threading.current_thread() is threading.main_thread()
         try:
             if self.keep_workers and not failed:
                 return
-            with self.alarm.installed():
+            if not main:
+                self.guard.alarm = Alarm()  # one that does nothing in this thread
+            with self.guard.alarm.installed():
                 if failed:
                     # Discarded anyway, and possibly hung; a persistent loader's workers
                     # were there before the trial.
-                    for worker in worker_processes(self.iterator):
-                        with contextlib.suppress(OSError, ValueError):
-                            worker.kill()
-                    kill(self.watch.new_children())
+                    self.guard.kill_workers()
                 with contextlib.suppress(Exception):
                     stop_workers(self.guard, abandon=failed)
         finally:
-            self._handlers.close()
+            with contextlib.nullcontext() if main else contextlib.suppress(ValueError):
+                self._handlers.close()
 
 
 def _alarm_unused() -> bool:

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -223,10 +223,10 @@ class MemoryWatch:
 
     When the tree passes ``budget``, or grows fast enough to pass it before ``ends_at``
     (see ``NOTE [ Growth projection ]``), the watch marks itself exceeded and SIGKILLs
-    the processes that were not children at :meth:`start` (the trial's workers).
-    Killing them frees the memory at once and unblocks a main thread stuck waiting for a
-    batch: the DataLoader then raises, and the trial runner reports the budget as the
-    cause.
+    the trial's workers, those ``workers`` names and nothing else (``NOTE [ Only the
+    trial's own processes ]``). Killing them frees the memory at once and unblocks a
+    main thread stuck waiting for a batch: the DataLoader then raises, and the trial
+    runner reports the budget as the cause.
 
     Args:
         budget (int): bytes the whole tree may use.
@@ -234,9 +234,31 @@ class MemoryWatch:
         ends_at (float, optional): ``time.monotonic()`` time the trial ends, to which
             growth is projected; ``None`` disables the projection. (default: ``None``)
         others (sequence of int, optional): pids of other processes whose trees count in
-            the budget with this one's (the other ranks of a torchrun job on this node);
-            their children started after :meth:`start` are stopped too. (default: ``()``)
+            the budget with this one's (the other ranks of a torchrun job on this node).
+            Their workers are theirs to stop: see ``NOTE [ Only the trial's own
+            processes ]``. (default: ``()``)
+        workers (callable, optional): the pids of the trial's worker processes as they
+            are now, the only processes the watch kills; settable after construction, as
+            the trial's loader starts them later. (default: none)
     """
+
+    # NOTE [ Only the trial's own processes ]
+    # autoloader runs in the user's process, beside whatever else that process starts: a
+    # logger, an uploader, an evaluation job. Its memory counts in the budget (the budget
+    # is the tree's), but the watch, the trial's clean-up and its reaping act only on the
+    # processes the trial's loader started, read from its iterator (``_workers``), and on
+    # what those started: never on another child of the process, never on a pid it did
+    # not start (a kill by pid is sent only to a worker multiprocessing has not reaped,
+    # so the pid cannot have been reused). A worker that is still starting (inside
+    # ``iter()``, before its iterator exists) is not yet named: the main thread is then
+    # sent the SIGCHLD a death would send, which raises the overrun there
+    # (``WorkerDeaths``), and every later sample kills the workers named by then.
+    # Under torchrun the node's first rank watches the node's tree (every rank's
+    # workers count) but stops only its own workers: its trial fails, and every rank
+    # leaves the trial with it at the next checkpoint and stops its own workers there
+    # (``NOTE [ Joint trials ]``). Reading the other ranks' workers from /proc would
+    # not tell them from those ranks' other children, and sending them through the
+    # process group takes a collective the watch's thread cannot make.
 
     # NOTE [ Cheap memory sampling ]
     # The tree's PSS is exact but costs a page-table walk per process: about 4 ms for
@@ -277,6 +299,7 @@ class MemoryWatch:
         interval: float = 0.1,
         ends_at: float | None = None,
         others: Sequence[int] = (),
+        workers: Callable[[], Collection[int]] = tuple,
     ) -> None:
         self.budget = budget
         self.interval = interval
@@ -285,11 +308,11 @@ class MemoryWatch:
         self.projected: int | None = None
         self._process = psutil.Process()
         self._others = [psutil.Process(pid) for pid in others if _exists(pid)]
-        self._started_at = 0.0
+        self.workers = workers
+        self._killed: set[int] = set()
         self._exceeded = threading.Event()
         self._reported = False
         self._stop = threading.Event()
-        self._preexisting: frozenset[int] = frozenset()
         self._thread: threading.Thread | None = None
         self._tree: list[psutil.Process] = []
         self._tree_read_at = -math.inf
@@ -305,10 +328,7 @@ class MemoryWatch:
         return self._exceeded.is_set()
 
     def start(self, *, sample: bool = True) -> MemoryWatch:
-        """Note the processes that exist now (those after are the trial's, see
-        :meth:`new_children`) and, with ``sample``, watch the tree's memory."""
-        self._preexisting = frozenset(p.pid for p in self._process.children(recursive=True))
-        self._started_at = time.time()
+        """With ``sample``, watch the tree's memory on a thread until :meth:`stop`."""
         if not sample:
             return self
         self.sample()
@@ -317,21 +337,17 @@ class MemoryWatch:
         return self
 
     def stop(self) -> None:
+        """Stop sampling; from any thread, the watch's own included (a finalizer run by
+        the garbage collector there)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
-    def new_children(self) -> list[psutil.Process]:
-        """Descendants of this process that did not exist when the watch started: the
-        trial's, to be stopped with it. The standard library's helpers (see
-        :func:`_multiprocessing_helpers`) are not, even when the trial started them."""
-        keep = self._preexisting | _multiprocessing_helpers()
-        mine = [p for p in self._process.children(recursive=True) if p.pid not in keep]
-        # The others start their trials when this one does, give or take a few ms: their
-        # children from then on are their trials'.
-        since = self._started_at - _OTHERS_SLACK
-        return mine + [p for p in _descendants(self._others) if _created_after(p, since)]
+    @property
+    def running(self) -> bool:
+        """Whether the watch's thread is sampling."""
+        return self._thread is not None
 
     def sample(self) -> int:
         """Estimate the tree's memory now (see ``NOTE [ Cheap memory sampling ]``)."""
@@ -354,6 +370,7 @@ class MemoryWatch:
         self._growth.add(now, used)
         self.peak = max(self.peak, used)
         if self._exceeded.is_set():
+            kill(self._unkilled())  # workers that were still starting when it passed
             return used
         if used > self.budget:
             self._stop_trial(f"memory budget exceeded ({format_bytes(used)})")
@@ -385,15 +402,22 @@ class MemoryWatch:
     def _stop_trial(self, why: str) -> None:
         self._exceeded.set()
         _logger.info("%s; stopping the trial", why)
-        workers = self.new_children()
+        workers = self._unkilled()
         kill(workers)
         main = threading.main_thread().ident
         if not workers and main is not None:
-            # Thread workers: no process dies to wake a main thread waiting for a batch,
-            # so it is sent the signal a worker's death would send (the trial's handler
-            # raises the overrun there), to that thread: sent to the process, the
-            # signal may be taken by another thread and leave the main one asleep.
+            # Thread workers, or processes still starting: no process dies to wake a
+            # main thread waiting for a batch, so it is sent the signal a worker's death
+            # would send (the trial's handler raises the overrun there), to that thread:
+            # sent to the process, the signal may be taken by another thread and leave
+            # the main one asleep.
             signal.pthread_kill(main, signal.SIGCHLD)
+
+    def _unkilled(self) -> list[int]:
+        """The trial's workers not killed yet (``NOTE [ Only the trial's own processes ]``)."""
+        pids = [pid for pid in self.workers() if pid not in self._killed]
+        self._killed.update(pids)
+        return pids
 
     def _calibrate(self, rss: int) -> int:
         started = time.monotonic()
@@ -453,11 +477,6 @@ class MemoryWatch:
         self.stop()
 
 
-# Seconds before this watch started that another rank's new child still counts as its
-# trial's (the ranks start a trial on the same broadcast).
-_OTHERS_SLACK = 0.5
-
-
 def _exists(pid: int) -> bool:
     return bool(psutil.pid_exists(pid))
 
@@ -472,13 +491,6 @@ def _descendants(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
     return found
 
 
-def _created_after(process: psutil.Process, when: float) -> bool:
-    try:
-        return bool(process.create_time() >= when)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-
-
 def _rss_sum(processes: Iterable[psutil.Process]) -> int:
     total = 0
     for process in processes:
@@ -489,25 +501,21 @@ def _rss_sum(processes: Iterable[psutil.Process]) -> int:
     return total
 
 
-def kill(processes: Iterable[psutil.Process]) -> None:
-    """SIGKILL each process that still exists."""
-    for process in processes:
-        try:
-            os.kill(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            continue
+def kill(pids: Iterable[int]) -> None:
+    """SIGKILL each of the trial's worker processes ``pids`` that is still there, and
+    what each has started (its tree: processes the user's dataset code started in the
+    worker die with it, as in a killed process group).
 
-
-def _multiprocessing_helpers() -> frozenset[int]:
-    """Pids of the helper processes multiprocessing starts on first need and keeps for
-    the rest of the session: the resource tracker (semaphores and shared memory of the
-    spawn and forkserver start methods) and the forkserver. A trial may be what
-    starts them; killing them would leak those resources, or break the next trial.
+    The pids must be the trial's own, not yet reaped (``NOTE [ Only the trial's own
+    processes ]``): nothing else is looked up or signalled.
     """
-    from multiprocessing import forkserver, resource_tracker
-
-    pids = (
-        getattr(resource_tracker._resource_tracker, "_pid", None),
-        getattr(forkserver._forkserver, "_forkserver_pid", None),
-    )
-    return frozenset(pid for pid in pids if pid)
+    for pid in pids:
+        try:
+            tree = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        for target in (pid, *(p.pid for p in tree)):
+            try:
+                os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue

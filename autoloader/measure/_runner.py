@@ -21,7 +21,7 @@ from autoloader.measure._deadlines import Alarm, Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Alone, Lockstep
 from autoloader.measure._measurement import Measurement, WindowCallback
-from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch, kill
+from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch
 from autoloader.measure._supervision import (
     Guard,
     WorkerDeaths,
@@ -293,7 +293,7 @@ class TrialRunner:
                 discard = failed or guard.discard
                 if discard:
                     # Discarded anyway, and possibly hung: do not wait for them.
-                    kill(watch.new_children())
+                    guard.kill_workers()
                 stop_workers(guard, abandon=discard)
 
     def _time_loop(

@@ -10,16 +10,17 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-import psutil
 from torch.utils.data import DataLoader
 
 from autoloader.loader._torch_compat import (
-    install_sigchld_handler,
+    loader_iterator,
     raise_if_any_worker_failed,
     shutdown_workers,
+    sigchld_handler_held,
     worker_processes,
 )
 from autoloader.measure._deadlines import Alarm, TrialTimeout
@@ -54,9 +55,21 @@ class WorkerDeaths:
       held back until the next fetch begins (:meth:`fetching`): raised in a step, it
       could cut short a step whose collectives are half done (``NOTE [ Joint trials ]``).
 
-    DataLoader installs its handler once per process, when workers first start; it is
-    installed first here so that it is the one this handler passes deaths on to.
+    This handler does the work of DataLoader's handler, which is kept from installing
+    itself meanwhile (``NOTE [ Handlers put back ]``).
     """
+
+    # NOTE [ Handlers put back ]
+    # autoloader is a guest in the user's process: the SIGCHLD handler it finds is the one
+    # it puts back, the same object, and DataLoader's flag that says its own handler is
+    # installed is put back too, so that the user's next DataLoader with workers
+    # installs it as it would have. Two AutoLoaders can tune at once (a training and a
+    # validation loader), their trials not nested: a handler that ends while another
+    # stands in front of it stays in the chain, passing every signal to the handler it
+    # found, and the handler in front puts back, when it ends, the first handler in
+    # the chain that has not ended. A handler that ends outside the main thread (a
+    # finalizer run by the garbage collector there) cannot be replaced: it passes every
+    # signal on likewise, and the next trial's handler, or the one in front, skips it.
 
     def __init__(self, watch: MemoryWatch, *, defer: bool = False) -> None:
         self.watch = watch
@@ -66,6 +79,7 @@ class WorkerDeaths:
         self._deferring = False
         self._deferred = False
         self._previous: Any = None
+        self._ended = False
 
     def start(self, loader: DataLoader[Any]) -> Iterator[Any]:
         """``iter(loader)``, with a worker's death reported after it, not in the middle.
@@ -93,12 +107,22 @@ class WorkerDeaths:
         if threading.current_thread() is not threading.main_thread():
             yield self  # signal handlers can only be set, and only run, in the main thread
             return
-        install_sigchld_handler()
-        self._previous = signal.signal(signal.SIGCHLD, self._handle)
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGCHLD, self._previous)
+        self._previous = _unended(signal.getsignal(signal.SIGCHLD))
+        with sigchld_handler_held():
+            signal.signal(signal.SIGCHLD, self._handle)
+            try:
+                yield self
+            finally:
+                self.end()
+
+    def end(self) -> None:
+        """Put back the handler found (``NOTE [ Handlers put back ]``); from here on this
+        handler passes every signal to it. Safe to call more than once, from any thread."""
+        self._ended = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGCHLD) == self._handle:
+            signal.signal(signal.SIGCHLD, _unended(self._previous))
 
     @contextlib.contextmanager
     def fetching(self) -> Iterator[None]:
@@ -115,6 +139,10 @@ class WorkerDeaths:
             self._fetching = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._ended:
+            if callable(self._previous):
+                self._previous(signum, frame)
+            return
         if self._deferring or (self.defer and not self._fetching):
             self._deferred = True
             return
@@ -123,12 +151,24 @@ class WorkerDeaths:
             if error is not None:
                 raise error
             return
-        if not self.expected and callable(self._previous):
+        if not self.expected:
             try:
-                self._previous(signum, frame)
+                raise_if_any_worker_failed()  # DataLoader's handler's work
+                if callable(self._previous):
+                    self._previous(signum, frame)
             except BaseException:
                 self.expected = True  # the trial fails with this error; later deaths follow
                 raise
+
+
+def _unended(handler: Any) -> Any:
+    """``handler``, or where it is a trial's that has ended, the first handler down its
+    chain that has not (``NOTE [ Handlers put back ]``)."""
+    while True:
+        owner = getattr(handler, "__self__", None)
+        if not isinstance(owner, WorkerDeaths) or not owner._ended:
+            return handler
+        handler = owner._previous
 
 
 @dataclass(slots=True)
@@ -145,6 +185,34 @@ class Guard:
     # Its workers are of no more use and may still be starting: killed, not shut down
     # (a worker still in worker_init_fn, or importing torch, holds up a shutdown).
     discard: bool = False
+
+    def __post_init__(self) -> None:
+        self.watch.workers = self.worker_pids
+
+    def workers(self) -> list[BaseProcess]:
+        """The worker processes the trial's loader started: its iterator's and, for a
+        persistent loader, the one it keeps (``NOTE [ Only the trial's own processes ]``)."""
+        found: list[BaseProcess] = []
+        for iterator in (self.iterator, loader_iterator(self.loader)):
+            found += [w for w in worker_processes(iterator) if w not in found]
+        return found
+
+    def worker_pids(self) -> list[int]:
+        """The pids of :meth:`workers` not reaped yet: a pid that can still be signalled
+        without reaching another process. From any thread: nothing is waited for."""
+        return [w.pid for w in self.workers() if w.pid is not None and _unreaped(w)]
+
+    def kill_workers(self) -> None:
+        """SIGKILL the trial's workers that are still there, and what they started."""
+        kill(self.worker_pids())
+
+
+def _unreaped(worker: BaseProcess) -> bool:
+    """Whether multiprocessing has not yet reaped ``worker``, read without reaping it
+    (``Popen.returncode``, set when it is): polling from the watch's thread would race
+    the main thread's own wait for the worker."""
+    popen = getattr(worker, "_popen", None)
+    return popen is not None and getattr(popen, "returncode", 0) is None
 
 
 # Errors that mean the other end of a worker's pipe or socket went away.
@@ -211,16 +279,21 @@ def stop_workers(guard: Guard, *, abandon: bool) -> None:
         _logger.warning(
             "the trial's workers did not stop within %.0f s; they were killed", _STOP_TIMEOUT
         )
-        kill(guard.watch.new_children())
+        guard.kill_workers()
     finally:
         guard.alarm.disarm()
-        reap(guard.watch.new_children())
+        reap(guard)
 
 
-def reap(children: list[psutil.Process]) -> None:
-    """Wait for the trial's leftover processes to exit; kill those that do not."""
-    _, alive = psutil.wait_procs(children, timeout=_REAP_TIMEOUT)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(alive, timeout=_REAP_TIMEOUT)
+def reap(guard: Guard) -> None:
+    """Wait for the trial's workers to exit, killing those that do not; nothing else
+    is waited for (``NOTE [ Only the trial's own processes ]``)."""
+    workers = worker_processes(guard.iterator)
+    give_up = time.monotonic() + _REAP_TIMEOUT
+    for worker in workers:
+        worker.join(max(0.0, give_up - time.monotonic()))
+    alive = [w for w in workers if w.exitcode is None]
+    if alive:
+        kill(w.pid for w in alive if w.pid is not None)
+        for worker in alive:
+            worker.join(_REAP_TIMEOUT)
