@@ -30,11 +30,13 @@ step on the real device (:class:`~autoloader.measure._live.LiveTrial`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs, n
 from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.loader._params import BASELINE_PARAMS, Params, normalize_params
 from autoloader.loader._step_threads import set_step_threads
+from autoloader.loader._torch_compat import exiting
 from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._live import LiveTrial, TrialEnded, release
@@ -234,7 +237,9 @@ class AutoLoader(DataLoader[_T_co]):
         self._tuning = _Tuning(
             self, problem, lambda ranks: check_arguments(ranks, dataset, step, **arguments)
         )
-        self._epoch: _Epoch | None = None
+        # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
+        self._epoch: weakref.ref[_Epoch] | None = None
+        weakref.finalize(self, self._tuning.release)
 
     @property
     def result(self) -> TuneResult | None:
@@ -257,7 +262,7 @@ class AutoLoader(DataLoader[_T_co]):
     def setting(self) -> Params | None:
         """The setting loading the current epoch's batches now (a trial's, while it
         tunes), ``None`` between epochs."""
-        epoch = self._epoch
+        epoch = self._current_epoch()
         trial = None if epoch is None else epoch.trial
         return None if trial is None else dict(trial.params)
 
@@ -276,22 +281,31 @@ class AutoLoader(DataLoader[_T_co]):
 
     def close(self) -> None:
         """Stop the workers now: those of an epoch left unfinished, and the chosen
-        setting's persistent ones (a later epoch starts new ones). Garbage collection
-        stops them too, as DataLoader's."""
-        if self._epoch is not None:
-            self._epoch.close()
-            self._epoch = None
-        self._tuning.release()
+        setting's persistent ones (a later epoch starts new ones). An epoch the loop
+        dropped, the loader's garbage collection and the interpreter's exit stop them
+        too (``NOTE [ Nothing outlives the loop ]``)."""
+        epoch, self._epoch = self._current_epoch(), None
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._tuning.release)
+            if epoch is not None:
+                stack.callback(epoch.close)
+            self._tuning.settle()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        if self._epoch is not None:
-            self._epoch.close()  # the loop left the last epoch before its end
+        self._tuning.settle()
+        previous = self._current_epoch()
+        if previous is not None:
+            previous.close()  # the loop left the last epoch before its end
         # What DataLoader's iterator draws, in its order: the sampler's iterator, then
         # the base seed of the workers, from the user's generator.
         indices = iter(self._index_sampler)
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        self._epoch = _Epoch(self._tuning, EpochBatches(indices), seed)
-        return self._epoch
+        epoch = _Epoch(self, EpochBatches(indices), seed)
+        self._epoch = weakref.ref(epoch)
+        return epoch
+
+    def _current_epoch(self) -> _Epoch | None:
+        return None if self._epoch is None else self._epoch()
 
 
 def _check_supported(
@@ -331,31 +345,63 @@ def _check_supported(
         )
 
 
+# NOTE [ Nothing outlives the loop ]
+# A trial holds a thread (the memory watch), the SIGCHLD and SIGALRM handlers, and its
+# loader's workers. Left running after the loop stopped using them, the watch would
+# kill processes of the user's long after (it acts only on the trial's workers, but a
+# stale trial is nobody's to judge). So the loop alone holds the epoch: the loader keeps
+# a weak reference to it, and the epoch holds the loader. When the loop drops it (a
+# ``break``, an exception, Ctrl-C), its finalizer ends the trial under way where it
+# stands and stops all it holds (``LiveTrial.close``), at once in CPython; the study is
+# told how the trial went at the loader's next epoch or ``close()``, in the loop's own
+# code, not in a finalizer (under torchrun that takes a collective). The search holds
+# the loader by a weak reference too, so a loader nobody holds is collected at once,
+# and its finalizer stops the chosen setting's persistent workers. Both finalizers run
+# at the interpreter's exit too, where the workers are killed: DataLoader's own
+# shutdown does nothing then. A finalizer the garbage collector runs in another thread
+# stops the threads and the workers; the handlers, which only the main thread can
+# set, are left to pass every signal on (``NOTE [ Handlers put back ]``).
+
+
+@dataclass(slots=True)
+class _Current:
+    """The trial under way in an epoch: what its finalizer stops."""
+
+    trial: LiveTrial | None = None
+
+
 class _Epoch(Iterator[Any]):
     """One pass over an AutoLoader: each batch from the trial under way, the next trial
     started where one ends."""
 
-    def __init__(self, tuning: _Tuning, batches: EpochBatches, seed: int) -> None:
-        self.tuning = tuning
+    def __init__(self, owner: AutoLoader[Any], batches: EpochBatches, seed: int) -> None:
+        self.owner = owner  # NOTE [ Nothing outlives the loop ]
+        self.tuning = owner._tuning
         self.batches = batches
         self.seed = seed
-        self.trial: LiveTrial | None = None
+        self.current = _Current()
         self.done = False
+        weakref.finalize(self, _abandon, self.tuning, self.current)
+
+    @property
+    def trial(self) -> LiveTrial | None:
+        return self.current.trial
 
     def __iter__(self) -> _Epoch:
         return self
 
     def __len__(self) -> int:
-        return len(self.tuning.owner)
+        return len(self.owner)
 
     def __next__(self) -> Any:
         if self.done:
             raise StopIteration
         while True:
-            if self.trial is None:
-                self.trial = self.tuning.start_trial(self.batches, self.seed)
+            trial = self.current.trial
+            if trial is None:
+                trial = self.current.trial = self.tuning.start_trial(self.batches, self.seed)
             try:
-                return self.trial.next()
+                return trial.next()
             except TrialEnded:
                 self._end_trial()
             except StopIteration:
@@ -364,7 +410,7 @@ class _Epoch(Iterator[Any]):
                 raise
 
     def _end_trial(self) -> None:
-        trial, self.trial = self.trial, None
+        trial, self.current.trial = self.current.trial, None
         assert trial is not None
         trial.end()
         undelivered = trial.feed.in_flight
@@ -374,8 +420,24 @@ class _Epoch(Iterator[Any]):
     def close(self) -> None:
         """The loop left this epoch: end its trial where it stands."""
         self.done = True
-        if self.trial is not None:
+        if self.current.trial is not None:
             self._end_trial()
+
+
+def _abandon(tuning: _Tuning, current: _Current) -> None:
+    """The loop dropped an epoch: end its trial where it stands and stop all it holds;
+    the study is told at the loader's next epoch (``NOTE [ Nothing outlives the loop ]``)."""
+    trial, current.trial = current.trial, None
+    if trial is None:
+        return
+    try:
+        trial.end()
+        undelivered = trial.feed.in_flight
+        trial.close(kill=exiting())
+    except Exception:
+        _logger.warning("AutoLoader: stopping an abandoned epoch's trial failed", exc_info=True)
+        return
+    tuning.abandoned.append((trial, undelivered))
 
 
 class _Tuning:
@@ -388,7 +450,7 @@ class _Tuning:
         problem: Problem,
         problem_of: Callable[[Ranks], Problem],
     ) -> None:
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # NOTE [ Nothing outlives the loop ]
         self.problem = problem
         self.problem_of = problem_of  # the problem again, as one rank of a torchrun job
         self.ranks: Ranks | None = None
@@ -410,6 +472,22 @@ class _Tuning:
         self.failures: list[str] = []
         # The chosen setting's loader, kept across epochs where its workers persist.
         self.kept: tuple[DataLoader[Any], Feed] | None = None
+        # Trials of epochs the loop dropped, stopped, and the batches they had not
+        # delivered: the study is told at the next epoch (NOTE [ Nothing outlives the loop ]).
+        self.abandoned: list[tuple[LiveTrial, int]] = []
+
+    @property
+    def owner(self) -> AutoLoader[Any]:
+        """The AutoLoader: alive while the loop uses it, through its epoch."""
+        owner = self._owner()
+        assert owner is not None, "an AutoLoader's search outlived it"
+        return owner
+
+    def settle(self) -> None:
+        """Tell the study how the trials of epochs the loop dropped went."""
+        while self.abandoned:
+            trial, undelivered = self.abandoned.pop(0)
+            self.trial_ended(trial, undelivered)
 
     # Starting a trial ------------------------------------------------------------------
 

@@ -42,18 +42,19 @@ def _describe(process: psutil.Process) -> str:
 
 @pytest.fixture(autouse=True)
 def no_leftover_thread_workers() -> Iterator[None]:
-    """Fail any test that leaves a ThreadLoader's worker thread running."""
+    """Fail any test that leaves a ThreadLoader's worker thread, or a memory watch,
+    running (NOTE [ Nothing outlives the loop ])."""
     yield
     deadline = time.monotonic() + 10
     while True:
-        left = [t.name for t in threading.enumerate() if t.name.startswith(_THREAD_WORKER)]
+        left = [t.name for t in threading.enumerate() if t.name.startswith(_LEFT_RUNNING)]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert not left, f"test left thread workers running: {left}"
+    assert not left, f"test left threads running: {left}"
 
 
-_THREAD_WORKER = "autoloader-thread-worker-"
+_LEFT_RUNNING = ("autoloader-thread-worker-", "autoloader-memory")
 
 
 @pytest.fixture(autouse=True)
