@@ -125,6 +125,43 @@ def test_a_second_run_on_a_study_in_use_is_refused_naming_the_first(
     assert not _heartbeats()
 
 
+TOGETHER = textwrap.dedent(
+    """
+    import sys
+    import autoloader
+    from tests.test_storage import FAST
+    from tests.workloads import SleepDataset, sleep_step
+
+    try:
+        autoloader.tune(SleepDataset(512), sleep_step, batch_size=4, time_budget=6,
+                        n_trials=1, search_space=FAST, storage=sys.argv[1],
+                        show_progress=False)
+    except autoloader.StudyInUseError as error:
+        print("refused:", error)
+    else:
+        print("ran")
+    """
+)
+
+
+def test_of_two_runs_started_together_on_a_new_database_one_runs(tmp_path: Path) -> None:
+    """Both find the study free and claim it: the one whose claim stands runs, the other
+    is refused (``NOTE [ The study's lease ]``); and both open the new database, which
+    they race to create."""
+    storage = _storage("sqlite", tmp_path)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TOGETHER, storage], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    said = [run.communicate(timeout=120)[0].strip() for run in runs]
+    assert [run.returncode for run in runs] == [0, 0]
+    assert sorted(text.split(":")[0] for text in said) == ["ran", "refused"], said
+    refused = 0 if said[0].startswith("refused") else 1
+    assert f"pid {runs[1 - refused].pid} on host " in said[refused]
+
+
 def test_the_cli_refuses_a_second_run_on_a_study_in_use(tmp_path: Path) -> None:
     storage = str(tmp_path / "study.log")
     command = [

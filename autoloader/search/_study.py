@@ -7,12 +7,14 @@ import json
 import logging
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import optuna
+import sqlalchemy.exc
 import torch
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from torch.utils.data import (
@@ -122,6 +124,8 @@ def _identity(value: object) -> str:
 
 # Seconds after which a journal file's lock, left by a killed tuning process, is broken.
 _JOURNAL_LOCK_GRACE = 5
+# Seconds before a database is opened again, where its first opening failed.
+_SCHEMA_RACE_SECONDS = 1.0
 
 
 def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
@@ -144,11 +148,13 @@ def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
         return storage
     if isinstance(storage, str) and "://" in storage:
         try:
-            with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
-                    storage, heartbeat_interval=HEARTBEAT_SECONDS, grace_period=HEARTBEAT_GRACE
-                )
+            try:
+                return _database(storage)
+            except sqlalchemy.exc.DBAPIError:
+                # Runs that open a new database together race to create its tables: the
+                # losers fail, and find them made a moment later.
+                time.sleep(_SCHEMA_RACE_SECONDS)
+                return _database(storage)
         except Exception as error:  # a driver missing, a bad URL, a server down...
             raise InvalidInputError(
                 f"storage {storage!r} cannot be opened ({type(error).__name__}: "
@@ -173,6 +179,14 @@ def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
         f"Optuna storage URL such as 'sqlite:///tuning.db', or an "
         f"optuna.storages.BaseStorage, but got {type(storage).__name__}."
     )
+
+
+def _database(url: str) -> optuna.storages.RDBStorage:
+    with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=HEARTBEAT_SECONDS, grace_period=HEARTBEAT_GRACE
+        )
 
 
 # NOTE [ A torn journal ]
