@@ -319,7 +319,8 @@ def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:
         problem.dataset,
         problem.step_fn,
         batch_size=problem.batch_size,
-        # Each node's first rank watches the node's whole tree, every rank's workers.
+        # Each node's first rank watches the node's whole tree, every rank's workers,
+        # and stops its own (NOTE [ Only the trial's own processes ]).
         memory_budget=(
             problem.memory_bytes if ranks is None or ranks.local_rank == 0 else _UNWATCHED
         ),

@@ -160,7 +160,7 @@ def job_outcome(
     """The job's measurement, or the error that failed the trial for every rank.
 
     Of several ranks' errors, the one that says most: a memory overrun (the node's
-    watch stopped every rank's workers, which the other ranks then saw die), then a
+    whole tree passed the budget, whichever rank's workers grew), then a
     rank's failure to load a batch, then a failure in the step (a step with DDP
     collectives waits for every rank, so a rank whose worker hangs makes the others'
     steps time out too), then anything else; a rank that only stopped because another
