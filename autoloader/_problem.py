@@ -6,7 +6,6 @@ the same problem agreed between the ranks (:func:`agree`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -18,7 +17,7 @@ import optuna
 import torch
 from torch.utils.data import Dataset
 
-from autoloader._exceptions import InvalidInputError
+from autoloader._exceptions import InvalidInputError, ResultFileError
 from autoloader._preserve import Restorable, check_restorable
 from autoloader.checks._environment import Environment
 from autoloader.checks._validation import (
@@ -38,7 +37,7 @@ from autoloader.distributed._joint import agree_on_arguments, node_memory_budget
 from autoloader.distributed._ranks import Ranks
 from autoloader.measure._device import resolve_device
 from autoloader.measure._memory import resolve_memory_budget
-from autoloader.results._result import SCHEMA_VERSION
+from autoloader.results._result import SCHEMA_VERSION, read_result_json
 from autoloader.search._space import SearchSpace, check_search_space
 from autoloader.search._study import open_storage, problem_key
 
@@ -241,9 +240,9 @@ def _check_replaceable(path: Path) -> None:
     replace: a file of another kind (a mistyped path, a config file) is never
     overwritten, nor one a newer autoloader wrote. A result it cannot use (malformed,
     of another problem) is replaced by the run's."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    try:  # not a regular file, or too large: refused, promptly (NOTE [ Reading a result file ])
+        data = read_result_json(path)
+    except ResultFileError:
         data = None
     version = data.get("schema_version") if isinstance(data, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):

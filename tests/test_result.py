@@ -410,6 +410,10 @@ def _load_changed(tmp_path: Path, change: Callable[[dict[str, Any]], object]) ->
         ("worker_threads", 0, "an int >= 1, or null"),
         ("worker_threads", 1.0, "an int >= 1, or null"),
         ("in_order", None, "true or false"),
+        # Counts no search would try: a billion batches ahead, a million threads.
+        ("prefetch_factor", 1_000_000_000, "more than a search would try"),
+        ("worker_threads", 1_000_000, "more than a search would try"),
+        ("step_threads", 1_000_000, "more than a search would try"),
     ],
 )
 def test_a_tampered_setting_is_refused_naming_the_field_and_the_value(
@@ -504,6 +508,23 @@ def test_a_figure_out_of_range_is_refused(
             "field 'trials[0].samples_per_second' has the wrong",
         ),
         (lambda trials: trials[1].update(reason=7), "field 'trials[1].reason' has the wrong"),
+        (
+            lambda trials: trials[0].update(samples_per_second=math.nan),
+            "field 'trials[0].samples_per_second' is NaN, but it must be a finite number >= 0",
+        ),
+        (
+            lambda trials: trials[0].update(duration=-math.inf),
+            "field 'trials[0].duration' is -Infinity, but it must be a finite number >= 0",
+        ),
+        (
+            lambda trials: trials[0].update(relative_error=-0.5),
+            "field 'trials[0].relative_error' is -0.5, but it must be a finite number >= 0",
+        ),
+        (
+            lambda trials: trials[1].update(peak_memory=math.inf),
+            "field 'trials[1].peak_memory' is Infinity",
+        ),
+        (lambda trials: trials[0].update(number=-1), "field 'trials[0].number' is -1"),
     ],
 )
 def test_a_damaged_trial_record_is_refused(
@@ -513,7 +534,17 @@ def test_a_damaged_trial_record_is_refused(
         _load_changed(tmp_path, lambda data: change(data["trials"]))
 
 
-@pytest.mark.parametrize(("key", "value"), [("usable_cpus", 0), ("cpu_count", "64")])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("usable_cpus", 0),
+        ("cpu_count", "64"),
+        ("cpu_count", 10**9),  # it would raise the bound on the workers with it
+        ("usable_cpus", 10**4),  # more than its cpu_count
+        ("torch_version", ["2", ["13"]]),
+        ("accelerator", 7),
+    ],
+)
 def test_a_damaged_environment_is_refused(tmp_path: Path, key: str, value: object) -> None:
     with pytest.raises(ResultFileError, match=re.escape(f"field 'environment.{key}'")):
         _load_changed(tmp_path, lambda data: data["environment"].update({key: value}))
@@ -583,3 +614,75 @@ def test_a_result_of_a_smaller_machine_says_nothing_of_its_worker_count(
     with pytest.warns(EnvironmentMismatchWarning) as caught:
         autoloader.load(path)
     assert "workers are more than" not in str(caught[0].message)
+
+
+@pytest.mark.parametrize("version", [7.0, 6.0])
+def test_a_schema_version_must_be_an_int(tmp_path: Path, version: object) -> None:
+    """7.0 equals 7, and was read as version 7."""
+    shown = re.escape(json.dumps(version))
+    with pytest.raises(ResultFileError, match=f"schema_version is {shown}, but"):
+        _load_changed(tmp_path, lambda data: data.update(schema_version=version))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("dataset_length", "many", "an int >= 0, or null"),
+        ("copy_on_read", "x", "a number >= 0, or null"),
+        ("copy_on_read_items", 2.5, "an int >= 0, or null"),
+        ("worker_start_seconds", -3.0, "a number >= 0, or null"),
+        ("worker_start_at_least", "no", "true or false"),
+        ("missing", {"threads": 3}, "an object of strings"),
+        ("a_later_fact", [[[1]]], "a number, a string, true, false or null"),
+    ],
+)
+def test_a_fact_of_the_wrong_type_is_refused(
+    tmp_path: Path, key: str, value: object, rule: str
+) -> None:
+    """The report does arithmetic with the facts: autoloader show raised TypeError."""
+    with pytest.raises(ResultFileError) as caught:
+        _load_changed(tmp_path, lambda data: data.update(facts={key: value}))
+    assert f"field 'facts.{key}' is {json.dumps(value)}, but it must be {rule}" in str(caught.value)
+
+
+def test_facts_of_their_types_and_a_later_scalar_fact_load(tmp_path: Path) -> None:
+    facts = {
+        "dataset_length": 100_000,
+        "shm_bytes": None,
+        "random_items": False,
+        "worker_start_seconds": 0.02,
+        "worker_start_at_least": False,
+        "start_method": "fork",
+        "copy_on_read": 312.5,
+        "copy_on_read_items": 2000,
+        "process_bytes": 10**9,
+        "missing": {"threads": "ran out of its time"},
+        "a_later_fact": 1.5,
+    }
+    assert _load_changed(tmp_path, lambda data: data.update(facts=facts)).facts == facts
+
+
+@pytest.mark.parametrize("key", ["notes", "unsaved_loader_kwargs"])
+def test_notes_and_option_names_must_be_strings(tmp_path: Path, key: str) -> None:
+    """They were turned into strings whatever they held (str() of a list nested a
+    thousand deep raises RecursionError)."""
+    with pytest.raises(ResultFileError, match=re.escape(f"field '{key}[1]' has the wrong type")):
+        _load_changed(tmp_path, lambda data: data.update({key: ["fine", ["not", "a string"]]}))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("prefetch_factor", 16), ("worker_threads", 64), ("step_threads", 64)]
+)
+def test_a_count_beyond_the_default_bound_loads_where_a_complete_trial_measured_it(
+    tmp_path: Path, key: str, value: int
+) -> None:
+    """As for num_workers (NOTE [ A saved worker count ]): a search space of one's own
+    may go past the default bound, and tune(path=...) must read its own file back."""
+    params = normalize_params({"num_workers": 2, "prefetch_factor": 2, key: value})
+    measured = TrialRecord(number=2, phase="search", params=params, state="complete")
+    result = _result(params=params, trials=(*_result().trials, measured))
+    assert autoloader.load(result.save(tmp_path / "measured.json")).params[key] == value
+    pruned = dataclasses.replace(measured, state="pruned")
+    unmeasured = _result(params=params, trials=(*_result().trials, pruned))
+    with pytest.raises(ResultFileError, match=f"field 'params.{key}' is {value}, more than"):
+        autoloader.load(unmeasured.save(tmp_path / "unmeasured.json"))

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import secrets
+import stat
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -21,8 +22,9 @@ from autoloader.checks._environment import Environment, usable_cpus, world, worl
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
 from autoloader.loader._params import TUNED_KEYS, WORKER_KINDS, Params, normalize_params
 from autoloader.loader._step_threads import set_step_threads
+from autoloader.measure._units import format_bytes
 from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
-from autoloader.search._space import default_max_workers
+from autoloader.search._space import SearchSpace, default_max_workers
 
 _logger = logging.getLogger(__name__)
 
@@ -381,10 +383,11 @@ class TuneResult:
         if not isinstance(data, Mapping):
             raise ResultFileError("a result must be a JSON object")
         version = data.get("schema_version")
-        if isinstance(version, bool) or version not in _READABLE_VERSIONS:
+        if not _is_int(version) or version not in _READABLE_VERSIONS:
             raise ResultFileError(
-                f"schema_version is {version!r}, but this autoloader reads versions "
-                f"{', '.join(map(str, _READABLE_VERSIONS))}; tune again with this version"
+                f"schema_version is {_shown(version)}, but this autoloader reads versions "
+                f"{', '.join(map(str, _READABLE_VERSIONS))} (an int); tune again with this "
+                "version"
             )
         try:
             params = _settings(_typed(data, "params", dict))
@@ -393,7 +396,7 @@ class TuneResult:
                 for index, raw in enumerate(_typed(data, "trials", list))
             )
             environment = _environment(data)
-            _check_worker_count(params["num_workers"], environment=environment, trials=trials)
+            _check_counts(params, environment=environment, trials=trials)
             fixed = _typed(data, "fixed_loader_kwargs", dict)
             if not all(isinstance(v, _JSON_SCALARS) for v in fixed.values()):
                 raise ResultFileError("fixed_loader_kwargs holds a value that is not a scalar")
@@ -422,13 +425,11 @@ class TuneResult:
                 environment=environment,
                 tuning_seconds=_amount(data, "tuning_seconds"),
                 memory_budget=_count(data, "memory_budget", least=0),
-                notes=tuple(str(n) for n in _typed(data, "notes", list)),
+                notes=_strings(data, "notes"),
                 partial=_typed({"partial": False, **data}, "partial", bool),
                 fixed_loader_kwargs=fixed,
-                unsaved_loader_kwargs=tuple(
-                    str(n) for n in _typed(data, "unsaved_loader_kwargs", list)
-                ),
-                facts=_typed({"facts": {}, **data}, "facts", dict),
+                unsaved_loader_kwargs=_strings(data, "unsaved_loader_kwargs"),
+                facts=_facts(_typed({"facts": {}, **data}, "facts", dict)),
                 problem=_problem(data) if version >= 6 else {},
             )
         except (TypeError, ValueError) as error:
@@ -578,20 +579,45 @@ def _trial(raw: object, index: int, version: int) -> TrialRecord:
     label = f"trials[{index}]"
     record = {k: v for k, v in raw.items() if k in _RECORD_NAMES}
     for key in record:
-        _typed(record, key, _RECORD_TYPES.get(key, int | float | None), label=f"{label}.{key}")
+        kind = _RECORD_TYPES.get(key)
+        if kind is None:  # a figure: a count, seconds, a rate or a share
+            _figure(record, key, label=f"{label}.{key}")
+        else:
+            _typed(record, key, kind, label=f"{label}.{key}")
+    if record["number"] < 0:
+        raise ResultFileError(
+            f"field '{label}.number' is {record['number']}, but it must be an int >= 0; {_FIX}"
+        )
     _check_settings(record["params"], label=f"{label}.params")
     if version < 3:
         record["kind"] = _v2_kind(record)
     return TrialRecord(**record)
 
 
+# More CPUs or ranks than any machine or job has: a damaged count, which would raise
+# the bound on a saved worker or thread count with it (NOTE [ A saved worker count ]).
+_MOST_CPUS = 1 << 16
+_MOST_RANKS = 1 << 20
+
+
 def _environment(data: Mapping[str, Any]) -> Environment:
     raw = _typed(data, "environment", dict)
-    for key in ("cpu_count", "usable_cpus", "world_size", "local_world_size", "nodes"):
+    for key, most in (
+        ("cpu_count", _MOST_CPUS),
+        ("usable_cpus", raw.get("cpu_count", _MOST_CPUS)),
+        ("world_size", _MOST_RANKS),
+        ("local_world_size", raw.get("world_size", _MOST_RANKS)),
+        ("nodes", raw.get("world_size", _MOST_RANKS)),
+    ):
         if key in raw:
-            _count(raw, key, least=1, label=f"environment.{key}")
+            _count(raw, key, least=1, most=most, label=f"environment.{key}")
     if "memory_total" in raw:
         _count(raw, "memory_total", least=0, label="environment.memory_total")
+    for key in ("torch_version", "python_version", "platform", "start_method"):
+        if key in raw:
+            _typed(raw, key, str, label=f"environment.{key}")
+    if "accelerator" in raw:
+        _typed(raw, "accelerator", str | None, label="environment.accelerator")
     return Environment.from_dict(raw)
 
 
@@ -606,29 +632,65 @@ def _environment(data: Mapping[str, Any]) -> Environment:
 # those but past this machine's bound loads, with a word in load()'s
 # EnvironmentMismatchWarning: a result kept with the code is loaded on laptops and CI
 # machines too, where it runs, slowly, and make_loader(num_workers=...) runs fewer.
+# The other counts are bound alike: prefetch_factor (batches each worker loads ahead,
+# each held in memory) by the default search's highest, and worker_threads and
+# step_threads (threads started in every worker, and in the training process) by the
+# CPUs here and there; each also by its complete trials.
 
 
-def _check_worker_count(
-    workers: int, *, environment: Environment, trials: Sequence[TrialRecord]
+def _check_counts(
+    params: Params, *, environment: Environment, trials: Sequence[TrialRecord]
 ) -> None:
-    """Refuse more workers than any search would have tried for the file (see
-    ``NOTE [ A saved worker count ]``)."""
+    """Refuse more workers, batches ahead or threads than any search would have tried for
+    the file (see ``NOTE [ A saved worker count ]``)."""
     cpus = usable_cpus(local_world_size=world()[2])
-    here, there = default_max_workers(cpus), default_max_workers(environment.usable_cpus)
-    complete = [t.params.get("num_workers", 0) for t in trials if t.state == "complete"]
-    measured = max(complete, default=0)
-    ceiling = max(here, there, measured)
-    if workers <= ceiling:
-        return
-    by_trials = f"; its complete trials measured {measured}" if measured > max(here, there) else ""
-    raise ResultFileError(
-        f"field 'params.num_workers' is {workers}, more workers than a search would try "
-        f"for this result: at most {here} on this machine's {cpus} usable CPUs, and {there} "
-        f"on the {environment.usable_cpus} of the machine it was measured on{by_trials}. "
-        f"Tune again on this machine with autoloader.tune(); or, to run that many anyway, "
-        f"set the field to at most {ceiling} and pass num_workers={workers} to make_loader() "
-        "or loader_kwargs()"
-    )
+    there_cpus = environment.usable_cpus
+    prefetch = SearchSpace().prefetch_factor  # the default search's (low, high)
+    most_prefetch = prefetch[1] if isinstance(prefetch, tuple) else prefetch
+    bounds = {
+        "num_workers": (default_max_workers(cpus), default_max_workers(there_cpus)),
+        "prefetch_factor": (most_prefetch, most_prefetch),
+        "worker_threads": (cpus, there_cpus),
+        "step_threads": (cpus, there_cpus),
+    }
+    for name, (here, there) in bounds.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        complete = [t.params.get(name) for t in trials if t.state == "complete"]
+        measured = max((v for v in complete if _is_int(v)), default=0)
+        ceiling = max(here, there, measured)
+        if value <= ceiling:
+            continue
+        by_trials = (
+            f"; its complete trials measured {measured}" if measured > max(here, there) else ""
+        )
+        if name == "num_workers":
+            raise ResultFileError(
+                f"field 'params.num_workers' is {value}, more workers than a search would try "
+                f"for this result: at most {here} on this machine's {cpus} usable CPUs, and "
+                f"{there} on the {there_cpus} of the machine it was measured on{by_trials}. "
+                f"Tune again on this machine with autoloader.tune(); or, to run that many "
+                f"anyway, set the field to at most {ceiling} and pass num_workers={value} to "
+                "make_loader() or loader_kwargs()"
+            )
+        if name == "prefetch_factor":
+            bound = f"at most {here} by default{by_trials}"
+        else:
+            bound = (
+                f"at most this machine's {cpus} usable CPUs, and the {there_cpus} of the "
+                f"machine it was measured on{by_trials}"
+            )
+        anyway = (
+            f"call torch.set_num_threads({value}) rather than apply_threads()"
+            if name == "step_threads"
+            else f"pass {name}={value} to make_loader() or loader_kwargs()"
+        )
+        raise ResultFileError(
+            f"field 'params.{name}' is {value}, more than a search would try for this "
+            f"result: {bound}. Tune again on this machine with autoloader.tune(); or, to "
+            f"run with that many anyway, set the field to at most {ceiling} and {anyway}"
+        )
 
 
 def _problem(data: Mapping[str, Any]) -> dict[str, str]:
@@ -636,6 +698,58 @@ def _problem(data: Mapping[str, Any]) -> dict[str, str]:
     if not all(isinstance(v, str) for v in problem.values()):
         raise ResultFileError("problem holds a value that is not a string")
     return {str(k): v for k, v in problem.items()}
+
+
+def _is_count(value: object) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _is_figure(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _is_scalar(value: object) -> bool:
+    return isinstance(value, _JSON_SCALARS) and not (
+        isinstance(value, float) and not math.isfinite(value)
+    )
+
+
+# What each fact the checks record may hold (checks/_facts.py's docstring), and the rule
+# in words; the report does arithmetic and formatting with them.
+_FACT_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "dataset_length": (lambda v: v is None or _is_count(v), "an int >= 0, or null"),
+    "shm_bytes": (lambda v: v is None or _is_count(v), "an int >= 0, or null"),
+    "random_items": (lambda v: v is None or _is_bool(v), "true, false or null"),
+    "workers_repeat_randomness": (lambda v: v is None or _is_bool(v), "true, false or null"),
+    "worker_start_seconds": (lambda v: v is None or _is_figure(v), "a number >= 0, or null"),
+    "worker_start_at_least": (_is_bool, "true or false"),
+    "start_method": (lambda v: v is None or isinstance(v, str), "a string, or null"),
+    "copy_on_read": (lambda v: v is None or _is_figure(v), "a number >= 0, or null"),
+    "copy_on_read_items": (lambda v: v is None or _is_count(v), "an int >= 0, or null"),
+    "process_bytes": (lambda v: v is None or _is_count(v), "an int >= 0, or null"),
+    "missing": (
+        lambda v: isinstance(v, dict) and all(isinstance(w, str) for w in v.values()),
+        "an object of strings",
+    ),
+}
+
+
+def _facts(facts: dict[str, Any]) -> dict[str, Any]:
+    """The checks' facts, each known one of its type; any other a JSON scalar (a fact a
+    later check records, which this report does not read)."""
+    for name, value in facts.items():
+        allows, rule = _FACT_RULES.get(name, (_is_scalar, ""))
+        if not allows(value):
+            rule = rule or "a number, a string, true, false or null"
+            raise ResultFileError(
+                f"field 'facts.{name}' is {_shown(value)}, but it must be {rule}; {_FIX}"
+            )
+    return facts
 
 
 def _v2_kind(record: Mapping[str, Any]) -> str | None:
@@ -664,13 +778,42 @@ def _typed(data: Mapping[str, Any], key: str, kind: Any, *, label: str | None = 
     return value
 
 
-def _count(data: Mapping[str, Any], key: str, *, least: int, label: str | None = None) -> int:
+def _count(
+    data: Mapping[str, Any],
+    key: str,
+    *,
+    least: int,
+    most: int | None = None,
+    label: str | None = None,
+) -> int:
     value: int = _typed(data, key, int, label=label)
-    if value < least:
-        raise ResultFileError(
-            f"field {label or key!r} is {value}, but it must be an int >= {least}; {_FIX}"
-        )
+    if value < least or (most is not None and value > most):
+        rule = f"an int >= {least}" if most is None else f"an int from {least} to {most}"
+        raise ResultFileError(f"field {label or key!r} is {value}, but it must be {rule}; {_FIX}")
     return value
+
+
+def _figure(data: Mapping[str, Any], key: str, *, label: str) -> float | None:
+    """A measured figure of a trial (a count, seconds, a rate, a share): a finite number
+    >= 0, or null."""
+    value = _typed(data, key, int | float | None, label=label)
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ResultFileError(
+            f"field {label!r} is {_shown(value)}, but it must be a finite number >= 0, or "
+            f"null; {_FIX}"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _strings(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    """``data[key]``, a list of strings."""
+    values = _typed(data, key, list)
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ResultFileError(
+                f"field '{key}[{index}]' has the wrong type: {_shown(value)}; {_FIX}"
+            )
+    return tuple(values)
 
 
 def _amount(data: Mapping[str, Any], key: str) -> float:
@@ -715,6 +858,79 @@ def in_memory_kwargs(fixed: Mapping[str, Any]) -> dict[str, Any]:
     return {name: fixed[name] for name in unsaved}
 
 
+# NOTE [ Reading a result file ]
+# load() is given a path, and a path may name something that is not a file a result
+# was saved to: a FIFO (open() waits for a writer forever), a symlink to /dev/zero or
+# another device (read() never ends, and memory grows until the process dies), a
+# directory, or a file of gigabytes. The file is opened without blocking (O_NONBLOCK:
+# a FIFO opens at once, with or without a writer), checked with fstat to be a regular
+# file no larger than MAX_RESULT_BYTES, and read for at most that many bytes plus one,
+# so a file growing under the read is caught too. A result of 10,000 trials is about
+# 7 MiB. JSON nested deeper than Python's recursion limit raises RecursionError in
+# json.loads (and would in any code that walks it): refused as malformed like any
+# other bad JSON. Every refusal is a ResultFileError naming the path and what it is.
+MAX_RESULT_BYTES = 64 * 1024**2
+
+
+def read_result_json(path: Path) -> Any:
+    """The JSON content of the result file at ``path``, read as ``NOTE [ Reading a result
+    file ]`` says.
+
+    Raises:
+        ResultFileError: ``path`` cannot be opened, is not a regular file, is larger than
+            ``MAX_RESULT_BYTES``, or does not hold JSON.
+    """
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise ResultFileError(f"cannot read {path}: {error.strerror or error}") from None
+    try:
+        mode = os.fstat(descriptor)
+        if not stat.S_ISREG(mode.st_mode):
+            raise ResultFileError(
+                f"{path} is {_file_kind(mode.st_mode)}, not a result file: a result is the "
+                "regular JSON file TuneResult.save() writes; give the path of one"
+            )
+        if mode.st_size > MAX_RESULT_BYTES:
+            raise ResultFileError(
+                f"{path} is {format_bytes(mode.st_size)}, larger than any result file "
+                f"(at most {format_bytes(MAX_RESULT_BYTES)}); give the path of the JSON "
+                "file TuneResult.save() wrote"
+            )
+        with os.fdopen(descriptor, "rb", closefd=False) as file:
+            content = file.read(MAX_RESULT_BYTES + 1)
+    except OSError as error:
+        raise ResultFileError(f"cannot read {path}: {error.strerror or error}") from None
+    finally:
+        os.close(descriptor)
+    if len(content) > MAX_RESULT_BYTES:
+        raise ResultFileError(
+            f"{path} grew past {format_bytes(MAX_RESULT_BYTES)} while it was read, larger "
+            "than any result file; give the path of the JSON file TuneResult.save() wrote"
+        )
+    try:
+        return json.loads(content)
+    except RecursionError:
+        raise ResultFileError(
+            f"{path} is not a result: its JSON is nested deeper than any result's"
+        ) from None
+    except ValueError as error:  # UnicodeDecodeError included
+        raise ResultFileError(f"{path} is not valid JSON: {error}") from None
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
 def load(path: str | os.PathLike[str]) -> TuneResult:
     """Read a result written by :meth:`TuneResult.save`.
 
@@ -733,16 +949,15 @@ def load(path: str | os.PathLike[str]) -> TuneResult:
             is out of range; the message names the path, the field and its value.
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as error:
-        raise ResultFileError(f"cannot read {path}: {error.strerror or error}") from None
-    except ValueError as error:
-        raise ResultFileError(f"{path} is not valid JSON: {error}") from None
+    data = read_result_json(path)
     try:
         result = TuneResult.from_dict(data)
     except ResultFileError as error:
         raise ResultFileError(f"{path}: {error}") from None
+    except RecursionError:  # a field nested nearly as deep as json.loads could go
+        raise ResultFileError(
+            f"{path} is not a result: its JSON is nested deeper than any result's"
+        ) from None
     _, world_size, local_world_size = world()
     here = Environment.current(
         world_size=world_size, local_world_size=local_world_size, nodes=world_nodes()
