@@ -57,6 +57,7 @@ from autoloader._tune import (
     result_of,
     save_result,
 )
+from autoloader.checks._environment import world
 from autoloader.distributed._joint import job_outcome
 from autoloader.distributed._ranks import Ranks
 from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs, new_loader
@@ -920,7 +921,7 @@ class _Tuning:
                 f"{result.speedup:.2f}x the defaults{saved}"
             )
         _logger.info("%s", line)
-        if self.owner.verbose and int(os.environ.get("RANK", "0")) == 0:
+        if self.owner.verbose and world()[0] == 0:
             print(line, file=sys.stderr, flush=True)
 
 

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import io
 import logging
 import os
 import signal
@@ -205,6 +206,28 @@ def _demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _seconds(text: str, *, zero: bool = False) -> float:
+    """An option's seconds (``--time-budget``): a finite number, positive (or 0 where
+    ``zero``), at most a week (``NOTE [ The longest time ]``).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value and the bounds.
+    """
+    from autoloader._exceptions import InvalidInputError
+    from autoloader.checks._validation import check_seconds
+
+    try:
+        return check_seconds("it", float(text), zero=zero)
+    except ValueError as error:  # InvalidInputError is one
+        if not isinstance(error, InvalidInputError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds_or_zero(text: str) -> float:
+    return _seconds(text, zero=True)
+
+
 def import_object(spec: str) -> Any:
     """``"package.module:name"`` or ``"path/to/file.py:name"`` to the object it names.
 
@@ -280,7 +303,7 @@ def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     tune.add_argument(
         "--time-budget",
-        type=float,
+        type=_seconds,
         default=60.0,
         metavar="S",
         help="seconds the tuning may take (default: 60)",
@@ -356,7 +379,7 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     demo.add_argument(
         "--time-budget",
-        type=float,
+        type=_seconds,
         default=30.0,
         metavar="S",
         help="seconds for the tuning run (default: 30)",
@@ -369,14 +392,14 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     demo.add_argument(
         "--read-latency",
-        type=float,
+        type=_seconds_or_zero,
         default=0.004,
         metavar="S",
         help="seconds each item's read waits (default: 0.004)",
     )
     demo.add_argument(
         "--step-time",
-        type=float,
+        type=_seconds_or_zero,
         default=0.01,
         metavar="S",
         help="seconds each training step takes (default: 0.01)",
@@ -401,24 +424,65 @@ def _warning_line(
     return f"autoloader: warning: {message}\n"
 
 
+# The commands that tune, and so join a torchrun job; the others (show, plot) only read
+# a file, and never wait for other ranks, whatever RANK and WORLD_SIZE say.
+_TUNING_COMMANDS = frozenset({"tune", "demo"})
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command named in ``argv``: its first word that is not an option (the options
+    before the command take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def _join_torchrun() -> None:
     """Under torchrun (``RANK`` and ``WORLD_SIZE`` set for a world of more than one),
     start the process group before the user's modules are imported, so that a step
     that builds a DDP model finds it: gloo, with NCCL for CUDA tensors where there is
-    a GPU. autoloader's own exchanges go through a gloo group of their own."""
+    a GPU. autoloader's own exchanges go through a gloo group of their own.
+
+    Raises:
+        InvalidInputError: ``WORLD_SIZE``, ``RANK`` or ``MASTER_PORT`` is not a number
+            in its range, or the rendezvous lacks a variable (``MASTER_ADDR``).
+    """
+    from autoloader._exceptions import InvalidInputError
+    from autoloader.checks._validation import env_int
+
     if dist.is_initialized() or "RANK" not in os.environ:
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    size = env_int(
+        "WORLD_SIZE", default=1, least=1, why="torchrun sets it: the number of ranks in the job"
+    )
+    if size < 2:
         return
+    env_int("RANK", default=0, least=0, most=size - 1, why="torchrun sets it: this rank")
+    env_int("MASTER_PORT", default=1, least=1, most=65535, why="torchrun sets it: rank 0's port")
     import torch
 
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    try:
+        dist.init_process_group(backend)
+    except ValueError as error:  # torch's env:// rendezvous: MASTER_ADDR missing...
+        raise InvalidInputError(
+            f"RANK and WORLD_SIZE ({size}) are set, but the ranks cannot meet: {error}. Run "
+            "under torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or "
+            "unset RANK and WORLD_SIZE to tune alone."
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _join_torchrun()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _command(argv) in _TUNING_COMMANDS:
+        try:
+            _join_torchrun()
+        except AutoloaderError as error:
+            print(f"autoloader: error: {error}", file=sys.stderr)
+            return 1
     args = _parser().parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A string read from a file or an error may hold what stdout cannot encode (a
+        # lone surrogate from a "\ud800" escape): shown escaped, not a crash.
+        sys.stdout.reconfigure(errors="backslashreplace")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(message)s",

@@ -64,7 +64,7 @@ from autoloader._exceptions import InvalidInputError, LoopError
 from autoloader._problem import check_main_thread
 from autoloader.checks._environment import Environment
 from autoloader.checks._facts import Checks, copied_per_worker
-from autoloader.checks._validation import check_positive_number, check_step_fn, start_method
+from autoloader.checks._validation import check_seconds, check_step_fn, start_method
 from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
 from autoloader.measure._device import resolve_device
 from autoloader.measure._errors import TrialError
@@ -326,7 +326,7 @@ def diagnose(
             "To tune settings for a dataset, use autoloader.tune(dataset, step_fn)."
         )
     step_fn = check_step_fn(step_fn)
-    seconds = check_positive_number(
+    seconds = check_seconds(
         "seconds", seconds, hint=" It is about how long the diagnosis measures."
     )
     resolved_device = resolve_device(device)

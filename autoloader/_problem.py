@@ -28,7 +28,7 @@ from autoloader.checks._validation import (
     check_loader_kwargs,
     check_n_trials,
     check_picklable,
-    check_positive_number,
+    check_seconds,
     check_step_fn,
     count_batches,
     start_method,
@@ -138,7 +138,7 @@ def check_arguments(
         dataset_length = check_dataset(dataset)
         batch_size = check_batch_size(batch_size, dataset_length)
         step_fn = check_step_fn(step_fn)
-        budget = check_positive_number(
+        budget = check_seconds(
             "time_budget",
             DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
             hint=" It is the seconds the whole tuning run may take.",

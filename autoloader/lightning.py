@@ -75,6 +75,7 @@ except ImportError as error:  # pragma: no cover: the extra is not installed
 from autoloader._exceptions import InvalidInputError
 from autoloader._preserve import Restorable, preserved
 from autoloader._tune import check_passed_through, tune
+from autoloader.checks._validation import env_int
 from autoloader.loader._draws import drawing_as
 from autoloader.results._result import TuneResult
 from autoloader.search._space import SearchSpace, check_search_space, without_batched_fetch
@@ -159,6 +160,7 @@ class LoaderTuner(pl.Callback):
             return
         source = trainer.fit_loop._data_source
         _check_fit(trainer, pl_module, source)
+        _seeds_workers()  # read after the tuning: a bad value is refused before it
         # The hook is called once more than without the tuner: what it draws from the
         # RNGs (a random split) is drawn again, as then, when the fit calls it.
         with preserved():
@@ -480,6 +482,22 @@ class _TunedSource(_DataLoaderSource):
         return self.build(self.inner.dataloader())
 
 
+def _seeds_workers() -> bool:
+    """Whether Lightning seeds the workers (``PL_SEED_WORKERS``, as Lightning reads it).
+
+    Raises:
+        InvalidInputError: the variable is not an int >= 0.
+    """
+    return bool(
+        env_int(
+            "PL_SEED_WORKERS",
+            default=0,
+            least=0,
+            why="lightning.seed_everything(workers=True) sets it to 1: seed every worker",
+        )
+    )
+
+
 def _tuned(trainer: pl.Trainer, result: TuneResult, raw: Any) -> Any:
     """A loader of ``result``'s settings with ``raw``'s dataset and options, its sampler
     the one Lightning would give ``raw`` (a ``DistributedSampler`` under DDP)."""
@@ -493,7 +511,7 @@ def _tuned(trainer: pl.Trainer, result: TuneResult, raw: Any) -> Any:
     if (
         "worker_init_fn" not in fixed
         and seeding is None
-        and int(os.environ.get("PL_SEED_WORKERS", 0))
+        and _seeds_workers()
         and result.params.get("worker_threads") is not None
         and result.params.get("worker_kind") != "threads"
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
@@ -72,12 +73,58 @@ def check_step_fn(step_fn: object) -> Callable[[Any], object]:
     return step_fn
 
 
-def check_positive_number(name: str, value: object, *, hint: str = "") -> float:
+# NOTE [ The longest time ]
+# A time given in seconds becomes deadlines (time.monotonic() + seconds), alarms
+# (signal.setitimer) and waits (Event.wait, Popen.wait), which Python turns into C
+# timestamps: infinity converts to none of them and 1e10 s (317 years) is past
+# time_t's range, so each raised OverflowError from deep inside a run. No tuning run,
+# diagnosis or DataLoader timeout needs more than a week: a time is refused past
+# MAX_SECONDS, and any that is not a finite number, before any work starts.
+MAX_SECONDS = 7 * 24 * 3600.0
+_MAX_SECONDS_WORDS = f"{MAX_SECONDS:.0f} s (a week)"
+
+
+def check_seconds(name: str, value: object, *, hint: str = "", zero: bool = False) -> float:
+    """``value`` as a number of seconds: positive (or 0 where ``zero``), finite and at most
+    ``MAX_SECONDS`` (see ``NOTE [ The longest time ]``).
+
+    Raises:
+        InvalidInputError: naming ``name``, the value and the bounds.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise InvalidInputError(f"{name} must be a number, but got {value!r}.{hint}")
-    if value <= 0:
-        raise InvalidInputError(f"{name} must be positive but got {value!r}.{hint}")
+    if value < 0 or (value == 0 and not zero):
+        rule = "must not be negative" if zero else "must be positive"
+        raise InvalidInputError(f"{name} {rule} but got {value!r}.{hint}")
+    if value > MAX_SECONDS:
+        raise InvalidInputError(
+            f"{name} is {value!r}, but it must be a finite number of seconds, at most "
+            f"{_MAX_SECONDS_WORDS}.{hint}"
+        )
     return float(value)
+
+
+def env_int(name: str, *, default: int, least: int, most: int | None = None, why: str) -> int:
+    """The environment variable ``name`` as an int from ``least`` to ``most``, or
+    ``default`` where it is unset; ``why`` says what sets it and what it means.
+
+    Raises:
+        InvalidInputError: naming the variable, its value and what it must be.
+    """
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least or (most is not None and value > most):
+        rule = f"an int >= {least}" if most is None else f"an int from {least} to {most}"
+        raise InvalidInputError(
+            f"environment variable {name} is {text!r}, but it must be {rule} ({why}). "
+            f"Correct it, or unset it."
+        )
+    return value
 
 
 def check_n_trials(n_trials: object) -> int | None:
@@ -113,6 +160,13 @@ def check_loader_kwargs(loader_kwargs: object) -> dict[str, Any]:
                 "loader_kwargs sets 'batch_sampler', which fixes the batch size; pass "
                 "batch_size and a per-item 'sampler' instead."
             )
+    if "timeout" in loader_kwargs:  # DataLoader's wait for a batch: see NOTE [ The longest time ]
+        check_seconds(
+            "loader_kwargs['timeout']",
+            loader_kwargs["timeout"],
+            hint=" It is the seconds DataLoader waits for a batch from its workers (0: no limit).",
+            zero=True,
+        )
     return dict(loader_kwargs)
 
 

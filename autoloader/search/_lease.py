@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -33,9 +34,10 @@ _logger = logging.getLogger(__name__)
 # start time (a pid reused by another process is not the run), when it began and when it
 # last beat. Any storage keeps study attributes (journal files, every RDB, a storage
 # object given), so one mechanism serves them all. A lease is live while its run is:
-#   * on this machine, while its process runs: a run killed by SIGKILL, the OOM killer
-#     or a power cut is known dead at once, and its lease is taken over;
-#   * on another machine (which cannot be looked up), while it beats: every
+#   * on this machine (this host, and this pid namespace: containers may share a host
+#     name), while its process runs: a run killed by SIGKILL, the OOM killer or a power
+#     cut is known dead at once, and its lease is taken over;
+#   * on another machine (whose processes cannot be looked up), while it beats: every
 #     HEARTBEAT_SECONDS, from a thread, so a trial may measure as long as it likes; only
 #     a dead or frozen process lets it lapse, HEARTBEAT_GRACE seconds after its last
 #     beat (the machines' clocks are assumed to agree within seconds, as NTP keeps them).
@@ -66,12 +68,18 @@ class Holder:
     heartbeat: float
     token: str
     ended: float | None = None
+    pid_namespace: int | None = None  # containers on one host may share its name
+
+    def here(self) -> bool:
+        """Whether the run's process can be looked up from this one: the same host, and
+        the same pid namespace."""
+        return self.host == socket.gethostname() and self.pid_namespace == _pid_namespace()
 
     def live(self) -> bool:
         """Whether the run still tunes (``NOTE [ The study's lease ]``)."""
         if self.ended is not None:
             return False
-        if self.host == socket.gethostname():
+        if self.here():
             return is_alive({"pid": self.pid, "started": self.started})
         return time.time() - self.heartbeat < HEARTBEAT_GRACE
 
@@ -115,6 +123,7 @@ class Lease:
             since=now,
             heartbeat=now,
             token=uuid.uuid4().hex,
+            pid_namespace=_pid_namespace(),
         )
         study.set_user_attr(_KEY, asdict(mine))
         time.sleep(_SETTLE_SECONDS)
@@ -251,7 +260,7 @@ def _holder(study: optuna.Study) -> Holder | None:
 
 def _in_use(study: optuna.Study, held: Holder) -> StudyInUseError:
     lapses = ""
-    if held.host != socket.gethostname():
+    if not held.here():
         left = max(0.0, held.heartbeat + HEARTBEAT_GRACE - time.time())
         lapses = (
             f" If that run is dead, its lease lapses {HEARTBEAT_GRACE} s after its last "
@@ -263,6 +272,13 @@ def _in_use(study: optuna.Study, held: Holder) -> StudyInUseError:
         f"trials. Wait for that run to end or stop it, or give this run another storage."
         f"{lapses}"
     )
+
+
+def _pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux
+        return None
 
 
 def this_process() -> dict[str, Any]:
