@@ -84,7 +84,8 @@ class Holder:
         return time.time() - self.heartbeat < HEARTBEAT_GRACE
 
     def describe(self) -> str:
-        """The run in words: "pid 1234 on host gpu-3, tuning since ... (last beat 4 s ago)"."""
+        """The run in words: "pid 1234 on host gpu-3, tuning since ... (last heartbeat 4 s
+        ago)"."""
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
         return (
             f"pid {self.pid} on host {self.host}, tuning since {since} "
@@ -93,15 +94,11 @@ class Holder:
 
 
 class Lease:
-    """This run's lease on ``study``; take it with :meth:`take`, end it with :meth:`release`.
+    """This run's lease on ``study``; take it with :meth:`take`, end it with :meth:`release`."""
 
-    :attr:`previous` is the dead run whose lease was taken over, if any.
-    """
-
-    def __init__(self, study: optuna.Study, mine: Holder, previous: Holder | None) -> None:
+    def __init__(self, study: optuna.Study, mine: Holder) -> None:
         self.study = study
         self.mine = mine
-        self.previous = previous
         self._lock = threading.Lock()  # renew() runs in the heartbeat thread
 
     @classmethod
@@ -131,14 +128,13 @@ class Lease:
         if now_held is None or now_held.token != mine.token:
             # Another run took it at the same moment, after us: it goes on, not us.
             raise _in_use(study, now_held or mine)
-        previous = held if held is not None and held.ended is None else None
-        if previous is not None:
+        if held is not None and held.ended is None:
             _logger.warning(
                 "study %s: the run that held it (%s) is gone; this run takes it over",
                 study.study_name,
-                previous.describe(),
+                held.describe(),
             )
-        return cls(study, mine, previous)
+        return cls(study, mine)
 
     def renew(self) -> bool:
         """Beat: whether the lease is still this run's (another run may have taken it
