@@ -26,9 +26,10 @@ import pytest
 from torch.utils.data import DataLoader
 
 import autoloader
-from autoloader import AutoLoader, InvalidInputError
+from autoloader import AutoLoader, InvalidInputError, ResultFileError
 from autoloader._cli import main
 from autoloader.checks._validation import MAX_SECONDS
+from autoloader.results._result import MAX_RESULT_BYTES
 from tests.test_result import _result
 from tests.workloads import CountingDataset, SleepDataset, noop_step
 
@@ -252,6 +253,18 @@ def test_autoloader_show_refuses_a_file_that_is_not_a_result_promptly(
 ) -> None:
     path = _special_file(tmp_path, kind)
     _one_error_line(_cli("show", str(path), cwd=tmp_path, limit_memory=True), str(path))
+
+
+def test_a_result_file_larger_than_any_result_is_refused_unread(tmp_path: Path) -> None:
+    """Read whole before (gigabytes, for a file of gigabytes); a result of 10,000 trials
+    is about 7 MiB."""
+    path = tmp_path / "huge.json"
+    with path.open("wb") as file:  # sparse: nothing is written, nothing need be read
+        file.truncate(MAX_RESULT_BYTES + 1)
+    with pytest.raises(ResultFileError, match=r"larger than any result file \(at most 64\.0 MiB\)"):
+        autoloader.load(path)
+    with pytest.raises(InvalidInputError, match="not an autoloader result"):
+        AutoLoader(SleepDataset(length=64), batch_size=8, path=path, verbose=False)
 
 
 # Result files with figures out of range: see test_result.py's tests of tampered files.
