@@ -77,7 +77,7 @@ def sigchld_handler_held() -> Iterator[None]:
 
 # The flag as found before the first of the blocks held now, then one entry a block.
 _held: list[bool] = []
-_held_lock = threading.Lock()
+_held_lock = threading.RLock()  # a finalizer may run while it is held
 
 
 def exiting() -> bool:

@@ -8,6 +8,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -63,13 +64,15 @@ class WorkerDeaths:
     # autoloader is a guest in the user's process: the SIGCHLD handler it finds is the one
     # it puts back, the same object, and DataLoader's flag that says its own handler is
     # installed is put back too, so that the user's next DataLoader with workers
-    # installs it as it would have. Two AutoLoaders can tune at once (a training and a
-    # validation loader), their trials not nested: a handler that ends while another
-    # stands in front of it stays in the chain, passing every signal to the handler it
-    # found, and the handler in front puts back, when it ends, the first handler in
-    # the chain that has not ended. A handler that ends outside the main thread (a
-    # finalizer run by the garbage collector there) cannot be replaced: it passes every
-    # signal on likewise, and the next trial's handler, or the one in front, skips it.
+    # installs it as it would have (one that starts workers during a trial finds it as
+    # if installed, and this handler does its work meanwhile). Two AutoLoaders can tune
+    # at once (a training and a validation loader), their trials not nested: a handler
+    # that ends while another stands in front of it stays in the chain, passing every
+    # signal to the handler it found, and the handler in front puts back, when it ends,
+    # the first handler in the chain that has not ended. A handler that ends outside
+    # the main thread (a finalizer run by the garbage collector there) cannot be
+    # replaced: it passes every signal on likewise, and the next trial's handler, or the
+    # one in front, skips it.
 
     def __init__(self, watch: MemoryWatch, *, defer: bool = False) -> None:
         self.watch = watch
@@ -171,7 +174,7 @@ def _unended(handler: Any) -> Any:
         handler = owner._previous
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class Guard:
     """What watches over one run of a loader, and what to clean up after it: the
     loader and its current iterator (a new one each epoch)."""
@@ -187,7 +190,10 @@ class Guard:
     discard: bool = False
 
     def __post_init__(self) -> None:
-        self.watch.workers = self.worker_pids
+        # Weakly: the guard holds the trial's iterator, whose workers' pipes and shared
+        # memory are freed as soon as the trial lets go of it, not at the next collection.
+        pids = weakref.WeakMethod(self.worker_pids)
+        self.watch.workers = lambda: (pids() or tuple)()
 
     def workers(self) -> list[BaseProcess]:
         """The worker processes the trial's loader started: its iterator's and, for a
