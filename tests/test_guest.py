@@ -156,7 +156,7 @@ def _tuning_loader(**kwargs: Any) -> AutoLoader[Any]:
     return AutoLoader(
         SleepDataset(length=4000, latency=0.001),
         batch_size=8,
-        time_budget=30,
+        time_budget=10,
         # A budget: the watch samples on its thread during each trial.
         memory_budget=tree_memory() + (2 << 30),
         search_space={"num_workers": (2, 2), "worker_kind": ("processes",)},
@@ -288,7 +288,7 @@ def test_the_interpreter_exit_with_an_epoch_under_way_leaves_nothing(tmp_path: P
             loader = AutoLoader(
                 SleepDataset(length=4000, latency=0.001),
                 batch_size=8,
-                time_budget=30,
+                time_budget=10,
                 memory_budget=tree_memory() + (2 << 30),
                 search_space={{"num_workers": (2, 2), "worker_kind": ("processes",)}},
                 verbose=False,
