@@ -37,7 +37,7 @@ from autoloader.distributed._joint import agree_on_arguments, node_memory_budget
 from autoloader.distributed._ranks import Ranks
 from autoloader.measure._device import resolve_device
 from autoloader.measure._memory import resolve_memory_budget
-from autoloader.results._result import SCHEMA_VERSION, read_result_json
+from autoloader.results._result import SCHEMA_VERSION, check_writable, read_result_json
 from autoloader.search._space import SearchSpace, check_search_space
 from autoloader.search._study import open_storage, problem_key
 
@@ -177,6 +177,8 @@ def check_arguments(
         memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
         restorable = check_restorable(restore)
         result_path = check_result_path(path)
+        if result_path is not None and (ranks is None or ranks.rank == 0):
+            check_writable(result_path)  # before the first trial, not after the budget
     except Exception as error:
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)

@@ -164,9 +164,24 @@ def test_ranks_agree_on_the_device_by_its_kind(tmp_path: Path) -> None:
     assert dataclasses.replace(problem, device=torch.device("cuda:1")).key()["device"] == "cuda"
 
 
+class BlockingStep(CountingStep):
+    """A step that, at its first call, puts a file where the result's folder was: the
+    path could be written when the run began (it is checked then) and not at its end."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def __call__(self, batch: object) -> None:
+        if self.calls == 0:
+            self.folder.rmdir()
+            self.folder.write_text("")
+        super().__call__(batch)
+
+
 def test_a_result_that_cannot_be_saved_is_returned_with_a_warning(tmp_path: Path) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
+    folder = tmp_path / "results"
+    folder.mkdir()
     with pytest.warns(UserWarning, match="could not save the result"):
-        result = _tune(blocker / "loader.json", CountingStep())
+        result = _tune(folder / "loader.json", BlockingStep(folder))
     assert result.params["num_workers"] in (0, 1, 2)

@@ -183,6 +183,10 @@ class LambdaDataset(SleepDataset):
             UnpicklableError,
             r"collate_fn \(function\) cannot be pickled",
         ),
+        # A path the result cannot be written at is refused before the first trial, not
+        # found after the whole budget (/proc refuses root too; a folder that is a file).
+        (None, {"path": "/proc/loader.json"}, InvalidInputError, "cannot write the result"),
+        (None, {"path": __file__ + "/loader.json"}, InvalidInputError, "is not a folder"),
     ],
 )
 def test_bad_input_is_rejected_before_any_work(
