@@ -4,6 +4,7 @@ that can be abandoned ], NOTE [ Where user code was stuck ])."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -15,6 +16,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import autoloader
+from autoloader.loader._params import normalize_params
+from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
+from autoloader.measure._errors import TrialError
+from autoloader.measure._memory import tree_memory
+from autoloader.measure._runner import TrialRunner
 
 # Seconds tune(time_budget=5) may take to fail on a dataset that blocks forever: the
 # checks' second, the baseline's 3 s deadline, and room for a loaded machine.
@@ -125,3 +131,39 @@ def test_diagnose_from_another_thread_is_refused_before_any_read(
     assert len(raised) == 1 and isinstance(raised[0], autoloader.InvalidInputError), raised
     assert str(raised[0]).startswith("diagnose() must be called from the main thread because")
     assert dataset.reads == 0
+
+
+def test_a_trial_whose_thread_workers_block_names_the_thread_and_its_line(
+    release: threading.Event,
+) -> None:
+    runner = TrialRunner(
+        Blocks(release), lambda batch: None, batch_size=4, memory_budget=tree_memory() + 2**31
+    )
+    params = normalize_params({"num_workers": 2, "worker_kind": "threads"})
+    started = time.monotonic()
+    with pytest.raises(TrialError) as raised:
+        runner.measure(params, max_seconds=5, deadlines=Deadlines(first=1.0, each=1.0))
+    assert time.monotonic() - started < _BOUND
+    assert isinstance(raised.value.error, TrialTimeout)
+    message = str(raised.value.error)
+    where = f"{__file__}:{_BLOCKS_AT} in __getitem__"
+    assert message.startswith("no progress for 1 s while loading a batch: thread worker "), message
+    assert f"is stuck at {where}; a thread cannot be stopped" in message, message
+    assert raised.value.where == where
+
+
+def test_a_timeout_that_user_code_swallows_fires_again(release: threading.Event) -> None:
+    # On the code before the fix this blocks until the timer releases it.
+    timer = threading.Timer(_BOUND, release.set)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TrialTimeout), time_limit(0.2, "reading an item"):
+            # A retry loop, or a library that logs and goes on.
+            with contextlib.suppress(Exception):
+                release.wait()
+            release.wait()
+    finally:
+        timer.cancel()
+        timer.join()
+    assert time.monotonic() - started < 0.2 + 3.0 + 2.0

@@ -57,6 +57,8 @@ _T_co = TypeVar("_T_co", covariant=True)
 _JOIN_SECONDS = 2.0
 # Indices of a batch named in an error, at most.
 _NAMED_INDICES = 8
+# The name of each worker thread, then its number: how a stuck one is told apart.
+THREAD_WORKER_PREFIX = "autoloader-thread-worker-"
 
 
 class ThreadLoader(DataLoader[_T_co]):
@@ -185,7 +187,7 @@ class _Pool:
     def start(self, count: int) -> None:
         for number in range(count):
             thread = threading.Thread(
-                target=self._work, args=(number,), name=f"autoloader-thread-worker-{number}",
+                target=self._work, args=(number,), name=f"{THREAD_WORKER_PREFIX}{number}",
                 daemon=True,
             )  # fmt: skip
             thread.start()

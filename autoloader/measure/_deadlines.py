@@ -83,6 +83,16 @@ class Deadlines:
 # _POLL seconds by the trial's alarm, in the main thread: nothing runs on the side.
 _POLL = 0.25
 
+# NOTE [ A swallowed timeout ]
+# The alarm's TrialTimeout is raised in whatever code the main thread runs, and code
+# that catches every Exception swallows it: torch logs and goes on when a lazy import
+# (torch.profiler's, at a loader's first batch) is interrupted, as can a user's retry
+# loop. A one-shot alarm would then never fire again, and a read that blocks next would
+# block forever. So the alarm, once fired, fires again every _REFIRE seconds until the
+# stage is disarmed: longer than a ThreadLoader waits for its threads on the way out
+# (2 s), so that the timeout's own unwinding is never interrupted.
+_REFIRE = 3.0
+
 
 class SiblingPace:
     """Raises :class:`TrialTimeout` when the batch ``iterator`` waits for is late by
@@ -196,6 +206,8 @@ class Alarm:
     def _fire(self, signum: int, frame: FrameType | None) -> None:
         left = self._due - time.monotonic()
         if left <= 1e-3:
+            # NOTE [ A swallowed timeout ]: fire again should this one be caught.
+            signal.setitimer(signal.ITIMER_REAL, _REFIRE)
             raise TrialTimeout(self._stage, self._seconds)
         if self._poll is not None:
             self._poll()

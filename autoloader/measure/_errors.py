@@ -7,7 +7,9 @@ import os
 import pickle
 import re
 import signal
+import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -157,7 +159,9 @@ def describe_error(error: BaseException) -> tuple[str, str]:
 # the user's code was waiting in (threading, a socket, torch). The frame that says
 # where to look is the innermost one of the user's own code: not autoloader's, torch's
 # or the standard library's. Where there is none (the main thread waited for a worker
-# process), the error names no place.
+# process), the error names no place. A ThreadLoader's worker thread stuck in a read is
+# found by its name, and the innermost user frame of its stack is named instead: the
+# thread cannot be stopped, and stays until its read returns.
 _NOT_USERS = tuple(
     str(Path(path).resolve()) + os.sep
     for path in (
@@ -179,6 +183,21 @@ def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
         if is_users(frame.filename):
             return frame
     return None
+
+
+def stuck_threads(prefix: str) -> list[tuple[str, str]]:
+    """The live threads whose names begin with ``prefix``, each with where its stack is
+    in the user's code (``"file:line in function"``, or ``""``)."""
+    frames = sys._current_frames()
+    stuck = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident) if thread.ident is not None else None
+        if not thread.name.startswith(prefix) or frame is None:
+            continue
+        users = [f for f in traceback.extract_stack(frame) if is_users(f.filename)]
+        where = f"{users[-1].filename}:{users[-1].lineno} in {users[-1].name}" if users else ""
+        stuck.append((thread.name, where))
+    return stuck
 
 
 def is_users(filename: str) -> bool:

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from autoloader.loader._thread_loader import THREAD_WORKER_PREFIX
 from autoloader.measure._cpu_demand import CpuDemand
 from autoloader.measure._deadlines import SiblingPace, TrialTimeout
 from autoloader.measure._device import move_to_device, synchronize
-from autoloader.measure._errors import TrialError
+from autoloader.measure._errors import TrialError, stuck_threads
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
 from autoloader.measure._measurement import Measurement, WindowCallback, t95
 from autoloader.measure._memory import MemoryBudgetExceeded
@@ -534,7 +535,7 @@ class TimingLoop:
             grown = self.guard.watch.outgrows(horizon)
             if grown is not None:
                 return self._fail(grown, None)
-            return self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
+            return self._fail(_timed_out(error, self.guard.watch.peak), error)
         except Exception as error:
             return self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
         finally:
@@ -597,6 +598,27 @@ class TimingLoop:
             epochs_samples_per_second=self.epochs.rate(),
             burst_left=self.burst_left,
         )
+
+
+def _timed_out(error: TrialTimeout, peak_memory: int) -> TrialError:
+    """The failure of a fetch that overran its deadline. Where thread workers are stuck
+    in the user's code, the error says which and where (``NOTE [ Where user code was
+    stuck ]``): the main thread's own stack shows only the wait for them."""
+    stuck = stuck_threads(THREAD_WORKER_PREFIX)
+    if error.detail is not None or not stuck:
+        return TrialError("loading a batch", error, peak_memory)
+    name, where = stuck[0]
+    others = f" ({len(stuck) - 1} more with it)" if len(stuck) > 1 else ""
+    detail = (
+        f"{error}: thread worker {name}{others} is stuck"
+        + (f" at {where}" if where else "")
+        + "; a thread cannot be stopped, it is left to end when its read returns"
+    )
+    failure = TrialError(
+        "loading a batch", TrialTimeout(error.stage, error.seconds, detail), peak_memory
+    )
+    failure.where = where
+    return failure
 
 
 def estimate(
