@@ -6,6 +6,8 @@ Modules::
     _facts          the checks before the search (copy-on-read, repeated randomness,
                     thread safety...) and the facts the report's advice rests on
     _batched_fetch  whether the dataset can be fetched a whole batch at a time
+    _forked         a check run in a forked process, killed at its time: one that
+                    blocks forever leaves nothing blocked here
     _environment    the machine (CPUs, memory, torch, accelerator, ranks), and how
                     another machine differs from it
 """

@@ -11,7 +11,9 @@ Modules, from the top down, one job each::
     _memory        the memory budget, and the watch that stops a trial passing it
     _deadlines     Deadlines, and the alarm that breaks a batch that overruns them
     _measurement   Measurement: what one trial measured
-    _errors        TrialError: what failed and where, sendable between processes
+    _cpu_demand    CPU time plus the time runnable but waiting for a CPU (run delay)
+    _errors        TrialError: what failed and where (the user's frame where a timeout
+                   found it stuck), sendable between processes
     _device        the device batches go to, and the accelerator on this machine
     _pickling      which part of an object does not pickle, and why
     _units         bytes and seconds, parsed and shown
