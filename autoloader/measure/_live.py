@@ -20,13 +20,14 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import fields
-from time import perf_counter, process_time, thread_time
+from time import perf_counter
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from autoloader.loader._feed import Feed
 from autoloader.loader._torch_compat import shutdown_workers
+from autoloader.measure._cpu_demand import CpuDemand
 from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement, WindowCallback
@@ -139,6 +140,9 @@ class LiveTrial:
         self.deaths = WorkerDeaths(self.watch, defer=True)
         self._handlers = contextlib.ExitStack()
         self._handlers.enter_context(self.deaths.handled())
+        # CPU time plus run delay (NOTE [ CPU demand ]); its files close with the trial.
+        self.cpu = CpuDemand()
+        self._handlers.callback(self.cpu.close)
         self.alarm = Alarm()
         # Where nothing else uses SIGALRM, its handler is installed for the whole trial
         # (about 20 us a batch less than for each fetch); it fires only while armed.
@@ -167,7 +171,7 @@ class LiveTrial:
             raise TrialEnded
         if not self.measuring:
             return self._serve()
-        now, cpu, own = perf_counter(), process_time(), thread_time()
+        now, cpu, own = self.cpu.read()
         if self.returned_at is not None:
             self._count(now, cpu, own)
         if self.outcome is None and now >= self.deadline:
@@ -175,7 +179,7 @@ class LiveTrial:
         if self.outcome is not None:
             return self._drain_from_here()
         batch = self._serve()
-        got, got_cpu, got_own = perf_counter(), process_time(), thread_time()
+        got, got_cpu, got_own = self.cpu.read()
         if self.returned_at is None:
             self.time_to_first_batch = got - self.started
             self.warmup_deadline = got + WARMUP_SHARE * max(0.0, self.deadline - got)
