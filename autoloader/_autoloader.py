@@ -361,7 +361,7 @@ def _check_supported(
 # at the interpreter's exit too, where the workers are killed: DataLoader's own
 # shutdown does nothing then. A finalizer the garbage collector runs in another thread
 # stops the threads and the workers; the handlers, which only the main thread can
-# set, are left to pass every signal on (``NOTE [ Handlers put back ]``).
+# set, are put back by the next trial there (``NOTE [ Handlers put back ]``).
 
 
 @dataclass(slots=True)

@@ -243,6 +243,35 @@ def test_a_loader_collected_with_an_epoch_under_way_stops_it() -> None:
     assert all(a is b for a, b in zip(_handlers(), before_handlers, strict=True))
 
 
+def test_an_epoch_collected_in_another_thread_stops_and_the_next_trial_puts_back() -> None:
+    """The garbage collector may finalize an epoch in any thread: its trial stops there
+    (thread, workers), and the handlers, which only the main thread can set, are put
+    back by the next trial (NOTE [ Handlers put back ])."""
+    before_handlers = _handlers()
+    before = {p.pid for p in psutil.Process().children()}
+    loader = _tuning_loader()
+    try:
+        holder: dict[str, Any] = {}
+        holder["self"] = holder
+        holder["epoch"] = _into_a_trial_with_workers(loader)
+        gc.disable()  # collected in the thread below, not by chance in this one
+        try:
+            del holder
+            collector = threading.Thread(target=gc.collect, name="collector")
+            collector.start()
+            collector.join()
+        finally:
+            gc.enable()
+        assert _autoloader_threads() == []
+        assert _workers_left(before) == []
+        # Not the main thread: the trial's handlers stay, passing every signal on...
+        assert not all(a is b for a, b in zip(_handlers(), before_handlers, strict=True))
+        next(iter(loader))  # ...until the next trial, in the main thread
+    finally:
+        loader.close()
+    assert all(a is b for a, b in zip(_handlers(), before_handlers, strict=True))
+
+
 def test_two_autoloaders_tuning_at_once_put_back_the_handlers_found() -> None:
     """A training and a validation AutoLoader, each in a trial, ended out of order."""
     before_handlers = _handlers()

@@ -146,9 +146,11 @@ class LiveTrial:
         self.alarm = Alarm()
         # Where nothing else uses SIGALRM, its handler is installed for the whole trial
         # (about 20 us a batch less than for each fetch); it fires only while armed.
+        _put_back_stale_alarms()
         self._alarm_held = deadlines is not None and _alarm_unused()
         if self._alarm_held:
             self._handlers.enter_context(self.alarm.installed())
+        self._alarm_handler = signal.getsignal(signal.SIGALRM)
         self.guard = Guard(self.watch, self.deaths, self.alarm, self.started, loader=loader)
         self.iterator: Iterator[Any] | None = None
         self.closed = False
@@ -395,6 +397,8 @@ class LiveTrial:
                 with contextlib.suppress(Exception):
                     stop_workers(self.guard, abandon=failed)
         finally:
+            if not main and self._alarm_held:
+                _stale_alarms.append(self._alarm_handler)
             with contextlib.nullcontext() if main else contextlib.suppress(ValueError):
                 self._handlers.close()
 
@@ -406,6 +410,20 @@ def _alarm_unused() -> bool:
         return False
     handler = signal.getsignal(signal.SIGALRM)
     return handler in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+# SIGALRM handlers of trials closed outside the main thread, which could not put back
+# the SIG_DFL they found (a trial holds the alarm only where it found SIG_DFL): the next
+# trial does, in the main thread (NOTE [ Nothing outlives the loop ] in _autoloader.py).
+_stale_alarms: list[Any] = []
+
+
+def _put_back_stale_alarms() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    while _stale_alarms:
+        if signal.getsignal(signal.SIGALRM) == _stale_alarms.pop():
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
 def release(loader: DataLoader[Any]) -> None:
