@@ -465,11 +465,14 @@ class _Loops:
         )
         step_alone = loop
         if not loader.num_workers and _step_cpus(loop) >= _SPINNING_CPUS:
-            step_alone = runner(step_fn, device).measure_loader(
+            again = runner(step_fn, device).measure_loader(
                 _one_batch_again(loader, deadlines.first),
                 max_seconds=_STEP_ALONE_SHARE * seconds,
                 deadlines=deadlines,
             )
+            # A step too slow to time a window in that share keeps the loop's figures.
+            if again.step_seconds > 0:
+                step_alone = again
         return cls(loop, alone, step_alone, children_cpu)
 
     def loading_cpu(self, workers: int, *, threads: bool, usable_cpus: int) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -274,3 +275,16 @@ def test_str_shows_what_the_step_and_the_workers_ask_of_the_cpus() -> None:
     one_thread = str(Diagnosis(**{**figures, "step_threads": 1}, workers_cpus=0.5))
     assert "step 1 torch thread (1.5 busy) + the worker 0.5 = 2.0 of 2\n" in one_thread + "\n"
     assert "CPUs asked" not in str(Diagnosis(**figures))
+
+
+def _computes_for_a_third_of_a_second(batch: object) -> None:
+    until = time.perf_counter() + 0.35
+    while time.perf_counter() < until:
+        pass
+
+
+def test_a_step_too_slow_to_time_alone_keeps_the_cpus_the_loop_measured() -> None:
+    # NOTE [ Spinning threads ]: the step alone gets 15% of 2 s, less than one step.
+    loader = DataLoader(SleepDataset(64, latency=0.0), batch_size=4)
+    diagnosis = autoloader.diagnose(loader, _computes_for_a_third_of_a_second, seconds=2)
+    assert diagnosis.step_cpus is not None and diagnosis.step_cpus >= 0.8, str(diagnosis)
