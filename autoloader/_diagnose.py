@@ -548,7 +548,10 @@ def _verdict(
         f"per batch with num_workers={workers}, the step {_ms(step)}."
     )
     who = {0: "the main process", 1: "the worker"}.get(workers, f"the {workers} workers")
-    step_cpu = step_alone.step_cpu_seconds
+    # The CPUs the step keeps busy, from the step alone, over the loop's step time: on a
+    # busy machine one step can take several times another, and a step alone that
+    # happened to run quicker would otherwise look like less CPU work than the loop's.
+    step_cpu = _step_cpus(step_alone) * step
     if step_competes_with_workers(
         step=step,
         step_cpu=step_cpu,
