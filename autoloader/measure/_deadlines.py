@@ -154,7 +154,9 @@ class Alarm:
 
     A one-shot ``ITIMER_REAL`` is armed before each stage and disarmed after it: the
     SIGALRM interrupts a main thread blocked waiting for a hung worker or sleeping in a
-    hung step. Signals reach only the main thread, so elsewhere there is no deadline.
+    hung step; once fired, it fires again until disarmed (``NOTE [ A swallowed
+    timeout ]``). Signals reach only the main thread, so elsewhere there is no deadline
+    (``NOTE [ Main thread only ]``: tune() and diagnose() refuse other threads).
     A process has one such timer: one already set (by the user's code, or a test
     runner's timeout) is put back afterwards with the time it had left.
     """

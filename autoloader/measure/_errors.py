@@ -162,18 +162,14 @@ def describe_error(error: BaseException) -> tuple[str, str]:
 # process), the error names no place. A ThreadLoader's worker thread stuck in a read is
 # found by its name, and the innermost user frame of its stack is named instead: the
 # thread cannot be stopped, and stays until its read returns.
-_NOT_USERS = tuple(
-    str(Path(path).resolve()) + os.sep
-    for path in (
-        Path(autoloader.__file__).parent,
-        Path(torch.__file__).parent,
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["platstdlib"],
-    )
-)
-_INSTALLED = tuple(
-    str(Path(sysconfig.get_paths()[name]).resolve()) + os.sep for name in ("purelib", "platlib")
-)
+def _folders(*paths: str | Path) -> tuple[str, ...]:
+    return tuple(str(Path(path).resolve()) + os.sep for path in paths)
+
+
+_LIBRARIES = _folders(Path(autoloader.__file__).parent, Path(torch.__file__).parent)
+_STANDARD = _folders(sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
+# Installed packages, which may lie under the standard library's folder: the user's own.
+_INSTALLED = _folders(sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
 
 
 def user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
@@ -205,9 +201,8 @@ def is_users(filename: str) -> bool:
     if filename.startswith("<"):  # <frozen ...>, <string>
         return False
     path = str(Path(filename).resolve())
-    mine = path.startswith(_NOT_USERS[:2])
-    standard = path.startswith(_NOT_USERS[2:]) and not path.startswith(_INSTALLED)
-    return not (mine or standard)
+    standard = path.startswith(_STANDARD) and not path.startswith(_INSTALLED)
+    return not (path.startswith(_LIBRARIES) or standard)
 
 
 def exception_chain(error: BaseException) -> Iterator[BaseException]:
