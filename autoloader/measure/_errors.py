@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-import autoloader
 from autoloader.measure._deadlines import TrialTimeout
 
 
@@ -166,7 +165,7 @@ def _folders(*paths: str | Path) -> tuple[str, ...]:
     return tuple(str(Path(path).resolve()) + os.sep for path in paths)
 
 
-_LIBRARIES = _folders(Path(autoloader.__file__).parent, Path(torch.__file__).parent)
+_LIBRARIES = _folders(Path(__file__).parents[1], Path(torch.__file__).parent)  # autoloader, torch
 _STANDARD = _folders(sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
 # Installed packages, which may lie under the standard library's folder: the user's own.
 _INSTALLED = _folders(sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
