@@ -41,8 +41,8 @@ def _tune(args: argparse.Namespace) -> int:
     from autoloader._tune import tune
     from autoloader.results._report import report
 
-    dataset = factory = args.dataset
     out = _checked_out(args.out)  # before the dataset is built, or any trial
+    dataset = factory = args.dataset
     if not isinstance(dataset, Dataset) and callable(factory):
         try:  # a factory: the dataset is built here, not at import
             dataset = factory()
@@ -181,8 +181,8 @@ def _demo(args: argparse.Namespace) -> int:
     from autoloader._tune import tune
     from autoloader.results._report import report
 
-    dataset = SyntheticImageDataset(args.items, read_latency=args.read_latency)
     out = _checked_out(args.out)
+    dataset = SyntheticImageDataset(args.items, read_latency=args.read_latency)
     print(
         f"Tuning a DataLoader for a synthetic image dataset ({args.items} items, "
         f"{args.read_latency * 1000:.0f} ms read latency + CPU transform) and a "

@@ -263,7 +263,6 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
     sigterm.hold()  # NOTE [ SIGTERM while tuning ]: a SIGTERM now waits for the file
     if problem.path is not None:
         save_result(result, problem.path)
-    return result
     if sigterm.interruption.by == "SIGTERM":
         _logger.log(
             logging.INFO if problem.path is None else logging.WARNING,
@@ -272,6 +271,7 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
             sum(trial.kind != "interrupted" for trial in result.trials),
             "" if problem.path is None else f", saved to {problem.path}",
         )
+    return result
 
 
 def save_result(result: TuneResult, path: Path) -> None:
