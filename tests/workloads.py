@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 from typing import Any
@@ -340,10 +341,11 @@ class WorkerMarks(Dataset[int]):
 class HangsIn(Dataset[torch.Tensor]):
     """Reads like ``SleepDataset`` with no latency, but hangs in one place only.
 
-    ``where`` is "probe" (a forked process that is not a DataLoader worker: the
-    copy-on-read probe), "workers" (DataLoader workers), "list" (indexed with a list,
-    as the batched-fetch check does) or "item 0 here" (item 0, in the process that made
-    the dataset). With ``random``, items carry noise from numpy's global generator.
+    ``where`` is "probe" (the copy-on-read probe's forked process, by its name: the
+    threads check runs in a forked process too), "workers" (DataLoader workers), "list"
+    (indexed with a list, as the batched-fetch check does) or "item 0 here" (item 0, in
+    the process that made the dataset). With ``random``, items carry noise from numpy's
+    global generator.
     """
 
     def __init__(self, where: str, length: int = 2048, random: bool = False) -> None:
@@ -358,7 +360,7 @@ class HangsIn(Dataset[torch.Tensor]):
     def __getitem__(self, index: Any) -> torch.Tensor:
         in_worker = get_worker_info() is not None
         hangs = {
-            "probe": not in_worker and os.getpid() != self.owner,
+            "probe": multiprocessing.current_process().name == "autoloader-probe",
             "workers": in_worker,
             "list": isinstance(index, list),
             "item 0 here": index == 0 and os.getpid() == self.owner,
