@@ -84,15 +84,12 @@ def _checked_out(out: str) -> Path:
     guard), a place this process cannot create a file in. Under torchrun only rank 0
     writes it, and checks it."""
     from autoloader._problem import check_result_path
-    from autoloader.results._result import check_writable
 
     try:
-        path = check_result_path(out)
-        assert path is not None
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            check_writable(path)
+        path = check_result_path(out, writes=not dist.is_initialized() or dist.get_rank() == 0)
     except AutoloaderError as error:
         raise AutoloaderError(f"--out: {error}") from None
+    assert path is not None  # out is a str
     return path
 
 

@@ -176,9 +176,7 @@ def check_arguments(
             )
         memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
         restorable = check_restorable(restore)
-        result_path = check_result_path(path)
-        if result_path is not None and (ranks is None or ranks.rank == 0):
-            check_writable(result_path)  # before the first trial, not after the budget
+        result_path = check_result_path(path, writes=ranks is None or ranks.rank == 0)
     except Exception as error:
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)
@@ -218,8 +216,11 @@ def shared_arguments(problem: Problem) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def check_result_path(path: object) -> Path | None:
-    """``path`` as a file path a result can be written to, or ``None``."""
+def check_result_path(path: object, *, writes: bool) -> Path | None:
+    """``path`` as a file path a result can be written to, or ``None``: refused before
+    the first trial, not found after the budget, if it is a folder, holds a file that is
+    not an autoloader result, or (where this process ``writes`` it: under torchrun rank
+    0 alone) lies where no file can be created."""
     if path is None:
         return None
     if not isinstance(path, str | os.PathLike):
@@ -234,6 +235,8 @@ def check_result_path(path: object) -> Path | None:
         )
     if result_path.exists():
         _check_replaceable(result_path)
+    if writes:
+        check_writable(result_path)
     return result_path
 
 
