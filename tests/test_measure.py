@@ -77,6 +77,39 @@ def test_crossing_epochs_records_the_restart() -> None:
     assert m.epochs_samples_per_second is not None
 
 
+def test_a_trial_spans_epochs_shorter_than_its_start_up_burst() -> None:
+    """12 batches an epoch, 16 in flight (8 workers x prefetch 2): the warm-up alone
+    outlasts an epoch. The trial goes on across epochs and closes its windows there
+    (NOTE [ Trials span epochs ]); dropping the window at each epoch's end left none."""
+    m = _runner(SleepDataset(48, latency=0.002), noop_step).measure(
+        _params(8, persistent_workers=True), max_seconds=3
+    )
+    assert not m.too_short, m
+    assert m.batches > 12  # windows over more than one epoch
+    assert m.epoch_restart_seconds is not None
+    assert m.epochs_samples_per_second is not None
+
+
+def _slow_restart(worker_id: int) -> None:
+    time.sleep(0.5)
+
+
+def test_an_epochs_edge_is_timed_apart_from_the_steady_rate() -> None:
+    """Workers that take 0.5 s to start, started again each epoch of 8 batches of 1 ms
+    items: the restarts are kept off the timing windows' clock and timed apart, so the
+    steady rate is many times the whole epochs' (which pay a restart each)."""
+    runner = _runner(
+        SleepDataset(32, latency=0.001),
+        noop_step,
+        min_windows=2,
+        fixed_kwargs={"worker_init_fn": _slow_restart},
+    )
+    m = runner.measure(_params(2, persistent_workers=False), max_seconds=6)
+    assert m.epoch_restart_seconds is not None and m.epoch_restart_seconds >= 0.5
+    assert m.epochs_samples_per_second is not None
+    assert m.samples_per_second > 5 * m.epochs_samples_per_second, m
+
+
 def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
     """The precision rule alone would stop two windows (0.1 s each) into an epoch of
     256 batches of 5 ms; with 16 batches in flight, a sixteenth of the epoch, the trial

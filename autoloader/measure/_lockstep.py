@@ -31,7 +31,6 @@ class Checkpoint:
     time_up: bool = False  # the trial's time has run out
     warming: bool = False  # still in the warm-up
     not_ready: bool = False  # its timing window is not yet long enough to close
-    restarted: bool = False  # it began a new epoch
     failed: bool = False  # its loader or step failed; it steps the spare batch
     seconds: float = 0.0  # since the last checkpoint
 
