@@ -5,7 +5,10 @@ Modules, from the top down, one job each::
     _isolation     SubprocessRunner: each trial in a fresh process of its own
     _runner        TrialRunner: builds a setting's loader and times it under guard
     _live          LiveTrial: a trial timed by the user's own training loop (AutoLoader's)
-    _timing_loop   TimingLoop: one trial's loop (warm-up, windows, checkpoints), its parts
+    _timing_loop   TimingLoop: one trial's loop that calls the step (checkpoints, epochs)
+    _clock         TrialClock: the rules both loops follow (warm-up, windows, pace,
+                   the memory horizon of an overdue batch)
+    _batches       samples in a batch, its bytes, batches in an epoch
     _supervision   the trial's worker processes: their deaths, shutdown and reaping
     _lockstep      Checkpoint, Lockstep: the processes of a joint trial decide together
     _memory        the memory budget, and the watch that stops a trial passing it

@@ -3,11 +3,16 @@ ones training gets, and the time between two of the loop's ``next()`` calls is t
 step (``NOTE [ Tuning in the training loop ]`` in ``_autoloader.py``).
 
 :class:`LiveTrial` is the counterpart of :class:`~autoloader.measure._timing_loop.TimingLoop`
-turned inside out: the loop calls it for each batch instead of it calling the step. It
-times the same warm-up and windows, under the same watch (memory budget, worker deaths,
-per-batch deadlines), and ends with a :class:`Measurement` or with the failure, never
-raising a fault into the loop: the caller hands the undelivered batches to the next
-setting.
+turned inside out: the loop calls it for each batch instead of it calling the step. Both
+follow one :class:`~autoloader.measure._clock.TrialClock` (warm-up, windows, pace, the
+memory horizon), under the same watch (memory budget, worker deaths, per-batch
+deadlines). It ends with a :class:`Measurement` or with the failure, never raising a
+fault into the loop: the caller hands the undelivered batches to the next setting.
+
+Meant differences from the timer: a live trial ends with its epoch (the training loop,
+not the trial, starts the next one), so it times no whole epoch and no restart; it
+measures alone (a torchrun job's ranks agree on its length beforehand, ``feed.limit``,
+instead of at checkpoints); and each window closes at the first batch it may.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import fields
 from time import perf_counter
 from typing import Any
 
@@ -27,6 +31,8 @@ from torch.utils.data import DataLoader
 
 from autoloader.loader._feed import Feed
 from autoloader.loader._torch_compat import shutdown_workers
+from autoloader.measure._batches import batch_length, tensor_bytes
+from autoloader.measure._clock import Totals, TrialClock, memory_horizon
 from autoloader.measure._cpu_demand import CpuDemand
 from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
@@ -38,14 +44,6 @@ from autoloader.measure._supervision import (
     stop_workers,
     worker_died,
     worker_exits,
-)
-from autoloader.measure._timing_loop import (
-    WARMUP_SHARE,
-    Totals,
-    batch_length,
-    estimate,
-    pace_limit,
-    tensor_bytes,
 )
 
 Failure = TrialError | MemoryBudgetExceeded
@@ -103,9 +101,6 @@ class LiveTrial:
         self.stop_early = max_seconds is not None and math.isfinite(max_seconds)
         self.on_window = on_window
         self.keep_workers = keep_workers
-        self.min_windows = min_windows
-        self.min_window_seconds = min_window_seconds
-        self.target_relative_error = target_relative_error
         self.workers = int(params.get("num_workers", 0))
         self.started = perf_counter()
         self.deadline = math.inf if max_seconds is None else self.started + max_seconds
@@ -114,14 +109,12 @@ class LiveTrial:
         self.outcome: Measurement | Failure | None = None
         self.draining = False  # NOTE [ Draining a trial ]
         self.voted = False
-        # NOTE [ Warm-up ] (in _timing_loop.py), as a trial of tune() skips it.
-        self.to_skip = self.workers * int(params.get("prefetch_factor") or 0)
-        self.burst_left = 0
-        self.warmup_deadline = math.inf
-        self.window: Totals | None = None
-        self.window_start = 0.0
-        self.windows: list[Totals] = []
-        self.total = Totals()
+        self.clock = TrialClock(
+            params,
+            min_windows=min_windows,
+            min_window_seconds=min_window_seconds,
+            target_relative_error=target_relative_error,
+        )
         self.time_to_first_batch = 0.0
         self.batch_bytes = 0
         # The last batch handed to the loop: when, its samples, and what fetching it cost.
@@ -184,7 +177,7 @@ class LiveTrial:
         got, got_cpu, got_own = self.cpu.read()
         if self.returned_at is None:
             self.time_to_first_batch = got - self.started
-            self.warmup_deadline = got + WARMUP_SHARE * max(0.0, self.deadline - got)
+            self.clock.first_batch(got, self.deadline)
             self.batch_bytes = tensor_bytes(batch)
         self.last_wait = (got - now, got_cpu - cpu, got_own - own)
         self.last_samples = batch_length(batch, self.batch_size)
@@ -251,8 +244,9 @@ class LiveTrial:
         except (StopIteration, MemoryBudgetExceeded, TrialError):
             raise
         except TrialTimeout as error:
-            # NOTE [ Memory growth against the hang deadline ] (in _timing_loop.py)
-            grown = self.watch.outgrows(max(error.seconds, 1.0))
+            # NOTE [ Memory growth against the hang deadline ] (in _clock.py)
+            horizon = memory_horizon(error.seconds, self.deadline, perf_counter())
+            grown = self.watch.outgrows(horizon)
             if grown is not None:
                 raise grown from None
             raise TrialError("loading a batch", error, self.watch.peak) from None
@@ -288,75 +282,50 @@ class LiveTrial:
         """Count the batch last handed to the loop, its step over (``now``); close a
         window where one is due, ending the trial if it is measured enough."""
         assert self.returned_at is not None
+        clock = self.clock
+        if clock.window is None:
+            if not clock.warming(now):
+                clock.open(now)
+            return
         wait, wait_cpu, wait_own = self.last_wait
-        window = self.window
-        if window is None:
-            warming = self.to_skip > 0 and now < self.warmup_deadline
-            if warming:
-                self.to_skip -= 1
-                return
-            if not self.windows:
-                self.burst_left = self.to_skip
-            self.window, self.window_start = Totals(), now
+        batch = Totals(
+            samples=self.last_samples,
+            batches=1,
+            wait=wait,
+            wait_cpu=wait_cpu,
+            wait_own_cpu=wait_own,
+            step=now - self.returned_at,
+            step_cpu=cpu - self.returned_cpu[0],
+            step_own_cpu=own - self.returned_cpu[1],
+        )
+        if not clock.add(batch, now):
             return
-        window.samples += self.last_samples
-        window.batches += 1
-        window.wait += wait
-        window.wait_cpu += wait_cpu
-        window.wait_own_cpu += wait_own
-        window.step += now - self.returned_at
-        window.step_cpu += cpu - self.returned_cpu[0]
-        window.step_own_cpu += own - self.returned_cpu[1]
-        if (
-            window.batches < max(2, self.workers)
-            or now - self.window_start < self.min_window_seconds
-        ):
-            return
-        window.seconds = now - self.window_start
-        self.windows.append(window)
-        for name in (f.name for f in fields(Totals)):
-            setattr(self.total, name, getattr(self.total, name) + getattr(window, name))
+        clock.close(now)
         measured = self._estimate()
-        self.voted = self.on_window is not None and self.on_window(len(self.windows), measured)
-        if self.voted or (
-            self.stop_early
-            and len(self.windows) >= self.min_windows
-            and measured.relative_error <= self.target_relative_error
-        ):
+        self.voted = self.on_window is not None and self.on_window(len(clock.windows), measured)
+        if self.voted or (self.stop_early and clock.converged(measured)):
             self.outcome = measured
             return
-        if self.each_limit is not None and self.workers > 0:  # NOTE [ Pace deadline ]
-            self.each_limit = min(self.each_limit, pace_limit(self.total, self.workers))
-        self.window, self.window_start = Totals(), now
+        self.each_limit = clock.paced(self.each_limit)
+        clock.open(now)
 
     def _finish(self) -> Measurement:
         """The measurement once the trial's time, or the epoch, is up."""
-        if not self.windows and self.window is not None and self.window.batches > 0:
-            # The end came before a full window: keep the partial one, flagged uncertain.
-            self.window.seconds = max(1e-9, perf_counter() - self.window_start)
-            self.windows.append(self.window)
-            self.total = self.window
-        if not self.windows:
-            # Not one batch after warm-up: the first batch alone.
-            self.total = Totals(
-                samples=self.last_samples or self.batch_size,
-                batches=1,
-                seconds=max(1e-9, self.time_to_first_batch),
-                wait=self.time_to_first_batch,
-            )
+        self.clock.finish(
+            perf_counter(),
+            first_samples=self.last_samples or self.batch_size,
+            time_to_first_batch=self.time_to_first_batch,
+        )
         return self._estimate()
 
     def _estimate(self) -> Measurement:
-        return estimate(
-            self.total,
-            self.windows,
+        return self.clock.estimate(
             time_to_first_batch=self.time_to_first_batch,
             restarts=[],
             duration=perf_counter() - self.started,
             peak_memory=self.watch.peak,
             batch_bytes=self.batch_bytes,
             epochs_samples_per_second=None,
-            burst_left=self.burst_left,
         )
 
     # The end ----------------------------------------------------------------------------

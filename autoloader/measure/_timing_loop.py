@@ -1,13 +1,12 @@
-"""The timing loop of one trial, and its parts: sums over batches, whole epochs, the
-pace deadline."""
+"""The timing loop of one trial (the timer calls the step), and its whole epochs; the
+clock's rules it follows are in ``_clock.py``."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -15,42 +14,20 @@ import torch
 from torch.utils.data import DataLoader
 
 from autoloader.loader._thread_loader import THREAD_WORKER_PREFIX
+from autoloader.measure._batches import batch_length, loader_length, tensor_bytes
+from autoloader.measure._clock import Totals, TrialClock, memory_horizon
 from autoloader.measure._cpu_demand import CpuDemand
 from autoloader.measure._deadlines import SiblingPace, TrialTimeout
 from autoloader.measure._device import move_to_device, synchronize
 from autoloader.measure._errors import TrialError, stuck_threads
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
-from autoloader.measure._measurement import Measurement, WindowCallback, t95
+from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import MemoryBudgetExceeded
 
 if TYPE_CHECKING:
     from autoloader.measure._deadlines import Deadlines
     from autoloader.measure._lockstep import Lockstep
     from autoloader.measure._supervision import Guard
-
-# The most of a trial's time its warm-up may take (NOTE [ Warm-up ]). Each rank of a
-# torchrun job has a share of the cores and drains its burst slower: with 2 ranks on 2
-# cores, 8 workers x prefetch 2 took about 1 s of a 3 s trial, and at 0.3 every setting
-# of 8 workers or more was pruned as too short (the joint choice fell to 4 workers).
-WARMUP_SHARE = 0.5
-
-
-@dataclass(slots=True)
-class Totals:
-    """Sums over measured batches."""
-
-    samples: int = 0
-    batches: int = 0
-    seconds: float = 0.0
-    wait: float = 0.0
-    # CPU seconds asked for, run or waited for (NOTE [ CPU demand ]): the process's, and
-    # this thread's alone (NOTE [ Step threads ]).
-    wait_cpu: float = 0.0
-    step: float = 0.0
-    step_cpu: float = 0.0
-    step_own_cpu: float = 0.0
-    wait_own_cpu: float = 0.0
-
 
 # NOTE [ Whole epochs ]
 # The steady rate leaves out what an epoch's edges cost: when the sampler runs out, the
@@ -131,20 +108,6 @@ class Epochs:
         return now + 1.5 * to_go * seconds_per_batch < deadline
 
 
-# NOTE [ Pace deadline ]
-# A hang in one worker while the others deliver (a fault at worker index k and above)
-# stalls the loop at that worker's batch. The trial's deadlines come from the
-# baseline, with a floor of seconds; once a timing window has shown this trial's own
-# pace, a batch may take no more than _PACE_FACTOR times what each worker takes per
-# batch at that pace (workers x seconds per batch: batches come in turn), and at least
-# _MIN_PACE_SECONDS. A log-normal latency with sigma 1 stays an order of magnitude
-# under it; a hung worker is found in seconds instead of the baseline's floor. Without
-# workers (the baseline) there is no worker to hang, and a false timeout there would
-# stop the run: the baseline keeps its own deadline.
-_PACE_FACTOR = 20.0
-_MIN_PACE_SECONDS = 2.0
-
-
 # Seconds past the trial's time its first batch may come before the trial is given up
 # as too short (its workers still starting).
 _FIRST_BATCH_GRACE = 0.5
@@ -152,43 +115,6 @@ _FIRST_BATCH_GRACE = 0.5
 
 class _NotStarted(Exception):
     """The trial's time ran out before its workers delivered a first batch."""
-
-
-def pace_limit(total: Totals, workers: int) -> float:
-    per_batch = total.seconds / total.batches if total.batches else math.inf
-    return max(_MIN_PACE_SECONDS, _PACE_FACTOR * max(1, workers) * per_batch)
-
-
-def loader_length(loader: DataLoader[Any]) -> int | None:
-    """Batches in one epoch of ``loader``, ``None`` where it has no length."""
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def tensor_bytes(batch: Any) -> int:
-    """Bytes of every tensor in a (nested) batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.nelement()
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, list | tuple):
-        return sum(tensor_bytes(item) for item in batch)
-    return 0
-
-
-def batch_length(batch: Any, default: int) -> int:
-    """Samples in a collated batch: the leading dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else default
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, list | tuple):
-        for item in batch:
-            if isinstance(item, torch.Tensor | Mapping | list | tuple):
-                return batch_length(item, default)
-    return default
 
 
 class TimingLoop:
@@ -256,10 +182,6 @@ class TimingLoop:
         # The limits: when the trial ends, and how long one batch may take.
         self.deadline = guard.started + max_seconds
         self.max_batches = max_batches
-        self.min_windows = min_windows
-        self.min_window_seconds = min_window_seconds
-        self.target_relative_error = target_relative_error
-        self.window_batches = max(2, self.workers)
         self.first_limit = deadlines.first if deadlines else None
         self.each_limit = deadlines.each if deadlines else None  # tightened by the pace
         # NOTE [ Sibling pace ]: with two worker processes or more, in order.
@@ -273,24 +195,15 @@ class TimingLoop:
         )
         self.start_each = deadlines.start_each if deadlines else 0.0
         self.first_within_trial = first_within_trial
-        # NOTE [ Warm-up ]
-        # At start-up every worker loads prefetch_factor batches at once, so the first
-        # workers * prefetch_factor batches arrive faster than the steady rate. They are
-        # excluded, or an under-provisioned setting would look fast in a short trial. The
-        # exclusion is capped at WARMUP_SHARE of the trial's time once its first batch
-        # came (workers that take seconds to start, spawned, leave it the rest), so a
-        # slow loader still leaves time to measure.
-        self.warmup = self.workers * int(params.get("prefetch_factor") or 0)
-        self.warmup_deadline = math.inf  # set by _begin, once the first batch came
-        self.to_skip = self.warmup  # batches of the warm-up still to skip
+        # The warm-up and the timing windows (NOTE [ Warm-up ]), and the seconds each
+        # new epoch took to its first batch.
+        self.clock = TrialClock(
+            params,
+            min_windows=min_windows,
+            min_window_seconds=min_window_seconds,
+            target_relative_error=target_relative_error,
+        )
         self.warming = True  # the warm-up went on at the last batch counted
-        self.burst_left = 0  # what the warm-up's cap left queued (Measurement.burst_left)
-        # The open timing window (None during a warm-up), the closed ones, their sums,
-        # and the seconds each new epoch took to its first batch.
-        self.window: Totals | None = None
-        self.window_start = 0.0
-        self.windows: list[Totals] = []
-        self.total = Totals()
         self.restarts: list[float] = []
         # A joint trial's failure waits for the next checkpoint (NOTE [ Joint trials ]).
         self.failure: TrialError | MemoryBudgetExceeded | None = None
@@ -323,15 +236,16 @@ class TimingLoop:
             self.since_checkpoint += 1
             if self.since_checkpoint < self.lockstep.every():
                 continue
+            window = self.clock.window
             agreed = self._checkpoint(
-                warming=self.window is None and self.warming,
-                not_ready=self.window is not None and not (ready or last),
+                warming=window is None and self.warming,
+                not_ready=window is not None and not (ready or last),
             )
-            if self.window is None:
+            if window is None:
                 if not agreed.warming:
                     self._open_window(now)
             elif not agreed.not_ready:
-                stopped = self._close_window(self.window, last)
+                stopped = self._close_window(last)
                 if stopped is not None:
                     return stopped
         return self._finish()
@@ -343,10 +257,10 @@ class TimingLoop:
         self.batch = self._first_fetch()
         first = perf_counter()
         self.time_to_first_batch = first - self.guard.started
-        self.warmup_deadline = first + WARMUP_SHARE * max(0.0, self.deadline - first)
+        self.clock.first_batch(first, self.deadline)
         self.batch_bytes = tensor_bytes(self.batch)
         self._step(self.batch)
-        self.epochs = Epochs(loader_length(self.loader), in_flight=self.warmup)
+        self.epochs = Epochs(loader_length(self.loader), in_flight=self.clock.warmup)
         self.checkpoint_at = perf_counter()
 
     def _first_fetch(self) -> Any:
@@ -408,90 +322,59 @@ class TimingLoop:
         t2, cpu2, own2 = self.cpu.read()
         samples = batch_length(self.batch, self.batch_size)
         if restarted:
+            # The epoch's edge is timed apart (NOTE [ Trials span epochs ]).
             self.epochs.restarted()
+            self.clock.epoch_edge(t1 - t0)
         self.epochs.add(samples, t2)
-        window = self.window
-        if window is None:
-            self.warming = self.to_skip > 0 and t2 < self.warmup_deadline
-            self.to_skip -= self.warming
+        if self.clock.window is None:
+            self.warming = self.clock.warming(t2)
             return t2, False, False
-        if restarted:
-            # The epoch's edge is off the window's clock (NOTE [ Trials span epochs ]).
-            self.window_start += t1 - t0
-        else:
-            window.wait += t1 - t0
-            window.wait_cpu += cpu1 - cpu0
-            window.wait_own_cpu += own1 - own0
-        window.samples += samples
-        window.batches += 1
-        window.step_cpu += cpu2 - cpu1
-        window.step_own_cpu += own2 - own1
-        window.step += t2 - t1
-        last = (
-            self.max_batches is not None and self.total.batches + window.batches >= self.max_batches
-        )
-        ready = (
-            window.batches >= self.window_batches
-            and t2 - self.window_start >= self.min_window_seconds
-        )
+        batch = Totals(samples=samples, batches=1, step=t2 - t1)
+        batch.step_cpu, batch.step_own_cpu = cpu2 - cpu1, own2 - own1
+        if not restarted:
+            batch.wait, batch.wait_cpu, batch.wait_own_cpu = t1 - t0, cpu1 - cpu0, own1 - own0
+        ready = self.clock.add(batch, t2)
+        timed = self.clock.total.batches + self.clock.window.batches
+        last = self.max_batches is not None and timed >= self.max_batches
         return t2, ready, last
 
     def _open_window(self, now: float) -> None:
         """The warm-up is over: open a timing window. ``now`` is when the last batch's
         step ended."""
-        if not self.restarts and not self.windows:
-            self.burst_left = self.to_skip  # the first window starts: what the cap left queued
         if self.epochs.mark is None:
             self.epochs.start(now)
         synchronize(self.device)
-        self.window, self.window_start = Totals(), perf_counter()
+        self.clock.open(perf_counter())
 
-    def _close_window(self, window: Totals, last: bool) -> Measurement | None:
-        """Close ``window`` and decide whether to stop: this process's measurement if
-        the trial stops here, else ``None`` with the next window open."""
+    def _close_window(self, last: bool) -> Measurement | None:
+        """Close the open window and decide whether to stop: this process's measurement
+        if the trial stops here, else ``None`` with the next window open."""
         synchronize(self.device)
         end = perf_counter()
-        window.seconds = end - self.window_start
-        self.windows.append(window)
-        for name in (f.name for f in fields(Totals)):
-            setattr(self.total, name, getattr(self.total, name) + getattr(window, name))
+        clock = self.clock
+        clock.close(end)
         mine = self._estimate()
         estimate = self.lockstep.combine(mine)
+        per_batch = clock.total.seconds / clock.total.batches
         stop = (
-            (self.on_window is not None and self.on_window(len(self.windows), estimate))
+            (self.on_window is not None and self.on_window(len(clock.windows), estimate))
             or last
-            or (
-                len(self.windows) >= self.min_windows
-                and estimate.relative_error <= self.target_relative_error
-                and not self.epochs.due(end, self.total.seconds / self.total.batches, self.deadline)
-            )
+            or (clock.converged(estimate) and not self.epochs.due(end, per_batch, self.deadline))
         )
         if self.lockstep.decide(stop):
             return mine
-        if self.each_limit is not None and self.workers > 0:
-            pace = pace_limit(self.total, self.workers)
-            self.each_limit = min(self.each_limit, pace)
-            if self.sibling_limit is not None:
-                self.sibling_limit = min(self.sibling_limit, pace)
-        self.window, self.window_start = Totals(), end
+        self.each_limit = clock.paced(self.each_limit)
+        self.sibling_limit = clock.paced(self.sibling_limit)
+        clock.open(end)
         return None
 
     def _finish(self) -> Measurement:
         """The measurement once the trial's time is up."""
-        window = self.window
-        if not self.windows and window is not None and window.batches > 0:
-            # The cap came before a full window: keep the partial one, flagged uncertain.
-            window.seconds = perf_counter() - self.window_start
-            self.windows.append(window)
-            self.total = window
-        if not self.windows:
-            # Not one batch after warm-up: fall back to the first batch alone.
-            self.total = Totals(
-                samples=batch_length(self.batch, self.batch_size),
-                batches=1,
-                seconds=self.time_to_first_batch,
-                wait=self.time_to_first_batch,
-            )
+        self.clock.finish(
+            perf_counter(),
+            first_samples=batch_length(self.batch, self.batch_size),
+            time_to_first_batch=self.time_to_first_batch,
+        )
         return self._estimate()
 
     def _checkpoint(self, *, warming: bool = False, not_ready: bool = False) -> Checkpoint:
@@ -533,10 +416,7 @@ class TimingLoop:
             raise
         except TrialTimeout as error:
             # NOTE [ Memory growth against the hang deadline ]
-            # A worker that fills memory slowly delivers nothing while it grows: the tree
-            # would pass the budget soon after the deadline. If it grows that fast, the
-            # memory watch would have stopped it given the time: it is a memory fault.
-            horizon = max(error.seconds, self.deadline - perf_counter())
+            horizon = memory_horizon(error.seconds, self.deadline, perf_counter())
             grown = self.guard.watch.outgrows(horizon)
             if grown is not None:
                 return self._fail(grown, None)
@@ -592,16 +472,13 @@ class TimingLoop:
 
     def _estimate(self) -> Measurement:
         """The measurement from the windows closed so far."""
-        return estimate(
-            self.total,
-            self.windows,
+        return self.clock.estimate(
             time_to_first_batch=self.time_to_first_batch,
             restarts=self.restarts,
             duration=perf_counter() - self.guard.started,
             peak_memory=self.guard.watch.peak,
             batch_bytes=self.batch_bytes,
             epochs_samples_per_second=self.epochs.rate(),
-            burst_left=self.burst_left,
         )
 
 
@@ -624,45 +501,3 @@ def _timed_out(error: TrialTimeout, peak_memory: int) -> TrialError:
     )
     failure.where = where
     return failure
-
-
-def estimate(
-    total: Totals,
-    windows: list[Totals],
-    *,
-    time_to_first_batch: float,
-    restarts: list[float],
-    duration: float,
-    peak_memory: int,
-    batch_bytes: int,
-    epochs_samples_per_second: float | None,
-    burst_left: int,
-) -> Measurement:
-    """The measurement of the timing windows closed so far, ``total`` their sums: the
-    rate, and its error from the spread of the windows' rates."""
-    rate = total.samples / total.seconds if total.seconds > 0 else 0.0
-    relative_error = math.inf
-    if len(windows) >= 2 and rate > 0:
-        rates = [w.samples / w.seconds for w in windows]
-        spread = statistics.stdev(rates) / math.sqrt(len(rates))
-        relative_error = t95(len(rates) - 1) * spread / statistics.fmean(rates)
-    batches = max(1, total.batches)
-    return Measurement(
-        samples_per_second=rate,
-        relative_error=relative_error,
-        data_wait_fraction=min(1.0, total.wait / total.seconds) if total.seconds else 1.0,
-        load_seconds=total.wait / batches,
-        step_seconds=total.step / batches,
-        time_to_first_batch=time_to_first_batch,
-        epoch_restart_seconds=statistics.median(restarts) if restarts else None,
-        batches=total.batches,
-        duration=duration,
-        peak_memory=peak_memory,
-        batch_bytes=batch_bytes,
-        load_cpu_seconds=total.wait_cpu / batches,
-        step_cpu_seconds=total.step_cpu / batches,
-        step_thread_cpu_seconds=total.step_own_cpu / batches,
-        load_thread_cpu_seconds=total.wait_own_cpu / batches,
-        epochs_samples_per_second=epochs_samples_per_second,
-        burst_left=burst_left,
-    )

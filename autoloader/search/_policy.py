@@ -94,7 +94,7 @@ _TIE_TOLERANCE = 0.02
 # dataset or step that blocks forever fails the baseline (BaselineError) within the
 # checks' share of the budget plus that (4 s at a 5 s budget, 36 s at 60 s) rather than
 # a minute past a short budget. Within a trial, its own pace tightens the deadline
-# (NOTE [ Pace deadline ] in measure/_timing_loop.py).
+# (NOTE [ Pace deadline ] in measure/_clock.py).
 _TIMEOUT_FACTOR = 20.0
 _MIN_BATCH_TIMEOUT = 3.0
 # A batch late by its sibling workers' pace (NOTE [ Sibling pace ] in
