@@ -264,8 +264,20 @@ Note: TypeAlias = StopReason | Shortcoming | SpaceNote | ThreadsNote | RunNote
 
 def render(value: Note) -> str:
     """``value`` in words, as the log and ``TuneResult.notes`` say it."""
-    # Long on purpose: one case per type, every sentence in one place, and mypy checks
+    # One case per type, every sentence in this module, a function a family; mypy checks
     # (through _not_a_note) that no type is left without one.
+    if isinstance(value, StopReason):
+        return _stop_reason(value)
+    if isinstance(value, Shortcoming):
+        return _shortcoming(value)
+    if isinstance(value, SpaceNote):
+        return _space_note(value)
+    if isinstance(value, ThreadsNote):
+        return _threads_note(value)
+    return _run_note(value)
+
+
+def _stop_reason(value: StopReason) -> str:
     match value:
         case StepBound(at_baseline=True):
             return (
@@ -296,6 +308,12 @@ def render(value: Note) -> str:
             return f"the runoff's {value.rounds} round(s) are done"
         case NoTimeForRunoff():
             return "no time left for another runoff trial"
+        case _:
+            return _not_a_note(value)
+
+
+def _shortcoming(value: Shortcoming) -> str:
+    match value:
         case BaselineUncertain():
             return (
                 f"the baseline (num_workers=0) timed {value.batches} batches before its time "
@@ -314,6 +332,12 @@ def render(value: Note) -> str:
                 f"no setting with workers was measured to the end ({counts}): these are the "
                 "defaults, not a tuned setting; the failures say why"
             )
+        case _:
+            return _not_a_note(value)
+
+
+def _space_note(value: SpaceNote) -> str:
+    match value:
         case WorkersCappedAtEpoch():
             return (
                 f"num_workers searched up to {value.batches}: an epoch has only "
@@ -342,6 +366,12 @@ def render(value: Note) -> str:
                 "worker_kind searched: the dataset gave the same batches read from several "
                 "threads as from one, so thread workers were measured too."
             )
+        case _:
+            return _not_a_note(value)
+
+
+def _threads_note(value: ThreadsNote) -> str:
+    match value:
         case StepThreadsSearched():
             return (
                 f"step_threads searched from {value.low} to {value.high}: the step works on "
@@ -382,6 +412,12 @@ def render(value: Note) -> str:
                 "No DataLoader can carry a setting of the training process: call "
                 "result.apply_threads() before training (make_loader() does not)."
             )
+        case _:
+            return _not_a_note(value)
+
+
+def _run_note(value: RunNote) -> str:
+    match value:
         case TunedJointly():
             nodes = f" on {value.nodes} nodes" if value.nodes > 1 else ""
             return (
