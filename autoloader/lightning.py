@@ -16,6 +16,11 @@ backward and the optimizer step through Lightning's strategy and precision plugi
 (``NOTE [ One Lightning step ]``). Then the fit trains with a loader of the tuned
 settings, built from the hook's own loader each time Lightning asks for it.
 
+Every private Lightning and torchmetrics name it needs (the fit loop's data source, the
+training epoch loop's step, a ``Metric``'s accumulated state...) is reached through
+``autoloader/_lightning_compat.py``, which says the versions they were checked against;
+this module uses Lightning's public API only.
+
 NOTE [ Leaving no trace on the fit ]
 Tuning runs hundreds of real optimizer steps. Around them the callback keeps, and puts
 back bit for bit: the module's parameters, buffers, gradients and modes, every
@@ -35,16 +40,11 @@ from outside and is not restored.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
 import os
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -52,19 +52,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 try:
     import lightning.pytorch as pl
-    from lightning.fabric.utilities.seed import pl_worker_init_function
-    from lightning.pytorch.loops.loop import _Loop
-    from lightning.pytorch.loops.progress import _BaseProgress
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-    from lightning.pytorch.trainer import call
-    from lightning.pytorch.trainer.connectors.data_connector import (
-        _DataLoaderSource,
-        _process_dataloader,
-        _request_dataloader,
-    )
-    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
     from torchmetrics import Metric
 except ImportError as error:  # pragma: no cover: the extra is not installed
     raise ImportError(
@@ -72,7 +61,9 @@ except ImportError as error:  # pragma: no cover: the extra is not installed
         "'torch-autoloader[lightning]'"
     ) from error
 
+from autoloader import _lightning_compat as internals
 from autoloader._exceptions import InvalidInputError
+from autoloader._lightning_compat import DataLoaderSource, check_version
 from autoloader._preserve import Restorable, preserved
 from autoloader._tune import check_passed_through, tune
 from autoloader.checks._validation import env_int
@@ -84,22 +75,11 @@ __all__ = ["LoaderTuner"]
 
 _logger = logging.getLogger("autoloader")
 
-MIN_VERSION = (2, 6)
 # Strategies that shard the model or optimizer: their state is not the module's
 # parameters and the optimizers' state dicts, which the callback restores.
 _SHARDED = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 # tune()'s arguments that the fit gives.
 _FROM_THE_FIT = ("dataset", "step_fn", "batch_size", "loader_kwargs", "restore", "device")
-
-
-def check_version(found: str) -> None:
-    """Raise :class:`InvalidInputError` if Lightning ``found`` is older than supported."""
-    parts = tuple(int(p) for p in found.split("+")[0].split(".")[:2] if p.isdigit())
-    if parts < MIN_VERSION:
-        raise InvalidInputError(
-            f"autoloader.lightning supports Lightning {'.'.join(map(str, MIN_VERSION))} or "
-            f"later; this is {found}. Upgrade: pip install -U 'lightning>=2.6'."
-        )
 
 
 class LoaderTuner(pl.Callback):
@@ -145,20 +125,22 @@ class LoaderTuner(pl.Callback):
         path: str | os.PathLike[str] | None = None,
         **tune_kwargs: Any,
     ) -> None:
-        with contextlib.suppress(PackageNotFoundError):  # imported above: found
-            check_version(version("lightning"))
+        found = internals.installed_version()
+        if found is not None:  # None: imported from a source tree, without its metadata
+            check_version(found)
         _check_tune_kwargs(tune_kwargs)
         self.time_budget = time_budget
         self.path = path
         self.tune_kwargs = tune_kwargs
         self.result: TuneResult | None = None
-        self._source: _DataLoaderSource | None = None
+        self._source: DataLoaderSource | None = None
         self._threads: int | None = None  # this process's, before the tuned step_threads
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if _skipped(trainer):
             return
-        source = trainer.fit_loop._data_source
+        internals.check_internals(trainer, pl_module)  # before any trial
+        source = internals.train_source(trainer)
         _check_fit(trainer, pl_module, source)
         _seeds_workers()  # read after the tuning: a bad value is refused before it
         # The hook is called once more than without the tuner: what it draws from the
@@ -170,11 +152,10 @@ class LoaderTuner(pl.Callback):
         if result.partial:  # Ctrl-C: the user stops the fit, not only the tuning
             raise KeyboardInterrupt
         self._source = source
-        trainer.fit_loop._data_source = _TunedSource(
-            source.instance,
-            source.name,
-            inner=source,
-            build=functools.partial(_tuned, trainer, result),
+        # The hook's own loader, then a tuned one built from it each time the fit asks:
+        # the hook is called when it would be (and once more, above, to tune).
+        internals.set_train_source(
+            trainer, internals.built_source(source, functools.partial(_tuned, trainer, result))
         )
         # The fit trains on the tuned threads; _give_back puts the process's back.
         self._threads = result.apply_threads()
@@ -194,7 +175,8 @@ class LoaderTuner(pl.Callback):
         """The fit loop's own data source and this process's threads again, for a later
         fit with this trainer."""
         if self._source is not None:
-            trainer.fit_loop._data_source, self._source = self._source, None
+            internals.set_train_source(trainer, self._source)
+            self._source = None
         if self._threads is not None:
             torch.set_num_threads(self._threads)
             self._threads = None
@@ -207,11 +189,9 @@ class LoaderTuner(pl.Callback):
         # Trainer's connectors set callbacks, fast_dev_run and overfit_batches: untyped.
         connected: Any = trainer
         callbacks, progress = connected.callbacks, copy.deepcopy(trainer.fit_loop.state_dict())
-        results = trainer.fit_loop._results
-        logged = list(results.items())
         connected.callbacks = []
         try:
-            with preserved(*_generators(loader)):
+            with internals.logged_results_put_back(trainer), preserved(*_generators(loader)):
                 return tune(
                     loader.dataset,
                     _TrainingStep(trainer, module),
@@ -225,11 +205,7 @@ class LoaderTuner(pl.Callback):
                 )
         finally:
             connected.callbacks = callbacks
-            _load_progress(trainer.fit_loop, progress)
-            results.clear()
-            results.update(logged)
-            trainer._logger_connector.reset_results()
-            trainer._logger_connector.reset_metrics()
+            internals.load_progress(trainer.fit_loop, progress)
 
 
 def _check_tune_kwargs(tune_kwargs: dict[str, Any]) -> None:
@@ -248,8 +224,7 @@ def _search(trainer: pl.Trainer, tune_kwargs: dict[str, Any]) -> dict[str, Searc
     """The search space asked for, without batched fetch where Lightning puts a
     distributed sampler in the loader: it would wrap the batch sampler that batched
     fetch puts in the sampler's place, splitting each rank's batches again."""
-    connector = trainer._accelerator_connector
-    if not (connector.is_distributed and connector.use_distributed_sampler):
+    if not internals.adds_distributed_sampler(trainer):
         return {}
     space = without_batched_fetch(
         tune_kwargs.get("search_space"),
@@ -276,7 +251,7 @@ def _skipped(trainer: pl.Trainer) -> bool:
     return why is not None
 
 
-def _check_fit(trainer: pl.Trainer, module: pl.LightningModule, source: _DataLoaderSource) -> None:
+def _check_fit(trainer: pl.Trainer, module: pl.LightningModule, source: DataLoaderSource) -> None:
     """:class:`InvalidInputError` for a fit the callback cannot tune, before any trial."""
     if isinstance(trainer.strategy, _SHARDED):
         strategy = type(trainer.strategy).__name__
@@ -285,23 +260,23 @@ def _check_fit(trainer: pl.Trainer, module: pl.LightningModule, source: _DataLoa
             "state, which tuning's steps would change. Tune with DDP or one device, and "
             "reuse the saved settings (path=...) under this strategy."
         )
-    if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+    if internals.takes_dataloader_iter(module):
         raise InvalidInputError(
             "LoaderTuner times a training_step that takes a batch; this one takes "
             "dataloader_iter and fetches its own. Tune with autoloader.tune() and a "
             "step of your own, then set the loader's settings from the result."
         )
-    if not source.is_defined():
+    if not internals.defines_dataloader(source):
         raise InvalidInputError(
             "LoaderTuner: the model and datamodule define no train_dataloader() to tune. "
             "Define train_dataloader(), or pass train_dataloaders= to fit()."
         )
 
 
-def _processed(trainer: pl.Trainer, source: _DataLoaderSource) -> DataLoader[Any]:
+def _processed(trainer: pl.Trainer, source: DataLoaderSource) -> DataLoader[Any]:
     """The train loader as the fit would use it: the hook's, then Lightning's processing
     (its distributed sampler, its worker seeding), without starting an iterator."""
-    loader = _request_dataloader(source)
+    loader = internals.request_dataloader(source)
     if isinstance(loader, CombinedLoader):
         if len(loader.flattened) != 1:
             raise InvalidInputError(
@@ -315,7 +290,7 @@ def _processed(trainer: pl.Trainer, source: _DataLoaderSource) -> DataLoader[Any
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on num_workers: ours to give
-        processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
+        processed = internals.processed_train_dataloader(trainer, loader)
     assert isinstance(processed, DataLoader)
     return processed
 
@@ -344,7 +319,7 @@ def _fixed(loader: DataLoader[Any]) -> dict[str, Any]:
     init = loader.worker_init_fn
     # Lightning's own seeding (seed_everything(workers=True)) is added back to the
     # loader the fit uses; left out here, it would rule out thread workers.
-    if init is not None and getattr(init, "func", None) is not pl_worker_init_function:
+    if init is not None and not internals.seeds_workers_as_lightning(init):
         fixed["worker_init_fn"] = init
     for name in ("generator", "multiprocessing_context"):
         if getattr(loader, name) is not None:
@@ -376,20 +351,17 @@ class _MetricState:
         self.metric = metric
 
     def state_dict(self) -> dict[str, Any]:
-        metric = self.metric
-        return {
-            "states": {name: getattr(metric, name) for name in metric._defaults},
-            "update_count": metric._update_count,
-            "computed": metric._computed,
-        }
+        return internals.metric_state(self.metric)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        metric = self.metric
-        for name, value in saved["states"].items():
-            # Copied to host memory by preserved(): back where the metric keeps it.
-            setattr(metric, name, _to_device(value, metric.device))
-        metric._update_count = saved["update_count"]
-        metric._computed = _to_device(saved["computed"], metric.device)
+        device = self.metric.device
+        # Copied to host memory by preserved(): back where the metric keeps it.
+        internals.load_metric_state(
+            self.metric,
+            states={name: _to_device(value, device) for name, value in saved["states"].items()},
+            update_count=saved["update_count"],
+            computed=_to_device(saved["computed"], device),
+        )
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -414,19 +386,8 @@ def _device(trainer: pl.Trainer, module: pl.LightningModule) -> torch.device | N
 
 
 class _TrainingStep:
-    """One step of the training epoch loop (NOTE [ One Lightning step ]).
-
-    NOTE [ One Lightning step ]
-    The training epoch loop's step (``TrainingEpochLoop.advance``, lightning 2.6)
-    without its fetching, callbacks and logging: the batch through the precision
-    plugin, the module's ``on_before_batch_transfer`` and the strategy's transfer, then
-    the optimization (automatic: a closure of zero_grad, ``training_step`` and backward,
-    then ``LightningModule.optimizer_step`` through the strategy and precision plugin;
-    manual: ``training_step``, which steps its optimizers itself). Each step counts a
-    batch as ready, as the loop does, and passes its index: with
-    ``accumulate_grad_batches=N`` the optimizer steps (and DDP reduces gradients) once
-    in N batches, as in training. The counters are put back after tuning.
-    """
+    """One step of the training epoch loop (``NOTE [ One Lightning step ]`` in
+    ``autoloader/_lightning_compat.py``), counting the batches it was given."""
 
     def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self.trainer, self.module = trainer, module
@@ -442,44 +403,8 @@ class _TrainingStep:
         )
 
     def __call__(self, batch: Any) -> None:
-        trainer, module = self.trainer, self.module
-        loop = trainer.fit_loop.epoch_loop
-        batch = trainer.precision_plugin.convert_input(batch)
-        batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
-        batch = call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=0)
-        loop.batch_progress.increment_ready()
-        trainer._logger_connector.on_batch_start(batch)
-        kwargs = loop._build_kwargs(OrderedDict(), batch, self.batches)
-        if module.automatic_optimization:
-            loop.automatic_optimization.run(trainer.optimizers[0], self.batches, kwargs)
-        else:
-            loop.manual_optimization.run(kwargs)
+        internals.run_training_step(self.trainer, self.module, batch, self.batches)
         self.batches += 1
-
-
-def _load_progress(loop: _Loop, saved: dict[str, Any], prefix: str = "") -> None:
-    """The loop's progress counters as ``saved`` (``loop.state_dict()``) has them.
-    Not ``Loop.load_state_dict``, which marks the loops as resuming from a checkpoint."""
-    for name, value in vars(loop).items():
-        key = prefix + name
-        if isinstance(value, _BaseProgress) and key in saved:
-            value.load_state_dict(saved[key])
-        elif isinstance(value, _Loop):
-            _load_progress(value, saved, key + ".")
-
-
-@dataclass
-class _TunedSource(_DataLoaderSource):
-    """The fit loop's data source, giving a tuned loader built from the hook's own
-    each time Lightning asks (at setup, and on ``reload_dataloaders_every_n_epochs``):
-    the hook is called when it would be (and once more, at the fit's start, to tune)."""
-
-    inner: _DataLoaderSource | None = field(default=None, kw_only=True)
-    build: Callable[[Any], Any] | None = field(default=None, kw_only=True)
-
-    def dataloader(self) -> Any:
-        assert self.inner is not None and self.build is not None
-        return self.build(self.inner.dataloader())
 
 
 def _seeds_workers() -> bool:
@@ -504,9 +429,7 @@ def _tuned(trainer: pl.Trainer, result: TuneResult, raw: Any) -> Any:
     loader = raw.flattened[0] if isinstance(raw, CombinedLoader) else raw
     fixed = _fixed(loader)
     if "sampler" in fixed:
-        fixed["sampler"] = trainer._data_connector._resolve_sampler(
-            loader, shuffle=True, mode=RunningStage.TRAINING
-        )
+        fixed["sampler"] = internals.train_sampler(trainer, loader)
     seeding = loader.worker_init_fn
     if (
         "worker_init_fn" not in fixed
@@ -517,9 +440,7 @@ def _tuned(trainer: pl.Trainer, result: TuneResult, raw: Any) -> Any:
     ):
         # Lightning adds its seeding only to a loader without a worker_init_fn; the one
         # that limits the workers' threads calls it.
-        fixed["worker_init_fn"] = functools.partial(
-            pl_worker_init_function, rank=trainer.global_rank
-        )
+        fixed["worker_init_fn"] = internals.lightning_worker_seeding(trainer.global_rank)
     fixed.pop("generator", None)  # the tuned loader's is its own: see drawing_as()
     kwargs = result.loader_kwargs(loader.dataset, batch_size=loader.batch_size, **fixed)
     threads = result.params["worker_kind"] == "threads"

@@ -182,6 +182,22 @@ def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
             trainer.fit(model)
 
 
+def test_a_lightning_without_an_internal_the_tuner_uses_is_named_before_any_trial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, callbacks=[LoaderTuner(time_budget=5)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    # As in a Lightning whose training epoch loop builds a step's arguments elsewhere.
+    monkeypatch.delattr(type(trainer.fit_loop.epoch_loop), "_build_kwargs")
+    with pytest.raises(
+        InvalidInputError,
+        match=r"lightning \S+ has no Trainer\.fit_loop\.epoch_loop\._build_kwargs\. Install",
+    ):
+        trainer.fit(Regression())
+
+
 def test_tuning_steps_accumulate_gradients_as_the_fit_does() -> None:
     class Probe(pl.Callback):
         """Runs four tuning steps at the fit's start, counting optimizer steps."""
