@@ -62,8 +62,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from autoloader._exceptions import InvalidInputError, LoopError
 from autoloader._problem import check_main_thread
+from autoloader.checks._copy_on_read import copied_per_worker
 from autoloader.checks._environment import Environment
-from autoloader.checks._facts import Checks, copied_per_worker
+from autoloader.checks._facts import Checks
 from autoloader.checks._validation import check_seconds, check_step_fn, start_method
 from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
 from autoloader.measure._device import resolve_device

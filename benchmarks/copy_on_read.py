@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
-from autoloader.checks._facts import Checks, copied_per_worker
+from autoloader.checks._copy_on_read import copied_per_worker
+from autoloader.checks._facts import Checks
 from autoloader.measure._units import format_bytes
 
 

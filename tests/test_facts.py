@@ -11,7 +11,8 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from autoloader import InvalidInputError
-from autoloader.checks._facts import Checks, copied_per_worker, same_samples
+from autoloader.checks._copy_on_read import copied_per_worker
+from autoloader.checks._facts import Checks, same_samples
 from benchmarks.copy_on_read import Memo, Records, RewrittenCache
 
 from .workloads import AugmentedDataset, HangsIn, SleepDataset, Stream, TorchOpsDataset

@@ -169,7 +169,8 @@ def test_the_report_names_each_failure_with_the_settings_that_met_it(
 
 
 def test_hdf5_caches_are_not_taken_for_copy_on_read(corpus: Callable[[str], Pipeline]) -> None:
-    from autoloader.checks._facts import Checks, copied_per_worker
+    from autoloader.checks._copy_on_read import copied_per_worker
+    from autoloader.checks._facts import Checks
 
     for name in ("hdf5", "hdf5-open-in-init"):
         pipeline = corpus(name)

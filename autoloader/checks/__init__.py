@@ -3,8 +3,10 @@
 Modules::
 
     _validation     tune()'s arguments, refused with a clear error before any work
-    _facts          the checks before the search (copy-on-read, repeated randomness,
-                    thread safety...) and the facts the report's advice rests on
+    _facts          the checks before the search (repeated randomness, thread safety,
+                    worker start-up...) and the facts the report's advice rests on
+    _copy_on_read   the probe of how much of the dataset a forked worker copies by
+                    reading it
     _batched_fetch  whether the dataset can be fetched a whole batch at a time
     _forked         a check run in a forked process, killed at its time: one that
                     blocks forever leaves nothing blocked here

@@ -18,7 +18,7 @@ Measured once, before the search, and saved with the result (``TuneResult.facts`
   time first, so the figure is the time it had, a lower bound. ``start_method``: how
   the user's loader starts worker processes (``fork``, ``spawn``, ``forkserver``).
 - ``copy_on_read``: with fork, bytes of its parent's memory a forked process copies per
-  item it reads for the first time (see ``NOTE [ Copy-on-read probe ]``), and
+  item it reads for the first time (``NOTE [ Copy-on-read probe ]``), and
   ``copy_on_read_items``, how many items that was measured over; ``None`` if not
   measured (another start method, an iterable dataset, fewer than 1,000 items);
   ``process_bytes``, this process's resident memory then, which bounds the copy.
@@ -61,43 +61,25 @@ more than ~32k elements, such as normalising a 3x112x112 image) inherits a pool 
 threads do not exist, and deadlocks at its own first such op. DataLoader's workers are
 safe because they set one thread before reading; the probe, the one process autoloader
 forks itself, does the same.
-
-NOTE [ Copy-on-read probe ]
-A forked worker shares its parent's pages until one of them writes to a page. Reading a
-Python object writes its reference count, so a worker that reads a list of Python
-objects copies, page by page, the part of the dataset it reads: over an epoch, each
-worker can end up with its own copy. The memory watchdog cannot tell this slow growth
-from noise in a trial of a few seconds, so it is measured directly: a forked process
-reads a few items to warm up, then two runs of fresh items, and reads how much of the
-memory it shares dirty with its parent (``Shared_Dirty`` of ``/proc/self/smaps_rollup``)
-each run turned private. Memory the process allocates itself (a cache, a leak, the
-allocator's arenas) is private from the start and does not count: it is not a copy.
-The per-item copy is the smaller of the two runs' rates: copy-on-read grows with the
-items read, in both runs alike, while a one-off copy (a cache the parent allocated, such
-as HDF5's chunk cache, rewritten once in the child) falls in one run only. The
-collector's first full pass in a worker also copies every object it visits; that is
-paid once per worker, not per item, so the probe freezes the collector.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import random
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from autoloader._exceptions import InvalidInputError
 from autoloader.checks._batched_fetch import batched_fetch_problem, same_batch
+from autoloader.checks._copy_on_read import copy_on_read
 from autoloader.checks._forked import ForkedCheckFailed, can_fork, run_forked
 from autoloader.loader._factory import build_loader, merge_loader_kwargs, new_loader
 from autoloader.measure._deadlines import TrialTimeout, time_limit
@@ -135,22 +117,6 @@ _THREAD_CHECK_THREADS = 2
 _OUT_OF_TIME = "the check did not finish within"
 # A check given less time than this is not started.
 _MIN_CHECK_SECONDS = 0.05
-
-# Copy-on-read probe (see NOTE [ Copy-on-read probe ]).
-_PROBE_MIN_ITEMS = 1000
-_PROBE_WARMUP_ITEMS = 32
-_PROBE_MAX_ITEMS = 4000
-# Share of the probe's time its reads may take; the rest is for forking and reporting.
-# They take at most _PROBE_MAX_READING seconds: a quarter to warm up, a quarter for
-# each of its three runs (see NOTE [ Copy-on-read probe ]).
-_PROBE_READING_SHARE = 0.8
-_PROBE_MAX_READING = 2.0
-_SMAPS = Path("/proc/self/smaps_rollup")
-# Bytes copied per item read from which copy-on-read is worth a word...
-_COPY_PER_ITEM = 1024
-# ... and copied in all by the probe, below which noise could explain it (datasets that
-# only allocate or cache measure 0-110 B per item: benchmarks/copy_on_read.py).
-_COPY_MEASURED = 1 << 20
 
 
 def checks_seconds(time_budget: float) -> float:
@@ -367,7 +333,7 @@ class Checks:
         measured = None
         if start_method == "fork" and dataset_length:
             measured = self._run(
-                "copy_on_read", lambda seconds: _copy_on_read(self.dataset, dataset_length, seconds)
+                "copy_on_read", lambda seconds: copy_on_read(self.dataset, dataset_length, seconds)
             )
         per_item, items = measured or (None, None)
         return {
@@ -444,69 +410,6 @@ class Checks:
         return seconds, True, None
 
 
-def copied_per_worker(facts: Mapping[str, Any]) -> float | None:
-    """Bytes of the dataset each forked worker can end up copying over an epoch, if the
-    probe found copy-on-read beyond the allocator's noise; else ``None``.
-
-    The copy is bounded by what this process held: a worker cannot copy more pages than
-    its parent has.
-    """
-    per_item, items = facts.get("copy_on_read"), facts.get("copy_on_read_items")
-    length = facts.get("dataset_length")
-    if not (per_item and items and length):
-        return None
-    if per_item < _COPY_PER_ITEM or per_item * items < _COPY_MEASURED:
-        return None
-    return float(min(per_item * length, facts.get("process_bytes") or math.inf))
-
-
-def _copy_on_read(dataset: Dataset[Any], length: int, seconds: float) -> tuple[float, int] | None:
-    """Bytes copied per item read in a forked process, and over how many items."""
-    if isinstance(dataset, IterableDataset) or length < _PROBE_MIN_ITEMS:
-        return None
-    if not _SMAPS.exists():
-        raise ForkedCheckFailed(f"the probe reads {_SMAPS}, which this system does not have")
-    if not can_fork():
-        return None
-    # O(items) whatever the length (no permutation of a billion indices).
-    count = min(length, _PROBE_WARMUP_ITEMS + _PROBE_MAX_ITEMS)
-    order = np.random.default_rng(0).choice(length, size=count, replace=False).tolist()
-    warmup, fresh = order[:_PROBE_WARMUP_ITEMS], order[_PROBE_WARMUP_ITEMS:]
-    # The two runs read items of different halves of the dataset, so that the second
-    # does not find pages the first copied (items stored side by side share pages).
-    runs = ([i for i in fresh if i < length // 2], [i for i in fresh if i >= length // 2])
-    reading = min(_PROBE_MAX_READING, _PROBE_READING_SHARE * seconds)
-    (first, again, second), items, second_items = run_forked(
-        _probe,
-        (dataset, warmup, runs, reading),
-        seconds=seconds,
-        stage="reading items in the copy-on-read probe",
-        name="autoloader-probe",
-    )
-    if not (items and second_items):
-        return None
-    per_item = min(first / items, second / second_items) - again / items
-    return max(0.0, per_item), items + second_items
-
-
-def _probe(
-    dataset: Dataset[Any], warmup: list[int], runs: tuple[list[int], list[int]], seconds: float
-) -> tuple[list[int], int, int]:
-    """In a forked process: shared memory turned private by a run of fresh items, by the
-    same items again, and by as many fresh items of the dataset's other half."""
-    gc.freeze()
-    _read(dataset, warmup, until=time.monotonic() + seconds / 4)  # slow items: enough
-    shared = [_shared_dirty()]
-    items = _read(dataset, runs[0], until=time.monotonic() + seconds / 4)
-    shared.append(_shared_dirty())
-    _read(dataset, runs[0][:items], until=math.inf)
-    shared.append(_shared_dirty())
-    second = _read(dataset, runs[1][:items], until=time.monotonic() + seconds / 4)
-    shared.append(_shared_dirty())
-    lost = [before - after for before, after in itertools.pairwise(shared)]
-    return lost, items, second
-
-
 def _threads_verdict(dataset: Dataset[Any], options: dict[str, Any], batches: int) -> str | None:
     """Why thread workers cannot load the dataset, or ``None`` if they can: the first
     ``batches`` batches read by threads, then by this thread alone (twice where they
@@ -530,23 +433,6 @@ def _threads_verdict(dataset: Dataset[Any], options: dict[str, Any], batches: in
         f"reading it from {_THREAD_CHECK_THREADS} threads gave other batches than "
         "reading it from one: it keeps state of its own between reads"
     )
-
-
-def _read(dataset: Dataset[Any], indices: list[int], *, until: float) -> int:
-    """Read items in order until ``until``; how many were read."""
-    for read, index in enumerate(indices):
-        if time.monotonic() >= until:
-            return read
-        dataset[index]
-    return len(indices)
-
-
-def _shared_dirty() -> int:
-    """Bytes of this process's memory shared dirty with another process (its parent)."""
-    for line in _SMAPS.read_text().splitlines():
-        if line.startswith("Shared_Dirty:"):
-            return int(line.split()[1]) * 1024
-    raise ForkedCheckFailed(f"{_SMAPS} has no Shared_Dirty line")
 
 
 def shm_bytes() -> int | None:

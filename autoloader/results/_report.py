@@ -38,7 +38,7 @@ import statistics
 import textwrap
 from collections.abc import Iterator
 
-from autoloader.checks._facts import copied_per_worker
+from autoloader.checks._copy_on_read import copied_per_worker
 from autoloader.loader._params import BASELINE_PARAMS, TUNED_KEYS
 from autoloader.measure._units import format_bytes, format_seconds
 from autoloader.results._result import TrialRecord, TuneResult
