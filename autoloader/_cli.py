@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from autoloader._exceptions import AutoloaderError
+from autoloader._problem import DEFAULT_TIME_BUDGET
 
 if TYPE_CHECKING:
     from autoloader.results._result import TuneResult
@@ -301,9 +302,9 @@ def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     tune.add_argument(
         "--time-budget",
         type=_seconds,
-        default=60.0,
+        default=DEFAULT_TIME_BUDGET,
         metavar="S",
-        help="seconds the tuning may take (default: 60)",
+        help=f"seconds the tuning may take (default: {DEFAULT_TIME_BUDGET:g})",
     )
     tune.add_argument(
         "--n-trials", type=int, metavar="N", help="cap on search trials (default: none)"

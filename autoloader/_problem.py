@@ -41,6 +41,8 @@ from autoloader.results._result import SCHEMA_VERSION, check_writable, read_resu
 from autoloader.search._space import SearchSpace, check_search_space
 from autoloader.search._study import open_storage, problem_key
 
+# Seconds a run may take where time_budget is not given: tune() and AutoLoader (None),
+# the CLI and the Lightning and Transformers adapters all default to this one number.
 DEFAULT_TIME_BUDGET = 60.0
 
 

@@ -74,6 +74,7 @@ except ImportError as error:  # pragma: no cover: the extra is not installed
 
 from autoloader._exceptions import InvalidInputError
 from autoloader._preserve import Restorable, preserved
+from autoloader._problem import DEFAULT_TIME_BUDGET
 from autoloader._tune import check_passed_through, tune
 from autoloader.checks._validation import env_int
 from autoloader.loader._draws import drawing_as
@@ -141,7 +142,7 @@ class LoaderTuner(pl.Callback):
 
     def __init__(
         self,
-        time_budget: float = 60.0,
+        time_budget: float = DEFAULT_TIME_BUDGET,
         path: str | os.PathLike[str] | None = None,
         **tune_kwargs: Any,
     ) -> None:
