@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import io
 import logging
 import os
@@ -28,6 +29,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from autoloader._exceptions import AutoloaderError
+from autoloader._problem import DEFAULT_TIME_BUDGET
+from autoloader.checks._validation import ISOLATIONS
 
 if TYPE_CHECKING:
     from autoloader.results._result import TuneResult
@@ -274,6 +277,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tune_defaults() -> dict[str, Any]:
+    from autoloader._tune import tune
+
+    return {name: p.default for name, p in inspect.signature(tune).parameters.items()}
+
+
+# tune()'s own defaults, for the options that pass them through.
+_TUNE_DEFAULTS = _tune_defaults()
+
+
 def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tune = commands.add_parser(
         "tune",
@@ -301,9 +314,9 @@ def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     tune.add_argument(
         "--time-budget",
         type=_seconds,
-        default=60.0,
+        default=DEFAULT_TIME_BUDGET,
         metavar="S",
-        help="seconds the tuning may take (default: 60)",
+        help=f"seconds the tuning may take (default: {DEFAULT_TIME_BUDGET:g})",
     )
     tune.add_argument(
         "--n-trials", type=int, metavar="N", help="cap on search trials (default: none)"
@@ -327,12 +340,17 @@ def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     tune.add_argument("--shuffle", action="store_true", help="shuffle, as in training")
     tune.add_argument("--device", help="move each batch there before the step, e.g. cuda")
-    tune.add_argument("--seed", type=int, default=0, help="the sampler's seed (default: 0)")
+    tune.add_argument(
+        "--seed",
+        type=int,
+        default=_TUNE_DEFAULTS["seed"],
+        help="the sampler's seed (default: %(default)s)",
+    )
     tune.add_argument(
         "--isolation",
-        choices=("in-process", "subprocess"),
-        default="in-process",
-        help="run each trial in its own process to survive crashes (default: in-process)",
+        choices=ISOLATIONS,
+        default=_TUNE_DEFAULTS["isolation"],
+        help="run each trial in its own process to survive crashes (default: %(default)s)",
     )
     tune.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     tune.set_defaults(handler=_tune)

@@ -39,10 +39,11 @@ and 2 threads, 625 samples/s; 1 worker and ``torch.set_num_threads(1)``, 853 (se
 to use is what it got, not what it asked for: on 2 cores, a 2-thread step beside 1 busy
 worker kept 1.5 CPUs busy and the worker 0.5, 2.0 in all, though the step wanted both
 cores whenever it ran. So the step is taken to ask for its threads (at most the usable
-CPUs) once it keeps at least ``_STEP_ON_CPU`` of a CPU busy, and for what it used
-otherwise (a step on an accelerator, or one that waits); the workers for the CPUs they
-kept busy over the loop (their CPU seconds per second of it). When the two ask for more
-than ``_OVERSUBSCRIBED`` times the usable CPUs, they take turns on the cores. The advice
+CPUs) once it keeps at least ``STEP_ON_CPU`` (half a CPU, search/_cost_model.py) busy,
+and for what it used otherwise (a step on an accelerator, or one that waits); the
+workers for the CPUs they kept busy over the loop (their CPU seconds per second of it).
+When the two ask for more than ``_OVERSUBSCRIBED`` times the usable CPUs, they take
+turns on the cores. The advice
 leaves the workers the cores they used, rounded half up; ``autoloader.tune()`` measures
 the split (its ``step_threads`` setting). Thread workers are not counted: they run in
 this process, and its CPU time cannot tell them from the step.
@@ -74,12 +75,14 @@ from autoloader.measure._memory import MemoryBudgetExceeded, resolve_memory_budg
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.measure._units import format_seconds as _ms
-from autoloader.search._cost_model import cpu_bound_seconds, step_competes_with_workers
+from autoloader.search._cost_model import (
+    CPU_BOUND_SHARE,
+    STEP_BOUND_WAIT,
+    STEP_ON_CPU,
+    cpu_bound_seconds,
+    step_competes_with_workers,
+)
 
-# Share of the loop's time waiting for data under which it is step-bound.
-_STEP_BOUND_WAIT = 0.05
-# Share of the loading processes' time on the CPU above which loading is CPU work.
-_CPU_BOUND_SHARE = 0.5
 # Share of the main process's wait spent on the CPU, with workers, above which receiving
 # batches is the limit. On the 2-core machine: 0.55-0.67 when it was (free items, no
 # step), 0.07-0.18 when workers were (sleeping or CPU-bound items); the workers' own
@@ -105,9 +108,6 @@ _HANG_FACTOR = 2.0
 # loop's own figure is clean.
 _STEP_ALONE_SHARE = 0.15
 _SPINNING_CPUS = 0.1
-# CPUs a step keeps busy from which it trains on the CPU and asks for all its torch
-# threads (see NOTE [ Oversubscription ]): half a CPU, as in NOTE [ Verdict ].
-_STEP_ON_CPU = 0.5
 # The step and the workers oversubscribe the cores when they ask for more than this many
 # times the usable CPUs. The workers' figure is an average over the loop, start-up
 # included, taken on a machine other processes may share: a demand within 15% of the
@@ -261,7 +261,7 @@ class Diagnosis:
         """The CPUs row: what the step and the workers ask for, against the usable CPUs."""
         workers_cpus = self.workers_cpus or 0.0
         step = _step_asks(step_cpus, step_threads, self.usable_cpus)
-        if step_cpus >= _STEP_ON_CPU:
+        if step_cpus >= STEP_ON_CPU:
             threads = "thread" if step_threads == 1 else "threads"
             step_part = f"step {step_threads} torch {threads} ({step_cpus:.1f} busy)"
         else:
@@ -530,7 +530,7 @@ def _verdict(
             "as numpy arrays or tensors, or use fewer workers."
         )
     wait = loop.data_wait_fraction
-    if wait < _STEP_BOUND_WAIT:
+    if wait < STEP_BOUND_WAIT:
         return "step-bound", (
             f"Data loading is not the bottleneck: the loop waits for data {wait:.0%} of the "
             f"time, the step takes {_ms(step)} per batch and the loader alone "
@@ -583,7 +583,7 @@ def _verdict(
             "transfers do: batched fetch, a larger batch, or num_workers=0 if loading is "
             "cheap." + _THREADS_LIFT
         )
-    if cpu_share > _CPU_BOUND_SHARE:
+    if cpu_share > CPU_BOUND_SHARE:
         return "loader-bound (CPU)", (
             f"{figures} Loading is CPU work ({who} on the CPU {cpu_share:.0%} of the "
             f"time): workers help up to the {usable_cpus} CPUs, not beyond; then make "
@@ -613,7 +613,7 @@ def _oversubscription(
     if total <= _OVERSUBSCRIBED * usable_cpus:
         return None
     who = _workers(workers)
-    if step_cpus >= _STEP_ON_CPU:
+    if step_cpus >= STEP_ON_CPU:
         threads = "thread" if step_threads == 1 else "threads"
         step_part = f"The step ({step_threads} torch {threads}, {step_cpus:.1f} CPUs busy)"
     else:
@@ -643,7 +643,7 @@ def _oversubscription(
 def _step_asks(step_cpus: float, step_threads: int, usable_cpus: int) -> float:
     """CPUs the step asks for: all its torch threads (up to the usable CPUs) once it
     trains on the CPU, else what it used (see ``NOTE [ Oversubscription ]``)."""
-    if step_cpus >= _STEP_ON_CPU:
+    if step_cpus >= STEP_ON_CPU:
         return max(step_cpus, float(min(step_threads, usable_cpus)))
     return step_cpus
 

@@ -39,8 +39,10 @@ from autoloader.measure._device import resolve_device
 from autoloader.measure._memory import resolve_memory_budget
 from autoloader.results._result import SCHEMA_VERSION, check_writable, read_result_json
 from autoloader.search._space import SearchSpace, check_search_space
-from autoloader.search._study import open_storage, problem_key
+from autoloader.search._study import ProblemIdentity, open_storage
 
+# Seconds a run may take where time_budget is not given: tune() and AutoLoader (None),
+# the CLI and the Lightning and Transformers adapters all default to this one number.
 DEFAULT_TIME_BUDGET = 60.0
 
 
@@ -70,20 +72,31 @@ class Problem:
     restore: tuple[Restorable, ...]
     path: Path | None = None  # where the result is kept, and reused from
 
-    def key(self) -> dict[str, str]:
-        """The problem by name, part by part: what a result file keeps, so that a later
-        run reuses it only for the same problem (see :func:`problem_key`)."""
-        return problem_key(
-            self.dataset,
-            self.step_fn,
+    def identity(self, *, budget_as_given: bool = False) -> ProblemIdentity:
+        """What identifies this problem (see :class:`ProblemIdentity`): its study's name,
+        the problem its result file keeps, what the ranks of a job agree on; with
+        ``budget_as_given``, the memory budget as the call gave it (under torchrun the
+        bytes are only known after :func:`agree`)."""
+        return ProblemIdentity(
+            dataset=self.dataset,
+            step_fn=self.step_fn,
             length=self.dataset_length,
             batch_size=self.batch_size,
             space=self.space,
             # The budget asked for: a default one moves with the memory free.
-            memory_budget=None if self.memory_budget is None else self.memory_bytes,
+            memory_budget=(
+                self.memory_budget
+                if budget_as_given or self.memory_budget is None
+                else self.memory_bytes
+            ),
             fixed_loader_kwargs=self.fixed,
             device=self.device,
         )
+
+    def key(self) -> dict[str, str]:
+        """The problem by name, part by part: what a result file keeps, so that a later
+        run reuses it only for the same problem (see :meth:`ProblemIdentity.parts`)."""
+        return self.identity().parts()
 
 
 # NOTE [ Main thread only ]
@@ -206,13 +219,13 @@ def check_arguments(
 
 
 def shared_arguments(problem: Problem) -> tuple[Any, ...]:
-    """What every rank of a job must give alike. The device by its kind only: each rank
-    moves batches to its own (cuda:0, cuda:1...)."""
+    """What every rank of a job must give alike: the problem's identity (the device by
+    its kind: each rank moves batches to its own, cuda:0, cuda:1...; the memory budget
+    as given: :func:`agree` sizes it for the node after), and the run's own arguments."""
     return (
-        problem.dataset_length, problem.batches_per_epoch, problem.batch_size, problem.budget,
-        problem.n_trials, problem.seed, problem.space.as_dict(),
-        None if problem.device is None else problem.device.type,
-        problem.isolation, problem.memory_budget,
+        *problem.identity(budget_as_given=True).parts().values(),
+        problem.batches_per_epoch, problem.budget, problem.n_trials, problem.seed,
+        problem.isolation,
     )  # fmt: skip
 
 

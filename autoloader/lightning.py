@@ -65,6 +65,7 @@ from autoloader import _lightning_compat as internals
 from autoloader._exceptions import InvalidInputError
 from autoloader._lightning_compat import DataLoaderSource, check_version
 from autoloader._preserve import Restorable, preserved
+from autoloader._problem import DEFAULT_TIME_BUDGET
 from autoloader._tune import check_passed_through, tune
 from autoloader.checks._validation import env_int
 from autoloader.loader._draws import drawing_as
@@ -121,7 +122,7 @@ class LoaderTuner(pl.Callback):
 
     def __init__(
         self,
-        time_budget: float = 60.0,
+        time_budget: float = DEFAULT_TIME_BUDGET,
         path: str | os.PathLike[str] | None = None,
         **tune_kwargs: Any,
     ) -> None:

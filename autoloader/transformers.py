@@ -59,6 +59,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from autoloader._exceptions import InvalidInputError
 from autoloader._preserve import Restorable, preserved
+from autoloader._problem import DEFAULT_TIME_BUDGET
 from autoloader._tune import check_passed_through, tune
 from autoloader.loader._batch_items import BatchItems
 from autoloader.loader._draws import drawing_as, persistent
@@ -83,7 +84,7 @@ _FROM_THE_TRAINER = ("dataset", "step_fn", "batch_size", "loader_kwargs", "resto
 def tune_trainer(
     trainer: Trainer,
     *,
-    time_budget: float = 60.0,
+    time_budget: float = DEFAULT_TIME_BUDGET,
     path: str | os.PathLike[str] | None = None,
     **tune_kwargs: Any,
 ) -> TuneResult:

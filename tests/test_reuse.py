@@ -18,8 +18,9 @@ import autoloader
 from autoloader import InvalidInputError, SearchSpace
 from autoloader._problem import Problem, check_arguments, shared_arguments
 from autoloader._reuse import reused
+from autoloader.search._study import ProblemIdentity, name_of
 
-from .workloads import SleepDataset
+from .workloads import BusyDataset, SleepDataset, noop_step
 
 SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
 
@@ -162,6 +163,33 @@ def test_ranks_agree_on_the_device_by_its_kind(tmp_path: Path) -> None:
     }
     assert on["cuda:0"] == on["cuda:1"] != on["cpu"]
     assert dataclasses.replace(problem, device=torch.device("cuda:1")).key()["device"] == "cuda"
+
+
+def test_a_problem_that_differs_in_any_part_of_its_identity_is_another_problem_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ProblemIdentity is the one list of what identifies a problem: one that differs in
+    any of its fields has another study, another record in a result file, and other
+    arguments for the ranks of a job to agree on. The fields are read from the list, so
+    one added to it is checked here too (the other problem must then differ in it)."""
+    problem = _problem(tmp_path / "loader.json")
+    other = check_arguments(
+        None, BusyDataset(128), noop_step, batch_size=4, time_budget=4, n_trials=None,
+        memory_budget="4GB", search_space=SearchSpace(), loader_kwargs={"shuffle": True},
+        device="cpu", seed=0, storage=None, show_progress=False, isolation="in-process",
+        restore=None,
+    )  # fmt: skip
+    mine, theirs = problem.identity(), other.identity()
+    shared = shared_arguments(problem)
+    for field in dataclasses.fields(ProblemIdentity):
+        changed = dataclasses.replace(mine, **{field.name: getattr(theirs, field.name)})
+        assert changed.parts() != mine.parts(), f"{field.name}: not in a result file's problem"
+        assert name_of(changed, problem.environment) != name_of(mine, problem.environment), (
+            f"{field.name}: not in the study's name"
+        )
+        with monkeypatch.context() as patched:
+            patched.setattr(Problem, "identity", lambda self, changed=changed, **_: changed)
+            assert shared_arguments(problem) != shared, f"{field.name}: not agreed by the ranks"
 
 
 class BlockingStep(CountingStep):

@@ -6,8 +6,8 @@ import optuna
 import pytest
 
 from autoloader import InvalidInputError, SearchSpace
-from autoloader.loader._params import normalize_params
-from autoloader.search._space import trial_params
+from autoloader.loader._params import TUNED_KEYS, normalize_params
+from autoloader.search._space import SETTING_RULES, trial_params
 
 
 def test_defaults_resolve_for_the_machine() -> None:
@@ -70,6 +70,19 @@ def test_pin_memory_asked_without_accelerator_is_fixed_off_and_said() -> None:
 def test_bad_ranges_are_rejected(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidInputError, match=message):
         SearchSpace(**kwargs)  # type: ignore[arg-type]
+
+
+def test_every_setting_has_one_rule_that_the_space_and_a_saved_result_share() -> None:
+    """The rules are SearchSpace's own: a value it refuses to fix a setting to, a saved
+    result may not hold either (results/_result.py derives its rules from these)."""
+    assert list(SETTING_RULES) == list(TUNED_KEYS) == list(SearchSpace().as_dict())
+    for name, rule in SETTING_RULES.items():
+        for value in (-1, 0, 1, True, 1.0, "1", "threads"):
+            if rule.allows(value):
+                SearchSpace(**{name: value})
+            else:
+                with pytest.raises(InvalidInputError):
+                    SearchSpace(**{name: value})
 
 
 def test_from_dict_rejects_unknown_keys_with_a_suggestion() -> None:

@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, Dataset
 from autoloader._exceptions import EnvironmentMismatchWarning, InvalidInputError, ResultFileError
 from autoloader.checks._environment import Environment, usable_cpus, world, world_nodes
 from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
-from autoloader.loader._params import TUNED_KEYS, WORKER_KINDS, Params, normalize_params
+from autoloader.loader._params import TUNED_KEYS, Params, normalize_params
 from autoloader.loader._step_threads import set_step_threads
 from autoloader.measure._units import format_bytes
 from autoloader.search._outcome import Completed, FaultKind, Trial, state_of
-from autoloader.search._space import SearchSpace, default_max_workers
+from autoloader.search._space import SETTING_RULES, Rule, SearchSpace, default_max_workers
 
 _logger = logging.getLogger(__name__)
 
@@ -496,32 +496,14 @@ def _is_bool(value: object) -> bool:
     return isinstance(value, bool)
 
 
-# What each tuned setting may hold, by SearchSpace's rules (search/_space.py), and the
-# rule in words.
-_SETTING_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
-    "num_workers": (
-        lambda v: _is_int(v) and v >= 0,
-        "an int >= 0 (0 loads in the main process)",
-    ),
-    "prefetch_factor": (
-        lambda v: v is None or (_is_int(v) and v >= 1),
-        "an int >= 1 (null without workers)",
-    ),
-    "persistent_workers": (_is_bool, "true or false"),
-    "pin_memory": (_is_bool, "true or false"),
-    "batched_fetch": (_is_bool, "true or false"),
-    "worker_threads": (
-        lambda v: v is None or (_is_int(v) and v >= 1),
-        "an int >= 1, or null to leave the workers' thread pools as they are",
-    ),
-    "in_order": (_is_bool, "true or false"),
-    "worker_kind": (
-        lambda v: isinstance(v, str) and v in WORKER_KINDS,
-        " or ".join(json.dumps(kind) for kind in WORKER_KINDS),
-    ),
-    "step_threads": (
-        lambda v: v is None or (_is_int(v) and v >= 1),
-        "an int >= 1, or null to leave the training process's threads as they are",
+# What each tuned setting may hold: SearchSpace's rules (search/_space.py), but for
+# prefetch_factor, which a setting without workers holds as null (normalize_params)
+# where a space always has a range.
+_SETTING_RULES: dict[str, Rule] = {
+    **SETTING_RULES,
+    "prefetch_factor": Rule(
+        lambda v: v is None or SETTING_RULES["prefetch_factor"].allows(v),
+        f"{SETTING_RULES['prefetch_factor'].words} (null without workers)",
     ),
 }
 
@@ -548,10 +530,10 @@ def _check_settings(settings: Mapping[str, Any], *, label: str) -> None:
                 f"field {label!r} has unknown key {name!r}{hint}; the settings are "
                 f"{', '.join(TUNED_KEYS)}; {_FIX}"
             )
-        allows, rule = _SETTING_RULES[name]
-        if not allows(value):
+        rule = _SETTING_RULES[name]
+        if not rule.allows(value):
             raise ResultFileError(
-                f"field '{label}.{name}' is {_shown(value)}, but it must be {rule}; {_FIX}"
+                f"field '{label}.{name}' is {_shown(value)}, but it must be {rule.words}; {_FIX}"
             )
 
 

@@ -44,8 +44,29 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 
-# Share of the baseline's load time spent on CPU above which loading is CPU-bound.
-_CPU_BOUND_SHARE = 0.5
+# What a measurement says of the loop, read alike by autoloader.diagnose() (its verdict,
+# NOTE [ Verdict ]) and the search (its policy): defined here, the one module below both.
+#
+# Share of its time the loading is on the CPU (the loading processes', or the loading
+# thread's) above which loading is CPU work, not waits: more of it than of anything else.
+CPU_BOUND_SHARE = 0.5
+# CPU seconds per second of the step from which the step trains on the CPU, and asks for
+# its torch threads: half a CPU. diagnose() reads the CPUs the step alone kept busy, the
+# search the step's own thread (its process's figure is blurred by torch's spinning
+# pool, NOTE [ Spinning threads ] in _diagnose.py): one bar, two readings of it.
+STEP_ON_CPU = 0.5
+# Two bars on the loop's share of time waiting for data, for two decisions. Under
+# STEP_BOUND_WAIT diagnose() tells the user the loop is step-bound: loading can make it
+# at most about 5% faster, not worth changing their loader by hand for. Under
+# GIVE_BACK_WAIT (a stricter bar) the search stops and gives the rest of its budget back
+# (NOTE [ Enough searching ] in _policy.py): that ends the search for good, and the
+# budget was given to it already, so it stops only where what is left (about 3%) is
+# near a tie (_TIE_TOLERANCE, 2%). A loop waiting 4% is step-bound to the reader and
+# still searched by tune(). (Receiving a batch from a worker costs the main process
+# about 1.3 ms on the development VM, so with a 20 ms step even the best setting with
+# workers waits some 6% of the time.)
+STEP_BOUND_WAIT = 0.05
+GIVE_BACK_WAIT = 0.03
 # CPU seconds per wall second of loading above which it ran on several threads.
 _MULTI_THREADED_SHARE = 1.2
 # Share of the CPU work per batch from which a step that trains on the CPU counts.
@@ -96,7 +117,7 @@ def loading_on_cpu(baseline: Mapping[str, float], *, step_on_cpu: bool) -> bool:
     ``NOTE [ Cost model ]``)."""
     load = float(baseline.get("load_seconds", 0.0))
     key = "load_thread_cpu_seconds" if step_on_cpu else "load_cpu_seconds"
-    return load > 0 and float(baseline.get(key, 0.0)) > _CPU_BOUND_SHARE * load
+    return load > 0 and float(baseline.get(key, 0.0)) > CPU_BOUND_SHARE * load
 
 
 def guess_threads(baseline: Mapping[str, float]) -> list[int]:
@@ -112,7 +133,7 @@ def guess_threads(baseline: Mapping[str, float]) -> list[int]:
     if load <= 0 or step <= 0:
         return []
     cpu_share = float(baseline.get("load_cpu_seconds", 0.0)) / load
-    if cpu_share > _CPU_BOUND_SHARE and gil_enabled():
+    if cpu_share > CPU_BOUND_SHARE and gil_enabled():
         return []
     needed = max(1, math.ceil(load / step))
     return list(dict.fromkeys([needed + 1, 2 * needed]))
@@ -149,7 +170,7 @@ def step_competes_with_workers(
     batch, on the CPU ``loading_cpu_share`` of its time (see ``NOTE [ Cost model ]``)."""
     work = step_cpu + load_cpu
     return (
-        loading_cpu_share > _CPU_BOUND_SHARE
+        loading_cpu_share > CPU_BOUND_SHARE
         and step_cpu >= STEP_SHARE_OF_WORK * work
         and work / usable_cpus > step
     )

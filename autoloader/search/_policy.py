@@ -32,6 +32,9 @@ from autoloader.loader._params import BASELINE_PARAMS, Params
 from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines
 from autoloader.measure._measurement import Measurement
 from autoloader.search._cost_model import (
+    CPU_BOUND_SHARE,
+    GIVE_BACK_WAIT,
+    STEP_ON_CPU,
     STEP_SHARE_OF_WORK,
     guess_threads,
     guess_workers,
@@ -105,8 +108,6 @@ _MIN_SIBLING_TIMEOUT = 1.0
 # _MIN_START_TIMEOUT seconds, before its first batch is overdue.
 _START_TIMEOUT_FACTOR = 3.0
 _MIN_START_TIMEOUT = 0.5
-# Loading whose CPU time is at least this share of its time competes for the CPUs.
-_CPU_BOUND_SHARE = 0.5
 _BASELINE_SHARE = 0.5
 _MIN_BASELINE_TIMEOUT = 3.0
 # NOTE [ Enough searching ]
@@ -117,13 +118,10 @@ _MIN_BASELINE_TIMEOUT = 3.0
 # runoff, or given back. A loop that is bound by its step reaches such a plateau
 # quickly: nothing beats the step.
 _PATIENCE = 6
-# A loop that waits for data less than this share of its time is bound by its step:
-# no setting can make it faster, so the search ends with the first setting that gets
-# there (measured to the usual confidence), and the rest of the budget is given back.
-# If the baseline already gets there, there is no search at all. (Receiving a batch
-# from a worker costs the main process about 1.3 ms on the development VM, so with a
-# 20 ms step even the best setting with workers waits some 6% of the time.)
-_STEP_BOUND_WAIT = 0.03
+# A loop that waits for data less than GIVE_BACK_WAIT of its time (see _cost_model.py)
+# is bound by its step: no setting can make it faster, so the search ends with the first
+# setting that gets there (measured to _STEP_BOUND_ERROR), and the rest of the budget is
+# given back. If the baseline already gets there, there is no search at all.
 _STEP_BOUND_ERROR = 0.05
 # Search trials that may all fail before the run stops: the pipeline itself, not a
 # setting, is failing in worker processes.
@@ -139,16 +137,15 @@ _VOTE_AFTER_WINDOWS = 2
 _VOTE_RATIO = 0.6
 
 # The step works on the CPU, and its threads are searched (NOTE [ Step threads ]), where
-# the thread that runs it was on the CPU at least this share of the step in the
-# baseline. The thread's own time, not the process's: torch's pool spins for a while
-# after each parallel op, so the loading's ops charge a sleeping step CPU time (in the
+# the thread that runs it was on the CPU at least STEP_ON_CPU (_cost_model.py) of the
+# step in the baseline. The thread's own time, not the process's: torch's pool spins for
+# a while after each parallel op, so the loading's ops charge a sleeping step CPU time (in the
 # baselines of the development VM's corpus, the images pipeline's 20 ms sleep after JPEG
 # decoding and torch ops kept 0.56 CPUs busy, its own thread 0.01; cpu-train's CNN
 # trained on the CPU kept 1.96 busy, its own thread 1.00).
 # And the step's CPU time must be a real share of the CPU work per batch
 # (STEP_SHARE_OF_WORK, NOTE [ Cost model ]): a step of a few microseconds of Python is on
 # the CPU all its time, and its threads matter to nothing.
-_STEP_ON_CPU = 0.5
 
 # The reason of a trial voted out as slower: the setting is slow, not broken.
 PRUNED_AS_SLOWER = "clearly slower than the best setting so far"
@@ -342,7 +339,7 @@ class Policy:
     ) -> StepThreadsLeft | None:
         """Why the training process's ``threads`` are left alone though the space has a
         range for them, or ``None`` where they are searched (or the space fixes them):
-        the step runs on an accelerator, or waits (``_STEP_ON_CPU``), or does too
+        the step runs on an accelerator, or waits (``STEP_ON_CPU``), or does too
         small a share of the CPU work to matter. Before the baseline, nothing is known,
         and they are searched."""
         choices = self.space.step_threads
@@ -354,7 +351,7 @@ class Policy:
         own = _own_share(measured)
         if self.accelerator is not None:
             return StepThreadsLeft(threads, own, self.accelerator)
-        if own < _STEP_ON_CPU:
+        if own < STEP_ON_CPU:
             return StepThreadsLeft(threads, own)
         work = measured.step_cpu_seconds + measured.load_cpu_seconds
         share = measured.step_cpu_seconds / work if work > 0 else 0.0
@@ -395,13 +392,13 @@ class Policy:
 
     def step_bound(self, history: Sequence[Trial]) -> StepBound | None:
         """Why the search can stop, if a measured setting left the loop bound by its
-        step (see ``_STEP_BOUND_WAIT``)."""
+        step (see ``GIVE_BACK_WAIT``)."""
         for trial in history:
             measurement = trial.measurement
             if not isinstance(trial.outcome, Completed) or measurement is None:
                 continue
             wait = measurement.data_wait_fraction
-            if wait > _STEP_BOUND_WAIT or measurement.relative_error > _STEP_BOUND_ERROR:
+            if wait > GIVE_BACK_WAIT or measurement.relative_error > _STEP_BOUND_ERROR:
                 continue
             searched = sum(t.phase is Phase.SEARCH and not t.earlier for t in history)
             return StepBound(trial.number, wait, searched, trial.phase is Phase.BASELINE)
@@ -517,7 +514,7 @@ class Policy:
         """Seconds a worker takes to load a batch with ``workers`` at once: the
         baseline's load time, slower only where loading is CPU work and the workers
         outnumber the CPUs."""
-        cpu_bound = measured.load_cpu_seconds >= _CPU_BOUND_SHARE * measured.load_seconds
+        cpu_bound = measured.load_cpu_seconds >= CPU_BOUND_SHARE * measured.load_seconds
         slowdown = max(1.0, workers / self.usable_cpus) if cpu_bound else 1.0
         return measured.load_seconds * slowdown
 
@@ -670,7 +667,7 @@ def baseline_measurement(history: Sequence[Trial]) -> Measurement | None:
 
 
 def _own_share(measured: Measurement) -> float:
-    """The share of the step its own thread was on the CPU (``_STEP_ON_CPU``)."""
+    """The share of the step its own thread was on the CPU (``STEP_ON_CPU``)."""
     if not measured.step_seconds:
         return 0.0
     return measured.step_thread_cpu_seconds / measured.step_seconds

@@ -10,6 +10,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,6 +30,58 @@ from autoloader.search._space import SearchSpace
 _logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class ProblemIdentity:
+    """What identifies a tuning problem: trials of two problems that differ in any of
+    these do not compare. The one list from which the study's name (:func:`study_name`),
+    the problem a result file keeps (:meth:`parts`) and what the ranks of a job must give
+    alike (``shared_arguments`` in ``_problem.py``) all derive: a field added here is in
+    all three.
+
+    Attributes:
+        dataset: named by its type (a repr holds addresses that change with every process).
+        step_fn: named by its function or type.
+        length: the dataset's length, ``None`` where it has none.
+        batch_size: samples per batch.
+        space: the search space (a setting outside one space is no trial of another).
+        memory_budget: in bytes where one was asked for, else ``None`` (a default one
+            moves with the memory free); a setting pruned under 4 GiB may fit in 64.
+        fixed_loader_kwargs: the DataLoader options not tuned, objects among them named
+            by their type or function.
+        device: where the step runs.
+    """
+
+    dataset: Dataset[Any]
+    step_fn: Callable[[Any], object]
+    length: int | None
+    batch_size: int
+    space: SearchSpace
+    memory_budget: int | str | None
+    fixed_loader_kwargs: Mapping[str, Any]
+    device: torch.device | None
+
+    def parts(self, *, device_index: bool = False) -> dict[str, str]:
+        """The problem by name, part by part, as a result file keeps it: a later run
+        reuses the file's settings only where every part is the same (and the machine,
+        which the file's environment tells), and names the parts that differ where not.
+
+        The device by its kind (under torchrun each rank has its own: cuda:0,
+        cuda:1...), or with ``device_index`` as given (the study's name, which a study
+        stored before keeps)."""
+        fixed = sorted((name, _identity(value)) for name, value in self.fixed_loader_kwargs.items())
+        device = self.device if device_index or self.device is None else self.device.type
+        return {
+            "dataset": _identity(self.dataset),
+            "dataset length": str(self.length),
+            "step_fn": _identity(self.step_fn),
+            "batch size": str(self.batch_size),
+            "search space": str(self.space.as_dict()),
+            "memory budget": str(self.memory_budget),
+            "fixed loader options": str(fixed),
+            "device": str(device),
+        }
+
+
 def study_name(
     dataset: Dataset[Any],
     step_fn: Callable[[Any], object],
@@ -41,11 +94,26 @@ def study_name(
     environment: Environment,
     device: torch.device | None,
 ) -> str:
+    """The name of the :class:`ProblemIdentity` of these arguments on this machine:
+    :func:`name_of`."""
+    identity = ProblemIdentity(
+        dataset=dataset,
+        step_fn=step_fn,
+        length=length,
+        batch_size=batch_size,
+        space=space,
+        memory_budget=memory_budget,
+        fixed_loader_kwargs=fixed_loader_kwargs,
+        device=device,
+    )
+    return name_of(identity, environment)
+
+
+def name_of(identity: ProblemIdentity, environment: Environment) -> str:
     """A name that is the same for the same tuning problem, so a stored study resumes,
-    and differs wherever a trial's outcome could: the dataset, the step, the batch size,
-    the space, the memory budget (a setting pruned under 4 GiB may fit in 64), the
-    fixed loader options, the device and the machine. A study shared by different
-    problems would choose among trials that do not compare.
+    and differs wherever a trial's outcome could: every part of ``identity``, and the
+    machine. A study shared by different problems would choose among trials that do not
+    compare.
 
     The machine is this host, alone or on one node. A job of several nodes is named by
     its shape (ranks, ranks per node, nodes) and its nodes' kind, not by a host: a
@@ -62,55 +130,9 @@ def study_name(
         environment.world_size,
         environment.local_world_size,
     )
-    fixed = sorted((name, _identity(value)) for name, value in fixed_loader_kwargs.items())
-    problem = "|".join(
-        map(
-            str,
-            (
-                _identity(dataset),
-                length,
-                _identity(step_fn),
-                batch_size,
-                space.as_dict(),
-                memory_budget,
-                fixed,
-                device,
-                machine,
-            ),
-        )
-    )
+    problem = "|".join([*identity.parts(device_index=True).values(), str(machine)])
     digest = hashlib.sha256(problem.encode()).hexdigest()[:12]
-    return f"autoloader-{type(dataset).__name__}-{digest}"
-
-
-def problem_key(
-    dataset: Dataset[Any],
-    step_fn: Callable[[Any], object],
-    *,
-    length: int | None,
-    batch_size: int,
-    space: SearchSpace,
-    memory_budget: int | None,
-    fixed_loader_kwargs: Mapping[str, Any],
-    device: torch.device | None,
-) -> dict[str, str]:
-    """The tuning problem by name, part by part, as a result file keeps it: a later run
-    reuses the file's settings only where every part is the same (and the machine, which
-    the file's environment tells), and names the parts that differ where not. The
-    dataset, the step and objects among the fixed loader options are named by their
-    type or function, as in :func:`study_name`."""
-    fixed = sorted((name, _identity(value)) for name, value in fixed_loader_kwargs.items())
-    return {
-        "dataset": _identity(dataset),
-        "dataset length": str(length),
-        "step_fn": _identity(step_fn),
-        "batch size": str(batch_size),
-        "search space": str(space.as_dict()),
-        "memory budget": str(memory_budget),
-        "fixed loader options": str(fixed),
-        # Its kind: under torchrun each rank has its own (cuda:0, cuda:1...).
-        "device": str(None if device is None else device.type),
-    }
+    return f"autoloader-{type(identity.dataset).__name__}-{digest}"
 
 
 def _identity(value: object) -> str:
