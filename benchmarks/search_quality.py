@@ -16,7 +16,7 @@ For each workload, in one run on one machine:
    same time each (3 s: the length of the tuner's own trials at a 30 s budget).
 
 Values are samples per second over a training epoch, start-up included (the tuner's
-objective, ``NOTE [ Epoch model ]`` in ``autoloader/search/_policy.py``).
+objective, ``NOTE [ Epoch model ]`` in ``autoloader/search/_objective.py``).
 
 The workloads (``benchmarks/workloads.py``) include heavy-tailed latency (``jitter``:
 log-normal per item, sigma 1) and faults that come with the worker index

@@ -160,7 +160,7 @@ def _tune_where_a_second_worker_meets(
 def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("autoloader.search._policy._MIN_BATCH_TIMEOUT", 1.0)
+    monkeypatch.setattr("autoloader.search._hang_deadlines._MIN_BATCH_TIMEOUT", 1.0)
     result = _tune_where_a_second_worker_meets("SIGSEGV", max_workers=3, time_budget=5.0)
     failed = [t for t in result.trials if t.state == "failed"]
     assert failed and all(t.kind == "worker crashed" for t in failed)
@@ -172,7 +172,7 @@ def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
 def test_hung_settings_fail_with_a_timeout_derived_from_the_baseline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("autoloader.search._policy._MIN_BATCH_TIMEOUT", 1.0)
+    monkeypatch.setattr("autoloader.search._hang_deadlines._MIN_BATCH_TIMEOUT", 1.0)
     result = _tune_where_a_second_worker_meets("hang", max_workers=2, time_budget=8.0)
     hung = [t for t in result.trials if t.state == "failed"]
     assert hung

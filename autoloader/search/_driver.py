@@ -47,10 +47,11 @@ from autoloader.search._outcome import (
     PruneKind,
     Trial,
     TrialSpec,
+    baseline_measurement,
     outcome_attrs,
     outcome_from_attrs,
 )
-from autoloader.search._policy import Plan, Policy, Stop, baseline_measurement
+from autoloader.search._policy import Plan, Policy, Stop
 from autoloader.search._reasons import SearchEnd, StopReason, render
 
 _logger = logging.getLogger(__name__)

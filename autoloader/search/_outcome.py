@@ -12,6 +12,7 @@ The kinds are enums, so no rule reads a reason's words back. Reasons are for peo
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,3 +193,11 @@ _STATE: dict[type, str] = {Completed: "complete", Pruned: "pruned", Failed: "fai
 def state_of(outcome: Outcome) -> str:
     """``"complete"``, ``"pruned"`` or ``"failed"``."""
     return _STATE[type(outcome)]
+
+
+def baseline_measurement(history: Sequence[Trial]) -> Measurement | None:
+    """What the first complete baseline trial measured, or ``None`` before it."""
+    for trial in history:
+        if trial.phase is Phase.BASELINE and isinstance(trial.outcome, Completed):
+            return trial.outcome.measurement
+    return None

@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader._exceptions import AllSettingsFailedError, BaselineError
+from autoloader._exceptions import AllSettingsFailedError
 from autoloader.loader._params import BASELINE_PARAMS, Params
-from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines
+from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._measurement import Measurement
+from autoloader.search._choice import TIE_TOLERANCE, Choice, choose, values_by_setting
 from autoloader.search._cost_model import (
-    CPU_BOUND_SHARE,
     GIVE_BACK_WAIT,
     STEP_ON_CPU,
     STEP_SHARE_OF_WORK,
@@ -42,6 +42,7 @@ from autoloader.search._cost_model import (
     loads_on_several_threads,
     split_step_threads,
 )
+from autoloader.search._hang_deadlines import HangRules
 from autoloader.search._known_failures import bisection, known_failure, params_key
 from autoloader.search._objective import (
     MIN_TRIAL_SECONDS,
@@ -56,6 +57,7 @@ from autoloader.search._outcome import (
     Pruned,
     PruneKind,
     Trial,
+    baseline_measurement,
 )
 from autoloader.search._reasons import (
     BaselineUncertain,
@@ -84,36 +86,10 @@ from autoloader.search._space import SearchSpace
 _RUNOFF_SHARE = 0.2
 _RUNOFF_CANDIDATES = 3
 _RUNOFF_ROUNDS = 2
-# Candidates whose median value is within this fraction of the best are ties; the
-# cheapest of them (fewest workers, then smallest prefetch) is chosen.
-_TIE_TOLERANCE = 0.02
-# NOTE [ Hang deadlines ]
-# A batch (loading it, or the step on it) is hung once it takes _TIMEOUT_FACTOR times
-# the baseline's time per batch, and never less than _MIN_BATCH_TIMEOUT seconds. With
-# more workers than CPUs a CPU-bound batch legitimately slows by workers / CPUs; the
-# first batch of an epoch also waits for workers to start (Deadlines.per_batch).
-# Before the baseline there is nothing to derive from: a baseline batch may take
-# _BASELINE_SHARE of the time budget, at least _MIN_BASELINE_TIMEOUT seconds, so that a
-# dataset or step that blocks forever fails the baseline (BaselineError) within the
-# checks' share of the budget plus that (4 s at a 5 s budget, 36 s at 60 s) rather than
-# a minute past a short budget. Within a trial, its own pace tightens the deadline
-# (NOTE [ Pace deadline ] in measure/_clock.py).
-_TIMEOUT_FACTOR = 20.0
-_MIN_BATCH_TIMEOUT = 3.0
-# A batch late by its sibling workers' pace (NOTE [ Sibling pace ] in
-# measure/_deadlines.py) gets _TIMEOUT_FACTOR times a worker's time per batch, at least
-# _MIN_SIBLING_TIMEOUT: the other workers' deliveries show that the loop itself moves.
-_MIN_SIBLING_TIMEOUT = 1.0
-# A worker may take this many times the measured start-up to start, and at least
-# _MIN_START_TIMEOUT seconds, before its first batch is overdue.
-_START_TIMEOUT_FACTOR = 3.0
-_MIN_START_TIMEOUT = 0.5
-_BASELINE_SHARE = 0.5
-_MIN_BASELINE_TIMEOUT = 3.0
 # NOTE [ Enough searching ]
 # Once the starting points (the cost model's guesses and the ladder) are measured, the
 # search stops when _PATIENCE measured trials in a row (settings skipped as known to
-# fail do not count) found nothing more than _TIE_TOLERANCE better than the best
+# fail do not count) found nothing more than TIE_TOLERANCE better than the best
 # before them: the sampler is circling a plateau, and the time is better spent on the
 # runoff, or given back. A loop that is bound by its step reaches such a plateau
 # quickly: nothing beats the step.
@@ -166,36 +142,6 @@ class Stop:
     """No more trials: ``why`` says what ended the run's trials."""
 
     why: StopReason
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """The chosen settings and what they measured: medians over their complete trials.
-
-    Attributes:
-        params: the chosen settings.
-        throughput: the objective the choice ranks by: samples/s over a training epoch
-            with ``params``, worker start-up included (``NOTE [ Epoch model ]``).
-        baseline: the same for the ``num_workers=0`` defaults; 0.0 if not measured.
-        steady_throughput: samples/s with ``params`` once started (start-up excluded).
-        steady_baseline: the same for the defaults; 0.0 if not measured.
-        startup_seconds: seconds to start ``params``'s workers and get the first
-            batch: without persistent workers, what each epoch pays (a measured epoch
-            restart where there is one, else the time to first batch, as the epoch
-            model charges it); with them, the time to first batch, paid once.
-        startup_each_epoch: whether ``startup_seconds`` is paid every epoch (workers
-            not persistent: the epoch rate includes it) or once per training run
-            (persistent workers: the epoch rate leaves it out, and charges each epoch
-            only a refill).
-    """
-
-    params: Params
-    throughput: float
-    baseline: float
-    steady_throughput: float
-    steady_baseline: float
-    startup_seconds: float
-    startup_each_epoch: bool
 
 
 @dataclass(frozen=True)
@@ -415,7 +361,7 @@ class Policy:
         if best_before is None:
             return False
         best_recent = max((t.value for t in recent if t.value is not None), default=0.0)
-        return best_recent <= (1 + _TIE_TOLERANCE) * best_before
+        return best_recent <= (1 + TIE_TOLERANCE) * best_before
 
     def _stop_if_every_setting_fails(self, searched: Sequence[Trial]) -> None:
         if len(searched) < _FAILURES_BEFORE_GIVING_UP:
@@ -458,7 +404,7 @@ class Policy:
         searched = [
             t for t in history if t.phase is Phase.SEARCH or (t.earlier and t.phase is Phase.RUNOFF)
         ]
-        groups = _values_by_setting(searched)
+        groups = values_by_setting(searched)
         baseline = params_key(BASELINE_PARAMS)
         ranked = sorted(
             (key for key in groups if key != baseline),
@@ -468,73 +414,22 @@ class Policy:
 
     # During a trial -----------------------------------------------------------------
 
+    @property
+    def hangs(self) -> HangRules:
+        """How long a batch, and a worker's start, may take (``NOTE [ Hang deadlines ]``)."""
+        return HangRules(self.time_budget, self.usable_cpus, self.worker_start)
+
     def deadlines(self, params: Mapping[str, Any], history: Sequence[Trial]) -> Deadlines:
         """How long one batch may take with ``params`` (see ``NOTE [ Hang deadlines ]``)."""
-        workers = int(params["num_workers"])
-        measured = baseline_measurement(history)
-        if measured is None:
-            limit = max(_MIN_BASELINE_TIMEOUT, _BASELINE_SHARE * self.time_budget)
-            return Deadlines(first=limit, each=limit)
-        per_batch = measured.load_seconds + measured.step_seconds
-        slowdown = max(1.0, workers / self.usable_cpus)
-        each = max(_MIN_BATCH_TIMEOUT, _TIMEOUT_FACTOR * per_batch * slowdown)
-        per_worker = self._worker_load_seconds(measured, workers)
-        sibling = min(each, max(_MIN_SIBLING_TIMEOUT, _TIMEOUT_FACTOR * per_worker))
-        start = self.start_each(history)
-        start_each = (
-            STARTUP_PER_WORKER
-            if start is None
-            else max(_MIN_START_TIMEOUT, _START_TIMEOUT_FACTOR * start)
-        )
-        return Deadlines.per_batch(each, workers=workers, sibling=sibling, start_each=start_each)
-
-    def start_each(self, history: Sequence[Trial]) -> float | None:
-        """Seconds one worker process takes to start, or ``None`` if not measured: the
-        measurement before the search, or the slowest start per worker a trial with
-        workers showed (its time to first batch, less a batch's load, over its
-        workers: they start one after the other), whichever is larger."""
-        measured = baseline_measurement(history)
-        if self.worker_start is None or measured is None:
-            return self.worker_start
-        seen: list[float] = [
-            (
-                trial.measurement.time_to_first_batch
-                - self._worker_load_seconds(measured, trial.params["num_workers"])
-            )
-            / trial.params["num_workers"]
-            for trial in history
-            if trial.measurement is not None
-            and trial.measurement.batches > 0
-            and trial.params["num_workers"] > 0
-            and trial.params.get("worker_kind", "processes") == "processes"
-        ]
-        return max([self.worker_start, *seen])
-
-    def _worker_load_seconds(self, measured: Measurement, workers: int) -> float:
-        """Seconds a worker takes to load a batch with ``workers`` at once: the
-        baseline's load time, slower only where loading is CPU work and the workers
-        outnumber the CPUs."""
-        cpu_bound = measured.load_cpu_seconds >= CPU_BOUND_SHARE * measured.load_seconds
-        slowdown = max(1.0, workers / self.usable_cpus) if cpu_bound else 1.0
-        return measured.load_seconds * slowdown
+        return self.hangs.deadlines(params, history)
 
     def startable(self, history: Sequence[Trial], seconds_left: float) -> int | None:
-        """The most worker processes that start, one after the other, in ``seconds_left``
-        with a moment left to measure; ``None`` where start-up was not measured. A trial
-        cannot be stopped while its workers start (DataLoader starts them in
-        ``iter()``): one that cannot start in the time left would overrun the budget."""
-        start = self.start_each(history)
-        if not start:
-            return None
-        return max(0, int((seconds_left - 0.5 * MIN_TRIAL_SECONDS) / start))
+        """The most worker processes that start in ``seconds_left`` (``HangRules``)."""
+        return self.hangs.startable(history, seconds_left)
 
     def startup_seconds(self, params: Mapping[str, Any], history: Sequence[Trial]) -> float:
-        """Seconds ``params``'s workers are expected to take to start, which a trial gets
-        on top of its time to measure (0 where not measured, or for threads)."""
-        start = self.start_each(history)
-        if start is None or params.get("worker_kind", "processes") != "processes":
-            return 0.0
-        return start * int(params["num_workers"])
+        """Seconds ``params``'s workers are expected to take to start (``HangRules``)."""
+        return self.hangs.startup_seconds(params, history)
 
     def value(
         self, params: Mapping[str, Any], measurement: Measurement, history: Sequence[Trial]
@@ -576,53 +471,9 @@ class Policy:
     # The choice -----------------------------------------------------------------------
 
     def choose(self, history: Sequence[Trial]) -> Choice:
-        """The settings to return, from every complete trial of the study.
-
-        Only the baseline and settings measured as often as the best-measured ones are
-        eligible (at most twice is asked: the runoff's candidates are measured in the
-        search and then in each round, interleaved), so a setting measured once cannot
-        beat repeated, side-by-side measurements with one lucky sample. Each is scored by the median
-        of its values (a heavy-tailed sample moves a median of three little); among
-        those within ``_TIE_TOLERANCE`` of the best score the cheapest wins: more
-        workers or prefetch only cost memory and start-up.
-
-        The figures returned are medians over the same trials: the objective's values
-        (those the choice ranks by, see ``NOTE [ Epoch model ]``), the steady rates and
-        the start-up, of the chosen setting and of the baseline.
-
-        Raises:
-            BaselineError: no trial completed, the baseline's included (the baseline
-                always completes, or the run stops with this error before a choice).
-        """
-        groups = _values_by_setting(history)
-        if not groups:
-            raise BaselineError(
-                "No trial completed, not even the baseline (num_workers=0): there is no "
-                "setting to choose, and nothing to compare one with. Tune again; the "
-                "baseline's failure, if any, says what to fix."
-            )
-        most = max(len(values) for _, values in groups.values())
-        baseline_key = params_key(BASELINE_PARAMS)
-        eligible = {
-            k: v for k, (_, v) in groups.items() if len(v) >= min(2, most) or k == baseline_key
-        }
-        scores = {key: statistics.median(values) for key, values in eligible.items()}
-        top = max(scores.values())
-        ties = [key for key, score in scores.items() if score >= (1 - _TIE_TOLERANCE) * top]
-        chosen = min(ties, key=lambda key: _cost(json.loads(key)))
-        params = json.loads(chosen)
-        measurements = groups[chosen][0]
-        baseline_measurements, baseline_values = groups.get(baseline_key, ([], []))
-        startup, each_epoch = _startup(params, measurements)
-        return Choice(
-            params,
-            throughput=float(scores[chosen]),
-            baseline=float(statistics.median(baseline_values)) if baseline_values else 0.0,
-            steady_throughput=_median_rate(measurements),
-            steady_baseline=_median_rate(baseline_measurements),
-            startup_seconds=startup,
-            startup_each_epoch=each_epoch,
-        )
+        """The settings to return, from every complete trial of the study (see
+        :func:`~autoloader.search._choice.choose`)."""
+        return choose(history)
 
     def shortcomings(self, history: Sequence[Trial], *, search_seconds: float) -> list[Shortcoming]:
         """What the result rests on less than a search for: a baseline measured too
@@ -658,30 +509,11 @@ class Policy:
         return seconds_left - _RUNOFF_SHARE * self.time_budget
 
 
-def baseline_measurement(history: Sequence[Trial]) -> Measurement | None:
-    """What the first complete baseline trial measured, or ``None`` before it."""
-    for trial in history:
-        if trial.phase is Phase.BASELINE and isinstance(trial.outcome, Completed):
-            return trial.outcome.measurement
-    return None
-
-
 def _own_share(measured: Measurement) -> float:
     """The share of the step its own thread was on the CPU (``STEP_ON_CPU``)."""
     if not measured.step_seconds:
         return 0.0
     return measured.step_thread_cpu_seconds / measured.step_seconds
-
-
-def _values_by_setting(trials: Sequence[Trial]) -> dict[str, tuple[list[Measurement], list[float]]]:
-    """Complete trials grouped by their settings: their measurements and values."""
-    groups: dict[str, tuple[list[Measurement], list[float]]] = {}
-    for trial in trials:
-        if isinstance(trial.outcome, Completed):
-            measurements, values = groups.setdefault(params_key(trial.params), ([], []))
-            measurements.append(trial.outcome.measurement)
-            values.append(trial.outcome.value)
-    return groups
 
 
 def _typical_duration(history: Sequence[Trial], params: Mapping[str, Any], default: float) -> float:
@@ -715,38 +547,3 @@ def _too_short_reason(measurement: Measurement) -> str:
         f"{measurement.batches} batches timed), so its rate has no error estimate and is "
         "not counted"
     )
-
-
-def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
-    """Fewest worker processes (each a copy of what it reads, and a start-up), then
-    fewest threads, smallest prefetch, no pinning; then one indexing per batch (less
-    CPU), then batches in order (reproducible)."""
-    threads = params.get("worker_kind") == "threads"
-    return (
-        0 if threads else params["num_workers"],
-        params["num_workers"] if threads else 0,
-        params["prefetch_factor"] or 0,
-        params["pin_memory"],
-        not params.get("batched_fetch", False),
-        not params.get("in_order", True),
-    )
-
-
-def _median_rate(measurements: list[Measurement]) -> float:
-    """Median steady samples/s, start-up excluded; 0.0 for no measurement."""
-    if not measurements:
-        return 0.0
-    return float(statistics.median(m.samples_per_second for m in measurements))
-
-
-def _startup(params: Mapping[str, Any], measurements: list[Measurement]) -> tuple[float, bool]:
-    """Median seconds to start ``params``'s workers and get the first batch, and whether
-    each epoch pays them, as ``NOTE [ Epoch model ]`` charges them: without persistent
-    workers every epoch starts them again (a measured restart, else the time to first
-    batch); with them only the first epoch does, and later ones refill the pipeline."""
-    each_epoch = not params["persistent_workers"]
-    seconds = [
-        (m.epoch_restart_seconds or m.time_to_first_batch) if each_epoch else m.time_to_first_batch
-        for m in measurements
-    ]
-    return float(statistics.median(seconds)), each_epoch

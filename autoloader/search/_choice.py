@@ -1,0 +1,143 @@
+"""The final choice: the settings a run returns, from every complete trial."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoloader._exceptions import BaselineError
+from autoloader.loader._params import BASELINE_PARAMS, Params
+from autoloader.measure._measurement import Measurement
+from autoloader.search._known_failures import params_key
+from autoloader.search._outcome import Completed, Trial
+
+# Candidates whose median value is within this fraction of the best are ties; the
+# cheapest of them (fewest workers, then smallest prefetch) is chosen.
+TIE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The chosen settings and what they measured: medians over their complete trials.
+
+    Attributes:
+        params: the chosen settings.
+        throughput: the objective the choice ranks by: samples/s over a training epoch
+            with ``params``, worker start-up included (``NOTE [ Epoch model ]``).
+        baseline: the same for the ``num_workers=0`` defaults; 0.0 if not measured.
+        steady_throughput: samples/s with ``params`` once started (start-up excluded).
+        steady_baseline: the same for the defaults; 0.0 if not measured.
+        startup_seconds: seconds to start ``params``'s workers and get the first
+            batch: without persistent workers, what each epoch pays (a measured epoch
+            restart where there is one, else the time to first batch, as the epoch
+            model charges it); with them, the time to first batch, paid once.
+        startup_each_epoch: whether ``startup_seconds`` is paid every epoch (workers
+            not persistent: the epoch rate includes it) or once per training run
+            (persistent workers: the epoch rate leaves it out, and charges each epoch
+            only a refill).
+    """
+
+    params: Params
+    throughput: float
+    baseline: float
+    steady_throughput: float
+    steady_baseline: float
+    startup_seconds: float
+    startup_each_epoch: bool
+
+
+def choose(history: Sequence[Trial]) -> Choice:
+    """The settings to return, from every complete trial of the study.
+
+    Only the baseline and settings measured as often as the best-measured ones are
+    eligible (at most twice is asked: the runoff's candidates are measured in the
+    search and then in each round, interleaved), so a setting measured once cannot
+    beat repeated, side-by-side measurements with one lucky sample. Each is scored by the median
+    of its values (a heavy-tailed sample moves a median of three little); among
+    those within ``TIE_TOLERANCE`` of the best score the cheapest wins: more
+    workers or prefetch only cost memory and start-up.
+
+    The figures returned are medians over the same trials: the objective's values
+    (those the choice ranks by, see ``NOTE [ Epoch model ]``), the steady rates and
+    the start-up, of the chosen setting and of the baseline.
+
+    Raises:
+        BaselineError: no trial completed, the baseline's included (the baseline
+            always completes, or the run stops with this error before a choice).
+    """
+    groups = values_by_setting(history)
+    if not groups:
+        raise BaselineError(
+            "No trial completed, not even the baseline (num_workers=0): there is no "
+            "setting to choose, and nothing to compare one with. Tune again; the "
+            "baseline's failure, if any, says what to fix."
+        )
+    most = max(len(values) for _, values in groups.values())
+    baseline_key = params_key(BASELINE_PARAMS)
+    eligible = {k: v for k, (_, v) in groups.items() if len(v) >= min(2, most) or k == baseline_key}
+    scores = {key: statistics.median(values) for key, values in eligible.items()}
+    top = max(scores.values())
+    ties = [key for key, score in scores.items() if score >= (1 - TIE_TOLERANCE) * top]
+    chosen = min(ties, key=lambda key: _cost(json.loads(key)))
+    params = json.loads(chosen)
+    measurements = groups[chosen][0]
+    baseline_measurements, baseline_values = groups.get(baseline_key, ([], []))
+    startup, each_epoch = _startup(params, measurements)
+    return Choice(
+        params,
+        throughput=float(scores[chosen]),
+        baseline=float(statistics.median(baseline_values)) if baseline_values else 0.0,
+        steady_throughput=_median_rate(measurements),
+        steady_baseline=_median_rate(baseline_measurements),
+        startup_seconds=startup,
+        startup_each_epoch=each_epoch,
+    )
+
+
+def values_by_setting(trials: Sequence[Trial]) -> dict[str, tuple[list[Measurement], list[float]]]:
+    """Complete trials grouped by their settings: their measurements and values."""
+    groups: dict[str, tuple[list[Measurement], list[float]]] = {}
+    for trial in trials:
+        if isinstance(trial.outcome, Completed):
+            measurements, values = groups.setdefault(params_key(trial.params), ([], []))
+            measurements.append(trial.outcome.measurement)
+            values.append(trial.outcome.value)
+    return groups
+
+
+def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
+    """Fewest worker processes (each a copy of what it reads, and a start-up), then
+    fewest threads, smallest prefetch, no pinning; then one indexing per batch (less
+    CPU), then batches in order (reproducible)."""
+    threads = params.get("worker_kind") == "threads"
+    return (
+        0 if threads else params["num_workers"],
+        params["num_workers"] if threads else 0,
+        params["prefetch_factor"] or 0,
+        params["pin_memory"],
+        not params.get("batched_fetch", False),
+        not params.get("in_order", True),
+    )
+
+
+def _median_rate(measurements: list[Measurement]) -> float:
+    """Median steady samples/s, start-up excluded; 0.0 for no measurement."""
+    if not measurements:
+        return 0.0
+    return float(statistics.median(m.samples_per_second for m in measurements))
+
+
+def _startup(params: Mapping[str, Any], measurements: list[Measurement]) -> tuple[float, bool]:
+    """Median seconds to start ``params``'s workers and get the first batch, and whether
+    each epoch pays them, as ``NOTE [ Epoch model ]`` charges them: without persistent
+    workers every epoch starts them again (a measured restart, else the time to first
+    batch); with them only the first epoch does, and later ones refill the pipeline."""
+    each_epoch = not params["persistent_workers"]
+    seconds = [
+        (m.epoch_restart_seconds or m.time_to_first_batch) if each_epoch else m.time_to_first_batch
+        for m in measurements
+    ]
+    return float(statistics.median(seconds)), each_epoch
