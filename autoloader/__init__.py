@@ -31,8 +31,9 @@ from autoloader._tune import tune
 from autoloader.checks._environment import Environment
 from autoloader.loader._thread_loader import ThreadLoader
 from autoloader.results._plot import plot
+from autoloader.results._record import TrialRecord
 from autoloader.results._report import report
-from autoloader.results._result import TrialRecord, TuneResult, load
+from autoloader.results._result import TuneResult, load
 from autoloader.search._space import SearchSpace
 
 __version__ = "0.1.0"

@@ -70,8 +70,9 @@ from autoloader.measure._errors import TrialError
 from autoloader.measure._live import LiveTrial, TrialEnded, release
 from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.results._record import TrialRecord, record_of
 from autoloader.results._report import describe, report
-from autoloader.results._result import TrialRecord, TuneResult, in_memory_kwargs, record_of
+from autoloader.results._result import TuneResult, in_memory_kwargs
 from autoloader.search import Completed, Driver, Policy, Proposal
 from autoloader.search._driver import quiet_optuna
 from autoloader.search._objective import trial_seconds

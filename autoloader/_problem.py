@@ -37,7 +37,8 @@ from autoloader.distributed._joint import agree_on_arguments, node_memory_budget
 from autoloader.distributed._ranks import Ranks
 from autoloader.measure._device import resolve_device
 from autoloader.measure._memory import resolve_memory_budget
-from autoloader.results._result import SCHEMA_VERSION, check_writable, read_result_json
+from autoloader.results._files import check_writable, read_result_json
+from autoloader.results._result import SCHEMA_VERSION
 from autoloader.search._space import SearchSpace, check_search_space
 from autoloader.search._study import ProblemIdentity, open_storage
 

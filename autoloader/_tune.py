@@ -48,12 +48,11 @@ from autoloader.measure._isolation import SubprocessRunner
 from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.results._progress import Progress
+from autoloader.results._record import TrialRecord, record_of
 from autoloader.results._report import describe
 from autoloader.results._result import (
-    TrialRecord,
     TuneResult,
     in_memory_kwargs,
-    record_of,
     split_loader_kwargs,
 )
 from autoloader.search import Choice, Driver, Policy, Trial

@@ -29,7 +29,7 @@ import autoloader
 from autoloader import AutoLoader, InvalidInputError, ResultFileError
 from autoloader._cli import main
 from autoloader.checks._validation import MAX_SECONDS
-from autoloader.results._result import MAX_RESULT_BYTES
+from autoloader.results._files import MAX_RESULT_BYTES
 from tests.test_result import _result
 from tests.workloads import CountingDataset, SleepDataset, noop_step
 

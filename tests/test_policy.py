@@ -16,7 +16,7 @@ from autoloader import AllSettingsFailedError, AutoloaderError, BaselineError
 from autoloader.loader._params import BASELINE_PARAMS, normalize_params
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement
-from autoloader.results._result import record_of
+from autoloader.results._record import record_of
 from autoloader.search import (
     Completed,
     Driver,
@@ -988,14 +988,14 @@ def test_start_up_is_the_slowest_per_worker_start_seen() -> None:
     later trials get that."""
     policy = _policy(worker_start=1.0)
     history = [_baseline(), _done(1, _params(2), 300.0)]  # first batch after 1 s: 0.25 s each
-    assert policy.start_each(history) == pytest.approx(1.0)
+    assert policy.hangs.start_each(history) == pytest.approx(1.0)
     slow = Trial(
         2,
         Phase.SEARCH,
         _params(4),
         Completed(dataclasses.replace(_measurement(300.0), time_to_first_batch=9.0), 300.0),
     )
-    assert policy.start_each([*history, slow]) == pytest.approx((9.0 - 0.5) / 4)
+    assert policy.hangs.start_each([*history, slow]) == pytest.approx((9.0 - 0.5) / 4)
     assert policy.startup_seconds(_params(4), [*history, slow]) == pytest.approx(9.0 - 0.5)
     threads = normalize_params({"num_workers": 4, "worker_kind": "threads"})
     assert policy.startup_seconds(threads, history) == 0.0

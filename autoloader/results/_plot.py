@@ -19,7 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoloader.results._result import TrialRecord, TuneResult
+from autoloader.results._record import TrialRecord
+from autoloader.results._result import TuneResult
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -8,7 +8,7 @@ from types import TracebackType
 
 from tqdm import tqdm
 
-from autoloader.results._result import TrialRecord
+from autoloader.results._record import TrialRecord
 
 
 class Progress:

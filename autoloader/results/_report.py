@@ -41,7 +41,8 @@ from collections.abc import Iterator
 from autoloader.checks._copy_on_read import copied_per_worker
 from autoloader.loader._params import BASELINE_PARAMS, TUNED_KEYS
 from autoloader.measure._units import format_bytes, format_seconds
-from autoloader.results._result import TrialRecord, TuneResult
+from autoloader.results._record import TrialRecord
+from autoloader.results._result import TuneResult
 from autoloader.search._cost_model import step_competes_with_workers
 from autoloader.search._outcome import FaultKind
 
