@@ -3,11 +3,13 @@ real training run.
 
 NOTE [ Tuning in the training loop ]
 ``tune()`` measures settings in a run of its own before training. ``AutoLoader`` runs
-the same search (the same :class:`~autoloader.search.Policy`, asked and told through the
-same :class:`~autoloader.search.Driver` and Optuna study) inside the training loop: the
-epoch's batches are loaded by one setting after another, each a trial, and a trial's
-rate is the loop's own, the time between two of its ``next()`` calls being the real
-step on the real device (:class:`~autoloader.measure._live.LiveTrial`).
+the same search (the same :class:`~autoloader._session.RunSession`: the same
+:class:`~autoloader.search.Policy`, Driver and Optuna study, asked and told one trial at
+a time; ``NOTE [ AutoLoader's tuning ]`` in ``_loop_tuning.py`` names its stages)
+inside the training loop: the epoch's batches are loaded by one setting after another,
+each a trial, and a trial's rate is the loop's own, the time between two of its
+``next()`` calls being the real step on the real device
+(:class:`~autoloader.measure._live.LiveTrial`).
 
 - **The same batches.** Each epoch draws from the user's generator, and its sampler,
   exactly what ``DataLoader`` draws (the workers' base seed, then the sampler's order),
