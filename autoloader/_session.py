@@ -190,11 +190,6 @@ class RunSession:
         return self._driver
 
     @property
-    def opened(self) -> bool:
-        """Whether :meth:`open` started the search."""
-        return self._driver is not None
-
-    @property
     def history(self) -> list[Trial]:
         """Every trial so far, earlier runs' first; empty before :meth:`open`."""
         return [] if self._driver is None else self._driver.history
