@@ -5,15 +5,18 @@
     check_arguments         the arguments, checked before anything runs, as a Problem
     agree                   under torchrun: every rank was given the same problem
                             (both in _problem.py)
+    reused                  a saved result of the same problem (_reuse.py)
     _trial_runner           what measures one setting in this process; under torchrun
                             every rank measures each trial, _lead driving the study
                             and follow() on the other ranks
-    _search                 the rest, on the rank that drives the study:
-      check_before_search  the checks that read items, and the space they leave
-      _run                  the driver's trials, until the policy stops them, Ctrl-C or
+    _search                 the rest, on the rank that drives the study, through the
+                            run's RunSession (_session.py), which AutoLoader drives too:
+      check()               the checks that read items, and the space they leave
+      open()                the policy, the study and the driver
+      run()                 the driver's trials, until the policy stops them, Ctrl-C or
                             SIGTERM (NOTE [ SIGTERM while tuning ], in _sigterm.py)
-      _notes                what the user should know, typed (search/_reasons.py)
-      _result               the TuneResult, its notes rendered to words once
+      conclude()            the TuneResult, its notes rendered to words once
+    save()                  the result at ``path``
 """
 
 from __future__ import annotations
@@ -22,9 +25,7 @@ import dataclasses
 import inspect
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from time import perf_counter
 from typing import Any
 
@@ -36,8 +37,9 @@ from autoloader._exceptions import InvalidInputError, RankError
 from autoloader._preserve import Restorable, preserved
 from autoloader._problem import Problem, agree, check_arguments, check_main_thread
 from autoloader._reuse import reused
+from autoloader._session import RunSession
 from autoloader._sigterm import Sigterm, sigterm_while_tuning
-from autoloader.checks._facts import Checks, checks_seconds
+from autoloader.checks._facts import checks_seconds
 from autoloader.checks._validation import Isolation
 from autoloader.distributed._joint import JointRunner, follow, spare_batch
 from autoloader.distributed._ranks import Ranks
@@ -48,32 +50,12 @@ from autoloader.measure._isolation import SubprocessRunner
 from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.results._progress import Progress
-from autoloader.results._record import TrialRecord, record_of
-from autoloader.results._report import describe
-from autoloader.results._result import (
-    TuneResult,
-    in_memory_kwargs,
-    split_loader_kwargs,
-)
-from autoloader.search import Choice, Driver, Policy, Trial
-from autoloader.search._driver import Interruption, Terminated, quiet_optuna, remember_ctrl_c
-from autoloader.search._objective import trial_seconds
-from autoloader.search._reasons import (
-    BudgetGivenBack,
-    Interrupted,
-    Note,
-    Resumed,
-    SpaceNote,
-    TunedJointly,
-    render,
-)
-from autoloader.search._space import SearchSpace, Startup, resolve_space
-from autoloader.search._study import study_name
+from autoloader.results._result import TuneResult, in_memory_kwargs
+from autoloader.search._driver import quiet_optuna
+from autoloader.search._space import SearchSpace
 
 _logger = logging.getLogger(__name__)
 
-# A run that ends with more than this share of its budget left says why in its notes.
-_GIVEN_BACK = 0.1
 # The memory budget of a rank that is not its node's first: that one watches them all.
 _UNWATCHED = 1 << 62
 
@@ -258,10 +240,10 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
     found = reused(problem, ranks)
     if found is not None:
         return found
-    result = _tuned(problem, ranks, started, sigterm.interruption)
+    session = RunSession(problem, ranks, started=started, interruption=sigterm.interruption)
+    result = _tuned(session)
     sigterm.hold()  # NOTE [ SIGTERM while tuning ]: a SIGTERM now waits for the file
-    if problem.path is not None:
-        save_result(result, problem.path)
+    session.save(result)
     if sigterm.interruption.by == "SIGTERM":
         _logger.log(
             logging.INFO if problem.path is None else logging.WARNING,
@@ -273,28 +255,13 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
     return result
 
 
-def save_result(result: TuneResult, path: Path) -> None:
-    """``result`` saved at ``path``, or a warning: a file that cannot be written loses
-    nothing of the run, which the caller gets back."""
-    try:
-        result.save(path)
-    except (OSError, ValueError) as error:  # ValueError: a figure JSON cannot hold
-        warnings.warn(
-            f"autoloader could not save the result to {path}: {error}. The tuned "
-            "settings are returned; save them with result.save(another_path).",
-            stacklevel=4,  # tune()'s caller
-        )
-
-
-def _tuned(
-    problem: Problem, ranks: Ranks | None, started: float, interruption: Interruption
-) -> TuneResult:
-    """The search, in this process alone or as one of the ranks; ``interruption`` notes
-    Ctrl-C and SIGTERM."""
+def _tuned(session: RunSession) -> TuneResult:
+    """The search, in this process alone or as one of the ranks."""
+    problem, ranks = session.problem, session.ranks
     in_process = _trial_runner(problem, ranks)
     if ranks is None:
         runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
-        return _search(problem, runner, ranks, started, interruption)
+        return _search(session, runner)
     baseline_kwargs = merge_loader_kwargs(
         BASELINE_PARAMS, batch_size=problem.batch_size, fixed=problem.fixed
     )
@@ -309,7 +276,7 @@ def _tuned(
     if not ranks.drives:
         found: TuneResult = follow(in_process, ranks, spare=spare)
         return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
-    return _lead(problem, JointRunner(in_process, ranks, spare=spare), ranks, started, interruption)
+    return _lead(session, JointRunner(in_process, ranks, spare=spare))
 
 
 def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:
@@ -329,17 +296,11 @@ def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:
     )
 
 
-def _lead(
-    problem: Problem,
-    joint: JointRunner,
-    ranks: Ranks,
-    started: float,
-    interruption: Interruption,
-) -> TuneResult:
+def _lead(session: RunSession, joint: JointRunner) -> TuneResult:
     """As the rank that drives the study: search with every rank measuring each trial,
     then send the others the result, or the error."""
     try:
-        result = _search(problem, joint, ranks, started, interruption)
+        result = _search(session, joint)
     except (RankError, KeyboardInterrupt):
         raise  # the other ranks stop with their own RankError
     except Exception as error:
@@ -349,16 +310,10 @@ def _lead(
     return result
 
 
-def _search(
-    problem: Problem,
-    runner: Runner,
-    ranks: Ranks | None,
-    started: float,
-    interruption: Interruption,
-) -> TuneResult:
+def _search(session: RunSession, runner: Runner) -> TuneResult:
     """The checks before the search, the search, and the result it comes to."""
-    space, space_notes, facts = check_before_search(problem)
-    threads = torch.get_num_threads()  # the user's, before any trial or step set them
+    problem = session.problem
+    space = session.check()
     _logger.info(
         "tuning %s for %.0f s, memory budget %s, space %s",
         type(problem.dataset).__name__,
@@ -370,217 +325,6 @@ def _search(
         quiet_optuna(),
         Progress(time_budget=problem.budget, enabled=problem.show_progress) as progress,
     ):
-        study = open_study(problem, space)
-        policy = policy_of(problem, space, facts)
-
-        def on_trial(trial: Trial) -> None:
-            record = record_of(trial)
-            _logger.info(describe(record))
-            progress.trial_done(record)
-
-        driver = Driver(
-            policy,
-            runner,
-            study,
-            deadline=started + problem.budget,
-            on_trial=on_trial,
-            interrupted=interruption,
-        )
-        partial = _run(driver, ranks)
-        records = [record_of(trial) for trial in driver.history]
-        choice = policy.choose(driver.history)
-        notes = notes_of(
-            problem, ranks, space_notes, policy, driver, choice, partial, started, threads
-        )
-    return result_of(problem, choice, records, notes, facts, partial, started)
-
-
-def policy_of(problem: Problem, space: SearchSpace, facts: Mapping[str, Any]) -> Policy:
-    """The search's rules for ``problem``, over the ``space`` and ``facts`` the checks
-    before the search left."""
-    return Policy(
-        space=space,
-        time_budget=problem.budget,
-        batch_size=problem.batch_size,
-        batches_per_epoch=problem.batches_per_epoch,
-        n_trials=problem.n_trials,
-        usable_cpus=problem.environment.usable_cpus,
-        worker_start=facts.get("worker_start_seconds"),
-        accelerator=step_accelerator(problem),
-        step_threads_asked=problem.space.step_threads != "auto",
-    )
-
-
-def step_accelerator(problem: Problem) -> str | None:
-    """The accelerator the step runs on: the device batches go to, or, without one, the
-    accelerator this process already uses (a model moved there before ``tune()``), or
-    ``None`` (see ``Policy.step_threads_left``)."""
-    device = problem.device
-    if device is not None:
-        return None if device.type == "cpu" else str(device)
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return "cuda"
-    return None
-
-
-def check_before_search(problem: Problem) -> tuple[SearchSpace, list[SpaceNote], dict[str, Any]]:
-    """The checks that read items and start processes, and the space they leave to
-    search: only once every argument was checked, and out of the time budget (see
-    NOTE [ Checks before the search ])."""
-    checks = Checks(
-        problem.dataset,
-        problem.fixed,
-        batch_size=problem.batch_size,
-        seconds=checks_seconds(problem.budget),
-        memory_budget=problem.memory_bytes,
-    )
-    asked = problem.space
-    if asked.num_workers != (0, 0):  # with no workers, nothing can repeat
-        checks.repeated_samples()
-    batched_fetch_problem = (
-        checks.batched_fetch_problem() if asked.batched_fetch != (False,) else None
-    )
-    threads_problem = checks.threads_problem() if asked.worker_kind != ("processes",) else None
-    facts = checks.facts(
-        problem.dataset_length,
-        start_method=problem.start_method,
-        processes=asked.num_workers != (0, 0) and asked.worker_kind != ("threads",),
-    )
-    space, notes = resolve_space(
-        asked,
-        usable_cpus=problem.environment.usable_cpus,
-        has_accelerator=problem.environment.accelerator is not None,
-        batches_per_epoch=problem.batches_per_epoch,
-        batched_fetch_problem=batched_fetch_problem,
-        threads_problem=threads_problem,
-        startup=_startup(problem, facts),
-    )
-    for name, why in facts["missing"].items():
-        _logger.warning("not checked before the search, %s: %s", name, why)
-    return space, notes, facts
-
-
-def _startup(problem: Problem, facts: dict[str, Any]) -> Startup | None:
-    """Worker start-up as the checks measured it (``NOTE [ Worker start-up ]``)."""
-    seconds = facts.get("worker_start_seconds")
-    if seconds is None:
-        return None
-    return Startup(seconds, problem.start_method, problem.budget, trial_seconds(problem.budget))
-
-
-def open_study(problem: Problem, space: SearchSpace) -> optuna.Study:
-    """The study of this problem: an earlier run's, where the storage holds one."""
-    return optuna.create_study(
-        storage=problem.storage,
-        study_name=study_name(
-            problem.dataset,
-            problem.step_fn,
-            length=problem.dataset_length,
-            batch_size=problem.batch_size,
-            space=space,
-            # The budget asked for: a default one moves with the memory free.
-            memory_budget=None if problem.memory_budget is None else problem.memory_bytes,
-            fixed_loader_kwargs=problem.fixed,
-            environment=problem.environment,
-            device=problem.device,
-        ),
-        direction="maximize",
-        sampler=optuna.samplers.TPESampler(seed=problem.seed),
-        load_if_exists=True,
-    )
-
-
-def _run(driver: Driver, ranks: Ranks | None) -> bool:
-    """Run the driver's trials; whether Ctrl-C or SIGTERM cut them short (the result is
-    partial)."""
-    try:
-        with remember_ctrl_c(driver.interrupted):
-            driver.run()
-    except KeyboardInterrupt as error:
-        # Under torchrun the other ranks stop too (torchrun ends the job): no
-        # partial result for all to agree on; the storage keeps the trials.
-        if not driver.has_baseline() or ranks is not None:
-            raise
-        # The trial under way has stopped and its workers are gone; what finished
-        # before is still a measured answer.
-        _logger.warning(
-            "tuning interrupted (%s); returning the best of the finished trials",
-            "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C",
-        )
-        return True
-    return False
-
-
-def notes_of(
-    problem: Problem,
-    ranks: Ranks | None,
-    space_notes: list[SpaceNote],
-    policy: Policy,
-    driver: Driver,
-    choice: Choice,
-    partial: bool,
-    started: float,
-    threads: int,
-) -> list[Note]:
-    """What the user should know about the run, in the order the result lists it;
-    ``threads``: the process's torch threads before the trials."""
-    notes: list[Note] = [*space_notes]
-    notes += policy.step_threads_notes(driver.history, choice, threads=threads)
-    if ranks is not None:
-        usable_cpus = problem.environment.usable_cpus
-        notes.append(
-            TunedJointly(ranks.world_size, ranks.local_world_size, usable_cpus, ranks.nodes)
-        )
-    if partial:
-        by = driver.interrupted.by if driver.interrupted is not None else None
-        notes.append(Interrupted(by or "Ctrl-C"))
-    step_bound = policy.step_bound(driver.history)
-    if step_bound is not None:
-        notes.append(step_bound)
-    shortcomings = policy.shortcomings(driver.history, search_seconds=driver.search_seconds)
-    for shortcoming in [] if partial else shortcomings:
-        _logger.warning("%s", render(shortcoming))
-        notes.append(shortcoming)
-    elapsed = perf_counter() - started
-    ended, stopped = driver.search_ended, driver.stopped
-    given_back = elapsed < (1 - _GIVEN_BACK) * problem.budget
-    if not partial and given_back and ended is not None and stopped is not None:
-        notes.append(BudgetGivenBack(elapsed, problem.budget, ended, stopped))
-    resumed = sum(t.earlier for t in driver.history)
-    if resumed:
-        notes.append(Resumed(resumed))
-    return notes
-
-
-def result_of(
-    problem: Problem,
-    choice: Choice,
-    records: list[TrialRecord],
-    notes: list[Note],
-    facts: dict[str, Any],
-    partial: bool,
-    started: float,
-) -> TuneResult:
-    """The result: the choice, every trial, and the notes in words."""
-    saved, unsaved = split_loader_kwargs(problem.fixed)
-    return TuneResult(
-        params=choice.params,
-        throughput=choice.throughput,
-        baseline=choice.baseline,
-        steady_throughput=choice.steady_throughput,
-        steady_baseline=choice.steady_baseline,
-        startup_seconds=choice.startup_seconds,
-        startup_each_epoch=choice.startup_each_epoch,
-        batch_size=problem.batch_size,
-        trials=tuple(records),
-        environment=problem.environment,
-        tuning_seconds=perf_counter() - started,
-        memory_budget=problem.memory_bytes,
-        notes=tuple(render(note) for note in notes),
-        partial=partial,
-        fixed_loader_kwargs=saved,
-        unsaved_loader_kwargs=unsaved,
-        facts=facts,
-        problem=problem.key(),
-        _in_memory_kwargs=in_memory_kwargs(problem.fixed),
-    )
+        session.open(runner, on_record=progress.trial_done)
+        partial = session.run()
+        return session.conclude(partial=partial)

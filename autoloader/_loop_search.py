@@ -1,0 +1,370 @@
+"""AutoLoader's search while it is SEARCHING (``NOTE [ AutoLoader's tuning ]``, in
+``_loop_tuning.py``), alone or under torchrun, chosen once at the first batch as
+DataLoader chooses its single- or multi-process iterator: :class:`SoloSearch` or
+:class:`JointSearch`, behind one interface (:class:`Search`). Both ask and tell the run's
+:class:`~autoloader._session.RunSession`, the one ``tune()`` drives too; under torchrun
+the ranks exchange typed messages (:class:`_NextSegment`, :class:`_Tuned`,
+:class:`_Fatal`), as ``tune()``'s joint runner does (``distributed/_joint.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Protocol
+
+from autoloader._exceptions import BaselineError
+from autoloader._problem import Problem
+from autoloader._session import RunSession
+from autoloader.distributed._joint import job_outcome
+from autoloader.distributed._ranks import Ranks
+from autoloader.loader._feed import EpochBatches
+from autoloader.loader._params import Params
+from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._errors import TrialError
+from autoloader.measure._live import LiveTrial
+from autoloader.measure._measurement import Measurement, WindowCallback
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.results._result import TuneResult, in_memory_kwargs
+from autoloader.search import Completed, Proposal, Trial
+from autoloader.search._objective import trial_seconds
+
+Failure = TrialError | MemoryBudgetExceeded
+
+
+class Tuning(Protocol):
+    """What a search reads and sets of the tuning that drives it (``LoopTuning``)."""
+
+    problem: Problem
+    last_good: Params  # what loads a failed trial's batches
+
+    def epoch_length(self) -> int | None:
+        """Batches in an epoch of the loader, ``None`` where it has no length."""
+
+    def ask(self, session: RunSession) -> Proposal | None:
+        """The session's next trial; ``None`` once the search ended."""
+
+    def record_failure(self, params: Params, error: Failure) -> None:
+        """``params`` failed in its trial with ``error``: say so, keep it in the list."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A search trial to run: its setting, hang deadlines, and its end: ``batches``
+    (under torchrun) or ``max_seconds`` and the windows' vote (``on_window``)."""
+
+    params: Params
+    deadlines: Deadlines | None
+    batches: int | None = None
+    max_seconds: float | None = None
+    on_window: WindowCallback | None = None
+
+
+# NOTE [ An epoch's tail ]
+# A trial ends with its epoch: cut short there, before two timing windows, it is
+# pruned as too short and its time is lost to the search. So where the batches left
+# in the epoch would take less than half a trial's time at the last trial's pace,
+# no trial starts: the last good setting loads them, and the next trial starts with
+# the next epoch. Not where a whole epoch is that short (every trial would wait),
+# nor before the baseline, nor under torchrun, whose trials have a length in batches.
+
+
+class Search(abc.ABC):
+    """SEARCHING, alone or under torchrun, chosen once at the first batch: what the next
+    trial is, and what a trial's end means. ``session`` is ``None`` on a rank that does
+    not drive the study. The tuning calls :meth:`too_few_left`, then :meth:`plan` at
+    each trial's start; :meth:`keep_pace`, then :meth:`ended` at its end, and
+    :meth:`made_up` once the batches it gave back are loaded."""
+
+    memory_share = 1  # the trial's share of the memory budget's bytes: 1 / memory_share
+
+    def __init__(self, session: RunSession | None) -> None:
+        self.session = session
+        self.pace: float | None = None  # seconds per batch of the last trial
+
+    @property
+    def history(self) -> list[Trial]:
+        return [] if self.session is None else self.session.history
+
+    def deadlines(self, params: Params) -> Deadlines | None:
+        return None if self.session is None else self.session.deadlines(params)
+
+    def keep_pace(self, trial: LiveTrial) -> None:
+        """The loop's seconds per batch in ``trial``: under torchrun, rank 0's sets the
+        next trial's length (``NOTE [ Joint segments ]``); alone, it tells whether an
+        epoch's tail is worth a trial (``NOTE [ An epoch's tail ]``)."""
+        if trial.feed.delivered_count:
+            self.pace = (perf_counter() - trial.started) / trial.feed.delivered_count
+
+    def too_few_left(self, tuning: Tuning, batches: EpochBatches) -> bool:
+        """Whether the epoch's tail is too short for a trial (``NOTE [ An epoch's tail ]``)."""
+        return False
+
+    @abc.abstractmethod
+    def plan(self, tuning: Tuning) -> Plan | TuneResult:
+        """The next trial, or the result once the search ended."""
+
+    @abc.abstractmethod
+    def ended(
+        self,
+        tuning: Tuning,
+        trial: LiveTrial,
+        outcome: Measurement | Failure,
+        undelivered: int,
+    ) -> int:
+        """Record how the search trial ``trial`` ended; the batches to make up."""
+
+    @abc.abstractmethod
+    def made_up(self, tuning: Tuning) -> None:
+        """The batches a search trial gave back are loaded."""
+
+
+class SoloSearch(Search):
+    """The search alone: each trial the driver's proposal, ended by its time or the
+    windows' vote, and told to the study at its end."""
+
+    def __init__(self, session: RunSession | None) -> None:
+        super().__init__(session)
+        self.proposal: Proposal | None = None  # the trial under way
+
+    def too_few_left(self, tuning: Tuning, batches: EpochBatches) -> bool:
+        length = tuning.epoch_length()
+        if self.pace is None or length is None:
+            return False
+        wanted = 0.5 * trial_seconds(tuning.problem.budget)
+        left = length - batches.taken
+        return left > 0 and left * self.pace < wanted <= length * self.pace
+
+    def plan(self, tuning: Tuning) -> Plan | TuneResult:
+        session = self.session
+        assert session is not None
+        self.proposal = proposal = tuning.ask(session)
+        if proposal is None:
+            result = session.conclude()
+            session.save(result)
+            return result
+        spec = proposal.spec
+        return Plan(
+            spec.params,
+            spec.deadlines,
+            max_seconds=spec.max_seconds,
+            on_window=lambda window, measured: session.vote(spec, window, measured),
+        )
+
+    def ended(
+        self,
+        tuning: Tuning,
+        trial: LiveTrial,
+        outcome: Measurement | Failure,
+        undelivered: int,
+    ) -> int:
+        session, proposal = self.session, self.proposal
+        assert session is not None and proposal is not None
+        self.proposal = None
+        if isinstance(outcome, Measurement):
+            told = session.judge(proposal, outcome, voted=trial.voted)
+        else:
+            try:
+                told = session.judge(proposal, outcome, voted=False)
+            except BaselineError:
+                raise users_error(outcome) from None
+            tuning.record_failure(proposal.spec.params, outcome)
+        session.tell(proposal, told)
+        if isinstance(told, Completed):
+            tuning.last_good = proposal.spec.params
+        return 0 if isinstance(outcome, Measurement) else undelivered
+
+    def made_up(self, tuning: Tuning) -> None:
+        """Nothing waits for them: the trial was told at its end."""
+
+
+# NOTE [ Joint segments ]
+# Under torchrun every rank switches settings at the same batch: rank 0 proposes each
+# trial with a length in batches (its time over rank 0's last pace; the first, the
+# baseline, _FIRST_SEGMENT), the same on every rank, which loads exactly that many
+# batches of its epoch in the trial, a failed setting's share by the last good one.
+# At the trial's end (or its epoch's, at the same batch on every rank when their
+# samplers give them epochs of one length, as DistributedSampler does), the ranks
+# gather how it went, and rank 0 tells the study the job's figures: the slowest
+# rank's, or the failure, as in tune() (job_outcome). Two exchanges a trial, none
+# within one, and none once tuning ended. Both come between the user's steps, where a
+# rank may spend minutes alone (evaluating, checkpointing between epochs): they wait
+# as long as the job's own collectives (NOTE [ How long a rank waits ]).
+_FIRST_SEGMENT = 16  # the first trial's length in batches, before any pace is known
+_MIN_SEGMENT = 8  # and the shortest
+
+
+@dataclass(frozen=True, slots=True)
+class _NextSegment:
+    """Rank 0 to all: load the next ``batches`` batches with ``params``; a failed
+    setting's share with ``last_good``."""
+
+    params: Params
+    deadlines: Deadlines | None
+    batches: int
+    last_good: Params
+
+
+@dataclass(frozen=True, slots=True)
+class _Tuned:
+    """Rank 0 to all: tuning ended; train with ``result``."""
+
+    result: TuneResult
+
+
+@dataclass(frozen=True, slots=True)
+class _Fatal:
+    """Rank 0 to all: the baseline failed: raise ``error`` on every rank."""
+
+    error: BaseException
+
+
+@dataclass(slots=True)
+class _Segment:
+    """The trial under way: its setting, its length in batches, and how it went on this
+    rank (``NOTE [ Joint segments ]``)."""
+
+    params: Params
+    batches: int
+    outcome: Measurement | Failure | None = None
+
+
+class JointSearch(Search):
+    """The search under torchrun: each trial a segment of batches, the same on every
+    rank (``NOTE [ Joint segments ]``); rank 0 holds the session."""
+
+    def __init__(self, session: RunSession | None, ranks: Ranks) -> None:
+        super().__init__(session)
+        self.ranks = ranks
+        self.memory_share = ranks.local_world_size  # the node's budget, in equal shares
+        self.segment: _Segment | None = None  # the trial under way, until its exchange
+        self.proposal: Proposal | None = None  # rank 0: the segment's
+        self.fatal: BaseException | None = None  # rank 0: to raise on every rank
+
+    def plan(self, tuning: Tuning) -> Plan | TuneResult:
+        """The next trial, decided by rank 0 and the same on every rank; or, once the
+        search ended, rank 0's result, on every rank."""
+        ranks = self.ranks
+        message = self._decide(tuning) if ranks.drives else None
+        message = ranks.broadcast(message, during="deciding AutoLoader's next trial")
+        if isinstance(message, _Fatal):
+            raise message.error
+        if isinstance(message, _Tuned):
+            result = dataclasses.replace(
+                message.result, _in_memory_kwargs=in_memory_kwargs(tuning.problem.fixed)
+            )
+            ranks.close()
+            return result
+        assert isinstance(message, _NextSegment)
+        tuning.last_good = message.last_good
+        self.segment = _Segment(message.params, message.batches)
+        return Plan(
+            message.params, message.deadlines, batches=message.batches, max_seconds=math.inf
+        )
+
+    def _decide(self, tuning: Tuning) -> _NextSegment | _Tuned | _Fatal:
+        """Rank 0: what every rank does next."""
+        session = self.session
+        assert session is not None
+        if self.fatal is not None:
+            return _Fatal(self.fatal)
+        self.proposal = proposal = tuning.ask(session)
+        if proposal is None:
+            result = session.conclude()
+            session.save(result)
+            return _Tuned(dataclasses.replace(result, _in_memory_kwargs={}))
+        spec = proposal.spec
+        batches = (
+            _FIRST_SEGMENT
+            if self.pace is None
+            else max(_MIN_SEGMENT, math.ceil(spec.max_seconds / self.pace))
+        )
+        return _NextSegment(spec.params, spec.deadlines, batches, tuning.last_good)
+
+    def ended(
+        self,
+        tuning: Tuning,
+        trial: LiveTrial,
+        outcome: Measurement | Failure,
+        undelivered: int,
+    ) -> int:
+        segment = self.segment
+        assert segment is not None
+        segment.outcome = outcome
+        if not isinstance(outcome, Measurement):
+            tuning.record_failure(segment.params, outcome)
+            # The trial's other batches, by the last good setting, before the exchange.
+            rest = segment.batches - trial.feed.delivered_count
+            if rest > 0:
+                return rest
+        self._exchange(tuning)
+        return 0
+
+    def made_up(self, tuning: Tuning) -> None:
+        if self.segment is not None:
+            self._exchange(tuning)
+
+    def _exchange(self, tuning: Tuning) -> None:
+        """This rank's trial has loaded its batches: gather how it went on every rank;
+        rank 0 tells the study the job's outcome (``NOTE [ Joint segments ]``)."""
+        segment, ranks = self.segment, self.ranks
+        assert segment is not None
+        self.segment = None
+        everyone = ranks.gather(segment.outcome, during="ending AutoLoader's trial")
+        proposal, self.proposal = self.proposal, None
+        session = self.session
+        if not ranks.drives or proposal is None or session is None:
+            return
+        happened: Measurement | Failure
+        try:
+            happened = job_outcome(everyone, ranks.hosts)
+        except (TrialError, MemoryBudgetExceeded) as error:
+            happened = error
+        try:
+            told = session.judge(proposal, happened, voted=False)
+        except BaselineError:
+            assert not isinstance(happened, Measurement)
+            self.fatal = users_error(happened)
+            return
+        session.tell(proposal, told)
+        if isinstance(told, Completed):
+            tuning.last_good = proposal.spec.params
+
+
+def users_error(error: Failure) -> BaseException:
+    """What reaches the loop when the baseline fails too: the dataset's own error, as
+    DataLoader would raise it; a memory overrun or a hang, said as one."""
+    if isinstance(error, TrialError) and not isinstance(error.error, TimeoutError):
+        cause = error.error
+        if isinstance(cause, BaseException) and type(cause).__name__ != "TrialTimeout":
+            return cause
+    return BaselineError(
+        f"AutoLoader: the batches fail to load even with num_workers=0 in this process "
+        f"({error}); this is a fault in the dataset or collate_fn, not in a setting."
+    )
+
+
+def describe_params(params: Mapping[str, Any]) -> str:
+    """A setting in a few words: ``4 workers (prefetch 2, persistent), pinned``."""
+    workers = int(params.get("num_workers", 0))
+    if not workers:
+        words = "num_workers=0"
+    else:
+        kind = "threads" if params.get("worker_kind") == "threads" else "workers"
+        extra = [f"prefetch {params.get('prefetch_factor')}"]
+        if params.get("persistent_workers"):
+            extra.append("persistent")
+        if params.get("worker_threads") is not None:
+            extra.append(f"{params['worker_threads']} native thread(s) each")
+        words = f"{workers} {kind} ({', '.join(extra)})"
+    if params.get("batched_fetch"):
+        words += ", batched"
+    if params.get("pin_memory"):
+        words += ", pinned"
+    if params.get("step_threads") is not None:
+        words += f", step on {params['step_threads']} threads"
+    return words

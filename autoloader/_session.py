@@ -1,0 +1,395 @@
+"""One tuning run's life, for both entry points: :class:`RunSession`.
+
+``tune()`` and ``AutoLoader`` run the same search: the checks before it, the policy over
+the space they leave, the Optuna study of the problem and the driver that asks and tells
+it, the clock, the notes, the result and its file. A session owns all of it; the two
+entry points differ only in who owns the loop, as Optuna's ``study.optimize()`` and its
+``study.ask()`` / ``study.tell()`` do. Its methods, in the order they are called::
+
+    RunSession(problem, ranks, started=..., interruption=...)
+    check()                the checks that read items, and the space they leave
+    open(runner, ...)      the policy, the study of this problem, the driver
+    then either            tune(): its loop
+      run()                the driver's trials until the policy stops, Ctrl-C or
+                           SIGTERM (NOTE [ SIGTERM while tuning ], in _sigterm.py)
+    or, trial by trial     AutoLoader, in the user's training loop
+      ask()                the next trial, or None once the policy stops
+      vote()               at each timing window: whether the trial should stop
+      judge(), tell()      what happened, as a typed outcome; told to the study
+    conclude(partial=...)  the result: the choice, every trial, the notes in words once
+    save(result)           at ``problem.path``, or a warning
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from time import perf_counter
+from typing import Any
+
+import optuna
+import torch
+
+from autoloader._problem import Problem
+from autoloader.checks._facts import Checks, checks_seconds
+from autoloader.distributed._ranks import Ranks
+from autoloader.measure._deadlines import Deadlines
+from autoloader.measure._errors import TrialError
+from autoloader.measure._measurement import Measurement
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._runner import Runner
+from autoloader.results._record import TrialRecord, record_of
+from autoloader.results._report import describe
+from autoloader.results._result import TuneResult, in_memory_kwargs, split_loader_kwargs
+from autoloader.search import Choice, Driver, Outcome, Policy, Proposal, Trial, TrialSpec
+from autoloader.search._driver import Interruption, Terminated, quiet_optuna, remember_ctrl_c
+from autoloader.search._objective import trial_seconds
+from autoloader.search._reasons import (
+    BudgetGivenBack,
+    Interrupted,
+    Note,
+    Resumed,
+    SpaceNote,
+    TunedJointly,
+    render,
+)
+from autoloader.search._space import SearchSpace, Startup, resolve_space
+from autoloader.search._study import study_name
+
+_logger = logging.getLogger(__name__)
+
+# A run that ends with more than this share of its budget left says why in its notes.
+_GIVEN_BACK = 0.1
+
+
+class RunSession:
+    """One tuning run of ``problem``, from the checks before the search to the saved
+    result, for this process alone (``ranks`` is ``None``) or on the rank of a torchrun
+    job that drives the study.
+
+    Args:
+        problem: the run's arguments, checked (under torchrun, agreed between the ranks).
+        ranks: the job's ranks under torchrun, else ``None``.
+        started: ``perf_counter()`` time the run started: its budget counts from there.
+        interruption: set by Ctrl-C or SIGTERM (``NOTE [ SIGTERM while tuning ]``);
+            ``None`` where the loop is the user's and its Ctrl-C is theirs.
+        threads: the process's torch threads before any trial set them (the user's);
+            ``None``: as they are now.
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        ranks: Ranks | None,
+        *,
+        started: float,
+        interruption: Interruption | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.problem = problem
+        self.ranks = ranks
+        self.started = started
+        self.interruption = interruption
+        self.threads = torch.get_num_threads() if threads is None else threads
+        self.space_notes: list[SpaceNote] = []
+        self.facts: dict[str, Any] = {}
+        self._space: SearchSpace | None = None
+        self._driver: Driver | None = None
+
+    # The checks and the search's start -------------------------------------------------
+
+    def check(self) -> SearchSpace:
+        """The checks that read items and start processes, and the space they leave to
+        search: only once every argument was checked, and out of the time budget (see
+        NOTE [ Checks before the search ])."""
+        problem = self.problem
+        checks = Checks(
+            problem.dataset,
+            problem.fixed,
+            batch_size=problem.batch_size,
+            seconds=checks_seconds(problem.budget),
+            memory_budget=problem.memory_bytes,
+        )
+        asked = problem.space
+        if asked.num_workers != (0, 0):  # with no workers, nothing can repeat
+            checks.repeated_samples()
+        batched_fetch_problem = (
+            checks.batched_fetch_problem() if asked.batched_fetch != (False,) else None
+        )
+        threads_problem = checks.threads_problem() if asked.worker_kind != ("processes",) else None
+        facts = checks.facts(
+            problem.dataset_length,
+            start_method=problem.start_method,
+            processes=asked.num_workers != (0, 0) and asked.worker_kind != ("threads",),
+        )
+        space, notes = resolve_space(
+            asked,
+            usable_cpus=problem.environment.usable_cpus,
+            has_accelerator=problem.environment.accelerator is not None,
+            batches_per_epoch=problem.batches_per_epoch,
+            batched_fetch_problem=batched_fetch_problem,
+            threads_problem=threads_problem,
+            startup=_startup(problem, facts),
+        )
+        for name, why in facts["missing"].items():
+            _logger.warning("not checked before the search, %s: %s", name, why)
+        self._space, self.space_notes, self.facts = space, notes, facts
+        return space
+
+    def open(
+        self,
+        runner: Runner | None,
+        *,
+        on_record: Callable[[TrialRecord], None] | None = None,
+    ) -> None:
+        """The policy, the study of this problem (an earlier run's, where the storage
+        holds one) and the driver, once :meth:`check` left the space.
+
+        Args:
+            runner: measures each trial of :meth:`run`. ``None`` where the caller
+                measures them itself in its training loop (:meth:`ask`, :meth:`tell`):
+                the study's lease is taken now, and the baseline is measured once, its
+                pace being training's, not again in the runoff.
+            on_record: called with each trial's record, after it is logged.
+        """
+        problem, space = self.problem, self._space
+        assert space is not None, "check() comes first"
+        policy = _policy(problem, space, self.facts)
+        if runner is None:
+            policy = dataclasses.replace(policy, runoff_baseline=False)
+
+        def on_trial(trial: Trial) -> None:
+            record = record_of(trial)
+            _logger.info("%s", describe(record))
+            if on_record is not None:
+                on_record(record)
+
+        with quiet_optuna():
+            self._driver = Driver(
+                policy,
+                runner,
+                _study(problem, space),
+                deadline=self.started + problem.budget,
+                on_trial=on_trial,
+                interrupted=self.interruption,
+            )
+            if runner is None:
+                self._driver.begin()
+
+    @property
+    def driver(self) -> Driver:
+        """The driver of the study, once :meth:`open` made it."""
+        assert self._driver is not None, "open() comes first"
+        return self._driver
+
+    @property
+    def history(self) -> list[Trial]:
+        """Every trial so far, earlier runs' first; empty before :meth:`open`."""
+        return [] if self._driver is None else self._driver.history
+
+    # The loop: the driver's own (tune()), or the caller's, one trial at a time ------------
+
+    def run(self) -> bool:
+        """Run the driver's trials; whether Ctrl-C or SIGTERM cut them short (the result
+        is partial)."""
+        driver = self.driver
+        try:
+            with remember_ctrl_c(driver.interrupted):
+                driver.run()
+        except KeyboardInterrupt as error:
+            # Under torchrun the other ranks stop too (torchrun ends the job): no
+            # partial result for all to agree on; the storage keeps the trials.
+            if not driver.has_baseline() or self.ranks is not None:
+                raise
+            # The trial under way has stopped and its workers are gone; what finished
+            # before is still a measured answer.
+            _logger.warning(
+                "tuning interrupted (%s); returning the best of the finished trials",
+                "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C",
+            )
+            return True
+        return False
+
+    def ask(self) -> Proposal | None:
+        """The next trial to measure, or ``None`` once the policy stops.
+
+        Raises:
+            AllSettingsFailedError: every setting with workers failed so far.
+        """
+        with quiet_optuna():
+            return self.driver.propose()
+
+    def vote(self, spec: TrialSpec, window: int, measured: Measurement) -> bool:
+        """Whether the trial should stop at this timing window (the policy's vote)."""
+        return self.driver.vote(spec, window, measured)
+
+    def judge(
+        self,
+        proposal: Proposal,
+        happened: Measurement | TrialError | MemoryBudgetExceeded,
+        *,
+        voted: bool,
+    ) -> Outcome:
+        """What happened in ``proposal``'s trial, as its outcome (``voted``: the trial
+        was stopped by :meth:`vote`); :meth:`tell` records it.
+
+        Raises:
+            BaselineError: the baseline failed: the fault is the dataset's or the step's.
+        """
+        driver = self.driver
+        with quiet_optuna():
+            if isinstance(happened, Measurement):
+                return driver.outcome(proposal.spec, happened, voted=voted)
+            return driver.failure(proposal.spec, happened)
+
+    def tell(self, proposal: Proposal, outcome: Outcome) -> None:
+        """Record ``proposal``'s trial with its ``outcome``."""
+        with quiet_optuna():
+            self.driver.finish(proposal, outcome)
+
+    def deadlines(self, params: Mapping[str, Any]) -> Deadlines | None:
+        """How long a batch may take to load with ``params`` before it counts as hung,
+        from the search's baseline; ``None`` (no limit) before :meth:`open`."""
+        if self._driver is None:
+            return None
+        return self._driver.policy.deadlines(params, self._driver.history)
+
+    # The end ---------------------------------------------------------------------------
+
+    def conclude(self, *, partial: bool = False) -> TuneResult:
+        """The result: the policy's choice, every trial, and the notes in words
+        (``partial``: Ctrl-C or SIGTERM cut the trials short)."""
+        driver = self.driver
+        records = [record_of(trial) for trial in driver.history]
+        choice = driver.policy.choose(driver.history)
+        notes = self._notes(choice, partial)
+        problem = self.problem
+        saved, unsaved = split_loader_kwargs(problem.fixed)
+        return TuneResult(
+            params=choice.params,
+            throughput=choice.throughput,
+            baseline=choice.baseline,
+            steady_throughput=choice.steady_throughput,
+            steady_baseline=choice.steady_baseline,
+            startup_seconds=choice.startup_seconds,
+            startup_each_epoch=choice.startup_each_epoch,
+            batch_size=problem.batch_size,
+            trials=tuple(records),
+            environment=problem.environment,
+            tuning_seconds=perf_counter() - self.started,
+            memory_budget=problem.memory_bytes,
+            notes=tuple(render(note) for note in notes),
+            partial=partial,
+            fixed_loader_kwargs=saved,
+            unsaved_loader_kwargs=unsaved,
+            facts=self.facts,
+            problem=problem.key(),
+            _in_memory_kwargs=in_memory_kwargs(problem.fixed),
+        )
+
+    def _notes(self, choice: Choice, partial: bool) -> list[Note]:
+        """What the user should know about the run, in the order the result lists it."""
+        problem, driver = self.problem, self.driver
+        policy, history = driver.policy, driver.history
+        notes: list[Note] = [*self.space_notes]
+        notes += policy.step_threads_notes(history, choice, threads=self.threads)
+        ranks = self.ranks
+        if ranks is not None:
+            usable_cpus = problem.environment.usable_cpus
+            notes.append(
+                TunedJointly(ranks.world_size, ranks.local_world_size, usable_cpus, ranks.nodes)
+            )
+        if partial:
+            by = driver.interrupted.by if driver.interrupted is not None else None
+            notes.append(Interrupted(by or "Ctrl-C"))
+        step_bound = policy.step_bound(history)
+        if step_bound is not None:
+            notes.append(step_bound)
+        shortcomings = policy.shortcomings(history, search_seconds=driver.search_seconds)
+        for shortcoming in [] if partial else shortcomings:
+            _logger.warning("%s", render(shortcoming))
+            notes.append(shortcoming)
+        elapsed = perf_counter() - self.started
+        ended, stopped = driver.search_ended, driver.stopped
+        given_back = elapsed < (1 - _GIVEN_BACK) * problem.budget
+        if not partial and given_back and ended is not None and stopped is not None:
+            notes.append(BudgetGivenBack(elapsed, problem.budget, ended, stopped))
+        resumed = sum(t.earlier for t in history)
+        if resumed:
+            notes.append(Resumed(resumed))
+        return notes
+
+    def save(self, result: TuneResult) -> None:
+        """``result`` saved at ``problem.path`` (if given), or a warning: a file that
+        cannot be written loses nothing of the run, which the caller gets back."""
+        path = self.problem.path
+        if path is None:
+            return
+        try:
+            result.save(path)
+        except (OSError, ValueError) as error:  # ValueError: a figure JSON cannot hold
+            warnings.warn(
+                f"autoloader could not save the result to {path}: {error}. The tuned "
+                "settings are returned; save them with result.save(another_path).",
+                stacklevel=4,  # tune()'s caller: save() < _tune() < tune() < the caller
+            )
+
+
+def _policy(problem: Problem, space: SearchSpace, facts: Mapping[str, Any]) -> Policy:
+    """The search's rules for ``problem``, over the ``space`` and ``facts`` the checks
+    before the search left."""
+    return Policy(
+        space=space,
+        time_budget=problem.budget,
+        batch_size=problem.batch_size,
+        batches_per_epoch=problem.batches_per_epoch,
+        n_trials=problem.n_trials,
+        usable_cpus=problem.environment.usable_cpus,
+        worker_start=facts.get("worker_start_seconds"),
+        accelerator=_step_accelerator(problem),
+        step_threads_asked=problem.space.step_threads != "auto",
+    )
+
+
+def _step_accelerator(problem: Problem) -> str | None:
+    """The accelerator the step runs on: the device batches go to, or, without one, the
+    accelerator this process already uses (a model moved there before tuning), or
+    ``None`` (see ``Policy.step_threads_left``)."""
+    device = problem.device
+    if device is not None:
+        return None if device.type == "cpu" else str(device)
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "cuda"
+    return None
+
+
+def _startup(problem: Problem, facts: dict[str, Any]) -> Startup | None:
+    """Worker start-up as the checks measured it (``NOTE [ Worker start-up ]``)."""
+    seconds = facts.get("worker_start_seconds")
+    if seconds is None:
+        return None
+    return Startup(seconds, problem.start_method, problem.budget, trial_seconds(problem.budget))
+
+
+def _study(problem: Problem, space: SearchSpace) -> optuna.Study:
+    """The study of this problem: an earlier run's, where the storage holds one."""
+    return optuna.create_study(
+        storage=problem.storage,
+        study_name=study_name(
+            problem.dataset,
+            problem.step_fn,
+            length=problem.dataset_length,
+            batch_size=problem.batch_size,
+            space=space,
+            # The budget asked for: a default one moves with the memory free.
+            memory_budget=None if problem.memory_budget is None else problem.memory_bytes,
+            fixed_loader_kwargs=problem.fixed,
+            environment=problem.environment,
+            device=problem.device,
+        ),
+        direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=problem.seed),
+        load_if_exists=True,
+    )
