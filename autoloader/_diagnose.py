@@ -1,57 +1,12 @@
 """``autoloader.diagnose``: is data loading the bottleneck of this loop, and of what kind?
 
-NOTE [ Verdict ]
-The user's own DataLoader is measured twice, without changing it: the training loop
-(``next(loader)`` then ``step_fn``), then the loader alone (a step that does nothing),
-which gives the loader's own time per batch. The verdict, in this order:
-
-- ``memory-bound``: the process tree passed the memory budget, or came within 10% of
-  it, or will pass it within an epoch as forked workers copy the Python objects they
-  read (measured by the probe of ``NOTE [ Copy-on-read probe ]``).
-- ``step-bound``: the loop waits for data less than 5% of its time, or its workers
-  deliver batches faster than the step takes them and the wait left is the main
-  process receiving them. More workers cannot make it faster.
-- ``CPU-bound (step and loader)``: the step itself runs on the CPU, keeping at least
-  half a CPU busy and leaving less than one free, and loading is CPU work too (see
-  ``NOTE [ Cost model ]``): workers take cores from the step.
-- ``loader-bound (CPU)``: the processes that load (the workers, or the main process with
-  ``num_workers=0``) were busy on the CPU for more than half of their time: more
-  workers help up to the number of CPUs, not beyond. Or, with workers, the main process
-  was on the CPU for more than a third of its wait: receiving batches (unpickling,
-  opening shared memory) is the limit, and more workers do not move it.
-- ``loader-bound (latency)``: they mostly waited (storage, network, locks): workers
-  beyond the number of CPUs overlap the waits.
-
-The loading processes' CPU time comes from the kernel's accounting of reaped children
-(``os.times()``): the workers are joined when the measurement stops them, so their
-whole CPU time is counted, start-up included.
-
-Whatever the verdict, the reason also says when the step and the worker processes ask
-for more CPUs than there are (see ``NOTE [ Oversubscription ]``).
-
-NOTE [ Oversubscription ]
-A step that trains on the CPU runs its ops on torch's intra-op pool in this process,
-``torch.get_num_threads()`` threads (as many as the cores by default), and every op big
-enough to split wakes them all, while worker processes load on the same cores. Measured
-on the 2-core development VM, JPEG decode and a narrow CNN trained on the CPU: 1 worker
-and 2 threads, 625 samples/s; 1 worker and ``torch.set_num_threads(1)``, 853 (see
-``NOTE [ Step threads ]``). What the step was measured
-to use is what it got, not what it asked for: on 2 cores, a 2-thread step beside 1 busy
-worker kept 1.5 CPUs busy and the worker 0.5, 2.0 in all, though the step wanted both
-cores whenever it ran. So the step is taken to ask for its threads (at most the usable
-CPUs) once it keeps at least ``STEP_ON_CPU`` (half a CPU, search/_cost_model.py) busy,
-and for what it used otherwise (a step on an accelerator, or one that waits); the
-workers for the CPUs they kept busy over the loop (their CPU seconds per second of it).
-When the two ask for more than ``_OVERSUBSCRIBED`` times the usable CPUs, they take
-turns on the cores. The advice
-leaves the workers the cores they used, rounded half up; ``autoloader.tune()`` measures
-the split (its ``step_threads`` setting). Thread workers are not counted: they run in
-this process, and its CPU time cannot tell them from the step.
+The user's own DataLoader is measured, without changing it (the loop, the loader alone,
+the step alone where needed), and the figures are judged by ``_verdict.py`` (``NOTE [
+Verdict ]``, ``NOTE [ Oversubscription ]``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import textwrap
 from collections.abc import Callable
@@ -63,6 +18,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from autoloader._exceptions import InvalidInputError, LoopError
 from autoloader._problem import check_main_thread
+from autoloader._verdict import (
+    OVERSUBSCRIBED,
+    Figures,
+    oversubscription,
+    step_asks,
+    workers_named,
+)
+from autoloader._verdict import step_cpus as measured_step_cpus
+from autoloader._verdict import verdict as judge
 from autoloader.checks._copy_on_read import copied_per_worker
 from autoloader.checks._environment import Environment
 from autoloader.checks._facts import Checks
@@ -76,20 +40,9 @@ from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.measure._units import format_seconds as _ms
 from autoloader.search._cost_model import (
-    CPU_BOUND_SHARE,
-    STEP_BOUND_WAIT,
     STEP_ON_CPU,
-    cpu_bound_seconds,
-    step_competes_with_workers,
 )
 
-# Share of the main process's wait spent on the CPU, with workers, above which receiving
-# batches is the limit. On the 2-core machine: 0.55-0.67 when it was (free items, no
-# step), 0.07-0.18 when workers were (sleeping or CPU-bound items); the workers' own
-# CPU use keeps it well under 1 even when receiving is all the main process does.
-_RECEIVING_SHARE = 0.35
-# Share of the memory budget from which the loop is memory-bound.
-_MEMORY_NEAR = 0.9
 # Share of the measuring time given to the loop; the rest times the loader alone.
 _LOOP_SHARE = 0.6
 # The checks (the copy-on-read probe, workers repeating samples) get this share of the
@@ -108,27 +61,6 @@ _HANG_FACTOR = 2.0
 # loop's own figure is clean.
 _STEP_ALONE_SHARE = 0.15
 _SPINNING_CPUS = 0.1
-# The step and the workers oversubscribe the cores when they ask for more than this many
-# times the usable CPUs. The workers' figure is an average over the loop, start-up
-# included, taken on a machine other processes may share: a demand within 15% of the
-# cores is a full machine, not a fight. On 2 cores, a step on 2 threads is flagged once
-# its workers keep 0.3 CPUs busy; on 16 cores, 2.4.
-_OVERSUBSCRIBED = 1.15
-
-# What lifts a loop bound by receiving batches from worker processes.
-_THREADS_LIFT = (
-    " Thread workers (autoloader.ThreadLoader) hand batches over without that cost, "
-    "where the dataset may be read from several threads at once; autoloader.tune() "
-    "measures both kinds."
-)
-
-VERDICTS = (
-    "step-bound",
-    "CPU-bound (step and loader)",
-    "loader-bound (CPU)",
-    "loader-bound (latency)",
-    "memory-bound",
-)
 
 
 @dataclass(frozen=True)
@@ -260,16 +192,16 @@ class Diagnosis:
     def _cpus_asked(self, step_cpus: float, step_threads: int) -> str:
         """The CPUs row: what the step and the workers ask for, against the usable CPUs."""
         workers_cpus = self.workers_cpus or 0.0
-        step = _step_asks(step_cpus, step_threads, self.usable_cpus)
+        step = step_asks(step_cpus, step_threads, self.usable_cpus)
         if step_cpus >= STEP_ON_CPU:
             threads = "thread" if step_threads == 1 else "threads"
             step_part = f"step {step_threads} torch {threads} ({step_cpus:.1f} busy)"
         else:
             step_part = f"step {step_cpus:.1f}"
         total = step + workers_cpus
-        verdict = ": oversubscribed" if total > _OVERSUBSCRIBED * self.usable_cpus else ""
+        verdict = ": oversubscribed" if total > OVERSUBSCRIBED * self.usable_cpus else ""
         return (
-            f"{step_part} + {_workers(self.num_workers)} {workers_cpus:.1f} = "
+            f"{step_part} + {workers_named(self.num_workers)} {workers_cpus:.1f} = "
             f"{total:.1f} of {self.usable_cpus}{verdict}"
         )
 
@@ -357,16 +289,26 @@ def diagnose(
         ) from error.error
     loop, alone = loops.loop, loops.alone
     cpu_share, load_cpu = loops.loading_cpu(workers, threads=threads, usable_cpus=usable_cpus)
-    verdict, reason = _verdict(
-        loop, alone, loops.step_alone, cpu_share, load_cpu, workers, budget, usable_cpus,
-        copied, receiving=workers > 0 and not threads,
-    )  # fmt: skip
-    step_cpus = _step_cpus(loops.step_alone)
+    verdict, reason = judge(
+        Figures(
+            loop=loop,
+            alone=alone,
+            step_alone=loops.step_alone,
+            cpu_share=cpu_share,
+            load_cpu=load_cpu,
+            workers=workers,
+            budget=budget,
+            usable_cpus=usable_cpus,
+            copied=copied,
+            receiving=workers > 0 and not threads,
+        )
+    )
+    step_cpus = measured_step_cpus(loops.step_alone)
     workers_cpus = None
     if workers and not threads and loop.duration > 0:
         workers_cpus = loops.children_cpu / loop.duration
         if verdict != "memory-bound":
-            crowded = _oversubscription(
+            crowded = oversubscription(
                 step_cpus=step_cpus,
                 workers_cpus=workers_cpus,
                 workers=workers,
@@ -465,7 +407,7 @@ class _Loops:
             loader, max_seconds=(1 - _LOOP_SHARE) * seconds, deadlines=deadlines
         )
         step_alone = loop
-        if not loader.num_workers and _step_cpus(loop) >= _SPINNING_CPUS:
+        if not loader.num_workers and measured_step_cpus(loop) >= _SPINNING_CPUS:
             again = runner(step_fn, device).measure_loader(
                 _one_batch_again(loader, deadlines.first),
                 max_seconds=_STEP_ALONE_SHARE * seconds,
@@ -493,163 +435,6 @@ class _Loops:
             cpu_share = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
             load_cpu = loop.load_cpu_seconds
         return min(1.0, cpu_share), load_cpu
-
-
-def _verdict(
-    loop: Measurement,
-    alone: Measurement,
-    step_alone: Measurement,
-    cpu_share: float,
-    load_cpu: float,
-    workers: int,
-    budget: int,
-    usable_cpus: int,
-    copied: float | None,
-    *,
-    receiving: bool,
-) -> tuple[str, str]:
-    """The verdict of ``NOTE [ Verdict ]``; ``receiving``: batches come from worker
-    processes, whose hand-over costs the main process."""
-    # Long on purpose: one return per verdict of the NOTE, in its order of precedence,
-    # each with the sentence that explains it; split, the order would be hidden.
-    peak = max(loop.peak_memory, alone.peak_memory)
-    step, loader = loop.step_seconds, alone.load_seconds + alone.step_seconds
-    if peak >= _MEMORY_NEAR * budget:
-        return "memory-bound", (
-            f"The process tree peaked at {format_bytes(peak)}, {peak / budget:.0%} of the "
-            f"{format_bytes(budget)} budget: more workers or prefetch would not fit. Make "
-            "items smaller in memory (numpy arrays rather than Python objects), or fewer "
-            "workers with batched fetch."
-        )
-    if copied is not None and peak + workers * copied >= budget:
-        return "memory-bound", (
-            f"The process tree peaked at {format_bytes(peak)} in this short run, but each "
-            f"of the {workers} workers copies the Python objects it reads (up to "
-            f"{format_bytes(copied)} each over an epoch): {format_bytes(peak + workers * copied)} "
-            f"by the end of one, past the {format_bytes(budget)} budget. Store the dataset "
-            "as numpy arrays or tensors, or use fewer workers."
-        )
-    wait = loop.data_wait_fraction
-    if wait < STEP_BOUND_WAIT:
-        return "step-bound", (
-            f"Data loading is not the bottleneck: the loop waits for data {wait:.0%} of the "
-            f"time, the step takes {_ms(step)} per batch and the loader alone "
-            f"{_ms(loader)}. More workers would only cost memory and start-up."
-        )
-    if receiving and loader <= step:
-        return "step-bound", (
-            f"The loader alone delivers a batch every {_ms(loader)}, faster than the step's "
-            f"{_ms(step)}, yet the loop waits for data {wait:.0%} of the time: that is the "
-            "main process receiving each batch from a worker (unpickling, shared-memory "
-            "handles), which more workers do not remove. Fewer, larger transfers do: "
-            "batched fetch, or a larger batch." + _THREADS_LIFT
-        )
-    figures = (
-        f"The loop waits for data {wait:.0%} of the time: the loader needs {_ms(loader)} "
-        f"per batch with num_workers={workers}, the step {_ms(step)}."
-    )
-    who = {0: "the main process", 1: "the worker"}.get(workers, f"the {workers} workers")
-    # The CPUs the step keeps busy, from the step alone, over the loop's step time: on a
-    # busy machine one step can take several times another, and a step alone that
-    # happened to run quicker would otherwise look like less CPU work than the loop's.
-    step_cpu = _step_cpus(step_alone) * step
-    if step_competes_with_workers(
-        step=step,
-        step_cpu=step_cpu,
-        load_cpu=load_cpu,
-        loading_cpu_share=cpu_share,
-        usable_cpus=usable_cpus,
-    ):
-        best = cpu_bound_seconds(
-            step=step, step_cpu=step_cpu, load_cpu=load_cpu, usable_cpus=usable_cpus
-        )
-        return "CPU-bound (step and loader)", (
-            f"{figures} The step runs on the CPU too, keeping {_step_cpus(step_alone):.1f} of the "
-            f"{usable_cpus} CPUs busy, and loading is CPU work ({who} on the CPU "
-            f"{cpu_share:.0%} of the time): workers overlap loading with the step only by "
-            f"taking cores from it. Even perfectly overlapped, the two take {_ms(best)} per "
-            f"batch of the CPUs, against {_ms(step + loop.load_seconds)} now, and a step on "
-            "several threads slows down by more than the core a worker takes. A cheaper "
-            "transform, or data decoded once ahead of training, makes this loop faster; "
-            "autoloader.tune() measures whether workers pay, and the step's threads "
-            "against them."
-        )
-    on_cpu = loop.load_cpu_seconds / loop.load_seconds if loop.load_seconds else 0.0
-    if receiving and on_cpu > _RECEIVING_SHARE:
-        return "loader-bound (CPU)", (
-            f"{figures} The main process is the limit: it was on the CPU {on_cpu:.0%} "
-            "of the time it waited, receiving batches from the workers (unpickling, "
-            "shared-memory handles), which more workers do not speed up. Fewer, larger "
-            "transfers do: batched fetch, a larger batch, or num_workers=0 if loading is "
-            "cheap." + _THREADS_LIFT
-        )
-    if cpu_share > CPU_BOUND_SHARE:
-        return "loader-bound (CPU)", (
-            f"{figures} Loading is CPU work ({who} on the CPU {cpu_share:.0%} of the "
-            f"time): workers help up to the {usable_cpus} CPUs, not beyond; then make "
-            "the transform cheaper, limit each worker's native threads, or fetch whole "
-            "batches. autoloader.tune() finds the best setting."
-        )
-    return "loader-bound (latency)", (
-        f"{figures} Loading mostly waits ({who} on the CPU only {cpu_share:.0%} of the "
-        f"time: storage, network, sleeps): more workers, even beyond the {usable_cpus} "
-        "CPUs, overlap the waits. autoloader.tune() finds how many."
-    )
-
-
-def _oversubscription(
-    *,
-    step_cpus: float,
-    workers_cpus: float,
-    workers: int,
-    usable_cpus: int,
-    step_threads: int,
-) -> str | None:
-    """The sentence saying that the step and the ``workers`` worker processes ask for
-    more CPUs than the ``usable_cpus``, with the figures and what to do; ``None`` where
-    they do not (see ``NOTE [ Oversubscription ]``)."""
-    step = _step_asks(step_cpus, step_threads, usable_cpus)
-    total = step + workers_cpus
-    if total <= _OVERSUBSCRIBED * usable_cpus:
-        return None
-    who = _workers(workers)
-    if step_cpus >= STEP_ON_CPU:
-        threads = "thread" if step_threads == 1 else "threads"
-        step_part = f"The step ({step_threads} torch {threads}, {step_cpus:.1f} CPUs busy)"
-    else:
-        step_part = f"The step ({step_cpus:.1f} CPUs busy)"
-    sentence = (
-        f"{step_part} and {who} ({workers_cpus:.1f} CPUs) ask for {total:.1f} CPUs of the "
-        f"{usable_cpus} here: they take turns on the cores."
-    )
-    tune = (
-        "autoloader.tune() measures the split (its step_threads setting, applied with "
-        "result.apply_threads())."
-    )
-    # The workers keep the cores they used, rounded half up: round() takes 0.5 to 0,
-    # and a worker busy half the time would be left no core at all.
-    suggested = max(1, usable_cpus - math.floor(workers_cpus + 0.5))
-    if suggested >= step_threads:
-        # The step's threads already fit in the cores the workers leave.
-        return f"{sentence} Fewer workers crowd them less; {tune}"
-    left = usable_cpus - suggested
-    cores = "core" if left == 1 else "cores"
-    return (
-        f"{sentence} torch.set_num_threads({suggested}) in the training process leaves "
-        f"{who} {left} {cores}; {tune}"
-    )
-
-
-def _step_asks(step_cpus: float, step_threads: int, usable_cpus: int) -> float:
-    """CPUs the step asks for: all its torch threads (up to the usable CPUs) once it
-    trains on the CPU, else what it used (see ``NOTE [ Oversubscription ]``)."""
-    if step_cpus >= STEP_ON_CPU:
-        return max(step_cpus, float(min(step_threads, usable_cpus)))
-    return step_cpus
-
-
-def _workers(workers: int) -> str:
-    return "the worker" if workers == 1 else f"the {workers} workers"
 
 
 def _memory_bound(
@@ -711,11 +496,6 @@ def _one_batch_again(loader: DataLoader[Any], seconds: float) -> DataLoader[Any]
     with time_limit(seconds, "loading a batch"):
         batch = next(iter(loader))
     return DataLoader(_Again(batch), batch_size=None)
-
-
-def _step_cpus(loop: Measurement) -> float:
-    """CPUs the step kept busy while it ran."""
-    return loop.step_cpu_seconds / loop.step_seconds if loop.step_seconds else 0.0
 
 
 def _children_cpu() -> float:

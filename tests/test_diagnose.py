@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import Diagnosis, InvalidInputError, LoopError
-from autoloader._diagnose import _OVERSUBSCRIBED, _oversubscription
+from autoloader._verdict import OVERSUBSCRIBED, oversubscription
 from benchmarks.copy_on_read import Records
 
 from .workloads import (
@@ -168,7 +168,7 @@ def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() 
 def test_a_step_on_all_its_threads_beside_a_busy_worker_oversubscribes_the_cores() -> None:
     """On 2 cores, a 2-thread step measured 1.5 CPUs busy beside 1 worker at 0.5: it
     asks for both cores whenever it runs (see NOTE [ Oversubscription ])."""
-    sentence = _oversubscription(
+    sentence = oversubscription(
         step_cpus=1.5, workers_cpus=0.5, workers=1, usable_cpus=2, step_threads=2
     )
     assert sentence == (
@@ -177,7 +177,7 @@ def test_a_step_on_all_its_threads_beside_a_busy_worker_oversubscribes_the_cores
         "the training process leaves the worker 1 core; autoloader.tune() measures the "
         "split (its step_threads setting, applied with result.apply_threads())."
     )
-    sentence = _oversubscription(
+    sentence = oversubscription(
         step_cpus=1.8, workers_cpus=1.7, workers=2, usable_cpus=2, step_threads=2
     )
     assert sentence is not None
@@ -190,14 +190,14 @@ def test_a_step_on_all_its_threads_beside_a_busy_worker_oversubscribes_the_cores
         (0.02, 1.9, 2),  # a step on an accelerator leaves the cores to the workers
         (0.9, 1.0, 1),  # one thread and one worker: a core each
         (1.9, 0.2, 2),  # the worker mostly idle
-        (1.9, _OVERSUBSCRIBED * 2 - 2 - 0.01, 2),  # just within the margin
+        (1.9, OVERSUBSCRIBED * 2 - 2 - 0.01, 2),  # just within the margin
     ],
 )
 def test_a_step_and_workers_within_the_cores_are_not_oversubscribed(
     step_cpus: float, workers_cpus: float, step_threads: int
 ) -> None:
     assert (
-        _oversubscription(
+        oversubscription(
             step_cpus=step_cpus,
             workers_cpus=workers_cpus,
             workers=2,
@@ -211,7 +211,7 @@ def test_a_step_and_workers_within_the_cores_are_not_oversubscribed(
 @pytest.mark.parametrize(
     ("step_cpus", "workers_cpus", "workers", "usable_cpus", "step_threads"),
     [
-        (1.9, _OVERSUBSCRIBED * 2 - 2 + 0.01, 1, 2, 2),
+        (1.9, OVERSUBSCRIBED * 2 - 2 + 0.01, 1, 2, 2),
         (3.0, 7.9, 8, 8, 8),  # the workers use every core
         (2.0, 12.0, 16, 8, 8),  # more than every core: still one thread
         (0.6, 1.9, 2, 2, 1),  # one thread already
@@ -223,7 +223,7 @@ def test_a_step_and_workers_within_the_cores_are_not_oversubscribed(
 def test_the_threads_suggested_are_at_least_one_and_fewer_than_now(
     step_cpus: float, workers_cpus: float, workers: int, usable_cpus: int, step_threads: int
 ) -> None:
-    sentence = _oversubscription(
+    sentence = oversubscription(
         step_cpus=step_cpus,
         workers_cpus=workers_cpus,
         workers=workers,
@@ -243,7 +243,7 @@ def test_the_threads_suggested_are_at_least_one_and_fewer_than_now(
 
 def test_workers_busy_half_a_core_more_are_left_the_whole_core() -> None:
     """round() takes 0.5 to 0 and 2.5 to 2: the workers would be left less than they use."""
-    sentence = _oversubscription(
+    sentence = oversubscription(
         step_cpus=3.0, workers_cpus=2.5, workers=3, usable_cpus=4, step_threads=4
     )
     assert sentence is not None and "torch.set_num_threads(1)" in sentence
