@@ -415,7 +415,7 @@ class TimingLoop:
         except StopIteration:
             raise
         except TrialTimeout as error:
-            # NOTE [ Memory growth against the hang deadline ]
+            # (NOTE [ Memory growth against the hang deadline ] in _clock.py)
             horizon = memory_horizon(error.seconds, self.deadline, perf_counter())
             grown = self.guard.watch.outgrows(horizon)
             if grown is not None:
