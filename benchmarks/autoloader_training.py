@@ -40,6 +40,7 @@ workers):
         [--epochs N] [--defaults-epochs N] [--rounds 2] [--time-budget 20]
         [--hand-rounds 3] [--hand-seconds 4] [--hand images=3,cpu-train-small=2x1]
         [--crash-epochs 8] [--crash-budget 10] [--data /tmp/benchdata] [--json FILE]
+        [--before REV]
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ import autoloader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipelines import Pipeline, build
 from real_pipelines import hand_grid, hand_loader, interleave
-from revisions import setting
+from revisions import checkout, setting
 
 PIPELINES = ("images", "cpu-train-small")
 # Epochs for a run of the best hand setting of about 40-60 s on the 2-core VM: images
@@ -85,6 +86,24 @@ DEFAULTS, HAND, TUNE, FIRST, SECOND = (
 # The rotation's units: the second AutoLoader run reads the file the first one writes.
 UNITS = ((DEFAULTS,), (HAND,), (TUNE,), (FIRST, SECOND))
 TARGETS = {FIRST: 1.15, SECOND: 1.05}
+# With --before REV, these run again with the autoloader of revision REV (revisions.py),
+# named "<variant> @REV", in a unit of their own in the same rotation.
+AT_REVISION = (TUNE, FIRST, SECOND)
+
+
+def base(variant: str) -> str:
+    """The variant a run is, without the revision it ran at."""
+    return variant.split(" @", 1)[0]
+
+
+def units(before: str | None) -> list[tuple[str, ...]]:
+    """The rotation's units, with those of revision ``before`` where given."""
+    found = list(UNITS)
+    if before:
+        found += [(f"{TUNE} @{before}",), (f"{FIRST} @{before}", f"{SECOND} @{before}")]
+    return found
+
+
 RESULT = "RESULT "  # the child's line of figures on stdout
 
 
@@ -270,15 +289,26 @@ def run_child(
     variant: str, args: argparse.Namespace, *options: str, pipeline: str = "", epochs: int = 0
 ) -> dict[str, Any]:
     """``variant``'s run in a fresh process: its figures, with the process's own seconds
-    (start-up and imports included) and the AutoLoader lines it printed."""
-    command = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", variant]
+    (start-up and imports included) and the AutoLoader lines it printed. A variant named
+    ``"... @REV"`` imports the autoloader of revision REV (``revisions.checkout``)."""
+    command = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", base(variant)]
     command += ["--pipeline", pipeline, "--epochs", str(epochs), "--data", str(args.data)]
     command += options
     started = time.perf_counter()
     # A session of its own, so that a run past the timeout goes with its workers, which
     # hold its pipes open (subprocess.run's timeout kills the child only, then waits on them).
+    env = None
+    if " @" in variant:
+        code = checkout(variant.split(" @", 1)[1])
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), here])}
     child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
     )
     try:
         out, err = child.communicate(timeout=args.child_timeout)
@@ -290,6 +320,7 @@ def run_child(
         tail = " | ".join(err.strip().splitlines()[-3:])
         return {"variant": variant, "error": f"exit status {child.returncode}: {tail}"[:400]}
     row = json.loads(lines[-1][len(RESULT) :])
+    row["variant"] = variant
     row["process_seconds"] = time.perf_counter() - started
     return row
 
@@ -336,7 +367,7 @@ def chosen(row: dict[str, Any]) -> str:
         words += f", step on {params['step_threads']} thread(s)"
     if row.get("reused"):
         words += " (reused)"
-    elif row["variant"] == SECOND:
+    elif base(row["variant"]) == SECOND:
         words += " (NOT reused: tuned again)"
     return words
 
@@ -361,6 +392,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(name: str, by_variant: dict[str, list[dict[str, Any]]]) -> str:
+    """The pipeline's runs, a row a variant (and a row a variant at the revision
+    compared with), against the best hand setting."""
     figures = {variant: summary(rows) for variant, rows in by_variant.items()}
     hand = figures.get(HAND, {})
     lines = [
@@ -369,7 +402,7 @@ def table(name: str, by_variant: dict[str, list[dict[str, Any]]]) -> str:
         "| target | tuning s | chosen | epoch check |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for variant in [v for unit in UNITS for v in unit]:
+    for variant in by_variant:
         rows, found = by_variant.get(variant, []), figures.get(variant, {})
         if not found:
             error = rows[0]["error"] if rows else "not run"
@@ -382,7 +415,7 @@ def table(name: str, by_variant: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(
             f"| {variant} | {rows[0]['epochs']} | {found['seconds']:.1f} ({low:.1f}-{high:.1f}) "
             f"| {found['process_seconds']:.1f} | {found['samples_per_second']:,.0f} | {ratio} "
-            f"| {'<= ' + format(TARGETS[variant]) if variant in TARGETS else ''} "
+            f"| {'<= ' + format(TARGETS[base(variant)]) if base(variant) in TARGETS else ''} "
             f"| {'-' if tuning is None else format(tuning, '.1f')} | {'; '.join(settings)} "
             f"| {', '.join(found['epoch_checks'])} |"
         )
@@ -403,17 +436,19 @@ def run_pipeline(name: str, args: argparse.Namespace) -> dict[str, list[dict[str
         HAND: ["--workers", str(workers), "--threads", str(threads or 0)],
         TUNE: ["--time-budget", str(args.time_budget)],
     }
-    by_variant: dict[str, list[dict[str, Any]]] = {v: [] for unit in UNITS for v in unit}
+    rotation = units(args.before)
+    by_variant: dict[str, list[dict[str, Any]]] = {v: [] for unit in rotation for v in unit}
     for round_number in range(args.rounds):
-        shift = round_number % len(UNITS)
+        shift = round_number % len(rotation)
         folder = Path(tempfile.mkdtemp(prefix="autoloader-training-"))
         try:
-            for unit in UNITS[shift:] + UNITS[:shift]:
+            for unit in rotation[shift:] + rotation[:shift]:
                 for variant in unit:
-                    extra = options.get(variant, [])
-                    if variant in (FIRST, SECOND):
+                    extra = options.get(base(variant), [])
+                    if base(variant) in (FIRST, SECOND):
                         extra = ["--time-budget", str(args.time_budget)]
-                        extra += ["--path", str(folder / "autoloader.json")]
+                        file = "autoloader.json" if variant == base(variant) else "before.json"
+                        extra += ["--path", str(folder / file)]
                     count = args.defaults_epochs or epochs if variant == DEFAULTS else epochs
                     row = run_child(variant, args, *extra, pipeline=name, epochs=count)
                     by_variant[variant].append(row)
@@ -487,6 +522,12 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("/tmp/benchdata"))
     parser.add_argument("--child-timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run tune()+train and the two AutoLoader runs with the code at git "
+        "revision REV, in the same rotation (each in a fresh process; revisions.py)",
+    )
     # One run in this process (the parent starts these).
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pipeline", default="", help=argparse.SUPPRESS)
