@@ -33,6 +33,7 @@ each a trial, and a trial's rate is the loop's own, the time between two of its
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -47,7 +48,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from autoloader._exceptions import InvalidInputError
 from autoloader._loop_tuning import LoopTuning
-from autoloader._problem import check_arguments
+from autoloader._problem import TuneArguments, check_arguments
+from autoloader.loader._dataloader_options import DATALOADER_DEFAULTS, changed_options
 from autoloader.loader._feed import EpochBatches
 from autoloader.loader._params import Params
 from autoloader.loader._torch_compat import exiting
@@ -61,13 +63,10 @@ _logger = logging.getLogger("autoloader")
 
 _T_co = TypeVar("_T_co", covariant=True)
 
-# DataLoader's arguments that AutoLoader chooses, with the value that leaves them to it.
-_TUNED_ARGUMENTS = {
-    "num_workers": 0,
-    "prefetch_factor": None,
-    "persistent_workers": False,
-    "pin_memory": False,
-}
+# DataLoader's arguments that AutoLoader chooses: given, each must have DataLoader's default.
+_TUNED_ARGUMENTS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+# Those, and multiprocessing_context: what each setting's loader is given, not AutoLoader.
+_SETTINGS_OWN = frozenset({*_TUNED_ARGUMENTS, "multiprocessing_context"})
 
 
 class TrainingLoop:
@@ -154,58 +153,44 @@ class AutoLoader(DataLoader[_T_co]):
         seed: int = 0,
         verbose: bool = True,
     ) -> None:
-        given = {
+        options = {
+            "shuffle": shuffle,
+            "sampler": sampler,
+            "batch_sampler": batch_sampler,
             "num_workers": num_workers,
+            "collate_fn": collate_fn,
+            "pin_memory": pin_memory,
+            "drop_last": drop_last,
+            "timeout": timeout,
+            "worker_init_fn": worker_init_fn,
+            "multiprocessing_context": multiprocessing_context,
+            "generator": generator,
             "prefetch_factor": prefetch_factor,
             "persistent_workers": persistent_workers,
-            "pin_memory": pin_memory,
+            "pin_memory_device": pin_memory_device,
+            "in_order": in_order,
         }
-        _check_supported(dataset, batch_size, batch_sampler, in_order, given)
-        fixed: dict[str, Any] = {
-            name: value
-            for name, value, default in (
-                ("shuffle", shuffle, None),
-                ("sampler", sampler, None),
-                ("collate_fn", collate_fn, None),
-                ("drop_last", drop_last, False),
-                ("timeout", timeout, 0),
-                ("worker_init_fn", worker_init_fn, None),
-                ("multiprocessing_context", multiprocessing_context, None),
-                ("generator", generator, None),
-                ("pin_memory_device", pin_memory_device, ""),
-            )
-            if value is not default and value != default
-        }
-        assert isinstance(batch_size, int)
-        arguments: dict[str, Any] = {
-            "batch_size": batch_size,
-            "time_budget": time_budget,
-            "n_trials": n_trials,
-            "memory_budget": memory_budget,
-            "search_space": search_space,
-            "loader_kwargs": fixed,
-            "device": device,
-            "seed": seed,
-            "storage": None,
-            "show_progress": False,
-            "isolation": "in-process",
-            "restore": None,
-            "path": path,
-        }
-        step = TrainingLoop()
-        problem = check_arguments(None, dataset, step, **arguments)
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            collate_fn=collate_fn,
-            drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            generator=generator,
-            pin_memory_device=pin_memory_device,
+        checked_batch_size = _checked_batch_size(dataset, batch_size, options)
+        arguments = TuneArguments(
+            batch_size=checked_batch_size,
+            time_budget=time_budget,
+            n_trials=n_trials,
+            memory_budget=memory_budget,
+            search_space=search_space,
+            # The tuned options, batch_sampler and in_order are DataLoader's defaults
+            # (checked): those that differ are kept in every setting.
+            loader_kwargs=changed_options(options),
+            device=device,
+            seed=seed,
+            show_progress=False,
+            path=path,
         )
+        step = TrainingLoop()
+        problem = check_arguments(None, dataset, step, arguments)
+        # Without workers: each setting's loader has its own (and DataLoader refuses a
+        # multiprocessing_context without them).
+        kept = {name: value for name, value in options.items() if name not in _SETTINGS_OWN}
+        super().__init__(dataset, batch_size=checked_batch_size, **kept)
         self.path = problem.path
         self.time_budget = problem.budget
         self.n_trials = n_trials
@@ -215,12 +200,11 @@ class AutoLoader(DataLoader[_T_co]):
         self.seed = seed
         self.verbose = verbose
         self._context = multiprocessing_context
-        self._tuning = LoopTuning(
-            self,
-            problem,
-            lambda ranks: check_arguments(ranks, dataset, step, **arguments),
-            threads=torch.get_num_threads(),
+        # Under torchrun, checked again as one rank of the job once the ranks have joined.
+        problem_of = functools.partial(
+            check_arguments, dataset=dataset, step_fn=step, arguments=arguments
         )
+        self._tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
         # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
         self._epoch: weakref.ref[_Epoch] | None = None
         weakref.finalize(self, self._tuning.release)
@@ -291,16 +275,16 @@ class AutoLoader(DataLoader[_T_co]):
         return None if self._epoch is None else self._epoch()
 
 
-def _check_supported(
-    dataset: object,
-    batch_size: int | None,
-    batch_sampler: object,
-    in_order: bool,
-    given: Mapping[str, Any],
-) -> None:
-    """:class:`InvalidInputError` for what AutoLoader does not take."""
-    for name, value in given.items():
-        if value != _TUNED_ARGUMENTS[name]:
+def _checked_batch_size(dataset: object, batch_size: int | None, options: Mapping[str, Any]) -> int:
+    """``batch_size``, once AutoLoader takes its arguments (``options``: its other
+    DataLoader arguments after ``dataset``, by name).
+
+    Raises:
+        InvalidInputError: for what AutoLoader does not take.
+    """
+    for name in _TUNED_ARGUMENTS:
+        value = options[name]
+        if value != DATALOADER_DEFAULTS[name]:
             raise InvalidInputError(
                 f"AutoLoader chooses {name} itself, but got {name}={value!r}. Remove it; to "
                 f"search only some values pass search_space={{{name!r}: ...}}, or use a "
@@ -312,7 +296,7 @@ def _check_supported(
             "batches of indices, which an IterableDataset does not have. Use "
             "autoloader.tune() and result.make_loader() for it."
         )
-    if batch_sampler is not None:
+    if options["batch_sampler"] is not None:
         raise InvalidInputError(
             "AutoLoader takes batch_size and a per-item sampler, not a batch_sampler."
         )
@@ -321,11 +305,12 @@ def _check_supported(
             "AutoLoader needs a batch_size: it times the loop in samples per second of "
             "batches (batch_size=None, items one at a time, is not supported)."
         )
-    if in_order is not True:
+    if options["in_order"] is not True:
         raise InvalidInputError(
             "AutoLoader delivers batches in the sampler's order (in_order=True): out of "
             "order, a setting that fails could not say which batches it had delivered."
         )
+    return batch_size
 
 
 # NOTE [ Nothing outlives the loop ]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
-import inspect
 import io
 import logging
 import os
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 from autoloader._exceptions import AutoloaderError
-from autoloader._problem import DEFAULT_TIME_BUDGET
+from autoloader._problem import DEFAULT_TIME_BUDGET, TuneArguments
 from autoloader.checks._validation import ISOLATIONS
 
 if TYPE_CHECKING:
@@ -55,22 +55,14 @@ def _tune(args: argparse.Namespace) -> int:
     loader_kwargs: dict[str, Any] | None = {"shuffle": True} if args.shuffle else None
     if dist.is_initialized():  # under torchrun: each rank reads its share, as in training
         loader_kwargs = {"sampler": DistributedSampler(dataset, shuffle=args.shuffle)}
+    arguments = TuneArguments(
+        # The options named as tune()'s arguments, as they are (NOTE [ The CLI's options ]).
+        **{name: value for name, value in vars(args).items() if name in _TUNE_DEFAULTS},
+        loader_kwargs=loader_kwargs,
+        show_progress=not args.quiet,
+    )
     result, path, code = _tuned_and_saved(
-        lambda: tune(
-            dataset,
-            args.step,
-            batch_size=args.batch_size,
-            time_budget=args.time_budget,
-            n_trials=args.n_trials,
-            memory_budget=args.memory_budget,
-            loader_kwargs=loader_kwargs,
-            device=args.device,
-            seed=args.seed,
-            storage=args.storage,
-            show_progress=not args.quiet,
-            isolation=args.isolation,
-        ),
-        out,
+        lambda: tune(dataset, args.step, **arguments.as_kwargs()), out
     )
     if path is None or (dist.is_initialized() and dist.get_rank() != 0):
         return code  # every rank holds the same result: rank 0 saves and prints it
@@ -277,14 +269,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _tune_defaults() -> dict[str, Any]:
-    from autoloader._tune import tune
-
-    return {name: p.default for name, p in inspect.signature(tune).parameters.items()}
-
-
-# tune()'s own defaults, for the options that pass them through.
-_TUNE_DEFAULTS = _tune_defaults()
+# NOTE [ The CLI's options ]
+# An option of ``autoloader tune`` named as an argument of tune() (by its dest:
+# --batch-size is batch_size) is passed to it as it is, and has tune()'s own default,
+# read from TuneArguments where it is not argparse's None (tests/test_signatures.py
+# checks them all); --time-budget's help says what tune()'s None means. The other
+# options (--out, --shuffle, --quiet) are the command's own.
+_TUNE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TuneArguments)}
 
 
 def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -314,7 +305,7 @@ def _add_tune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     tune.add_argument(
         "--time-budget",
         type=_seconds,
-        default=DEFAULT_TIME_BUDGET,
+        default=_TUNE_DEFAULTS["time_budget"],
         metavar="S",
         help=f"seconds the tuning may take (default: {DEFAULT_TIME_BUDGET:g})",
     )

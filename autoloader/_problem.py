@@ -1,4 +1,5 @@
-"""What one call of :func:`autoloader.tune` asks for: its arguments, checked before
+"""What one call of :func:`autoloader.tune` asks for: its arguments as given
+(:class:`TuneArguments`, which ``AutoLoader`` and the CLI build too), checked before
 anything runs, and what they come to on this machine (:class:`Problem`); under torchrun,
 the same problem agreed between the ranks (:func:`agree`).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,34 @@ from autoloader.search._study import ProblemIdentity, open_storage
 # Seconds a run may take where time_budget is not given: tune() and AutoLoader (None),
 # the CLI and the Lightning and Transformers adapters all default to this one number.
 DEFAULT_TIME_BUDGET = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TuneArguments:
+    """:func:`tune`'s keyword arguments as given, with its defaults (its docstring says
+    what each means): what ``tune()``, ``AutoLoader`` and the CLI hand to
+    :func:`check_arguments`, written here once. ``tune()`` keeps its own signature, for
+    users and their IDEs; ``tests/test_signatures.py`` ties the two, names, defaults
+    and types, and the CLI's options named as these to their defaults."""
+
+    batch_size: int
+    time_budget: float | None = None
+    n_trials: int | None = None
+    memory_budget: int | str | None = None
+    search_space: SearchSpace | Mapping[str, Any] | None = None
+    loader_kwargs: Mapping[str, Any] | None = None
+    device: str | torch.device | None = None
+    seed: int = 0
+    storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None = None
+    show_progress: bool = True
+    isolation: Isolation = "in-process"
+    restore: Sequence[Restorable] | Restorable | None = None
+    path: str | os.PathLike[str] | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The arguments by name, as ``tune()`` takes them: the values themselves, not
+        copies (``dataclasses.asdict`` would copy a sampler or a dataset)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,70 +160,59 @@ def check_arguments(
     ranks: Ranks | None,
     dataset: Dataset[Any],
     step_fn: Callable[[Any], object],
-    *,
-    batch_size: int,
-    time_budget: float | None,
-    n_trials: int | None,
-    memory_budget: int | str | None,
-    search_space: SearchSpace | Mapping[str, Any] | None,
-    loader_kwargs: Mapping[str, Any] | None,
-    device: str | torch.device | None,
-    seed: int,
-    storage: str | os.PathLike[str] | optuna.storages.BaseStorage | None,
-    show_progress: bool,
-    isolation: object,
-    restore: object,
-    path: str | os.PathLike[str] | None = None,
+    arguments: TuneArguments,
 ) -> Problem:
     """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
     error is told to the others (see :func:`agree`), so that none waits for it."""
     try:
-        dataset_length = check_dataset(dataset)
-        batch_size = check_batch_size(batch_size, dataset_length)
-        step_fn = check_step_fn(step_fn)
-        budget = check_seconds(
-            "time_budget",
-            DEFAULT_TIME_BUDGET if time_budget is None else time_budget,
-            hint=" It is the seconds the whole tuning run may take.",
-        )
-        n_trials = check_n_trials(n_trials)
-        space = check_search_space(search_space)
-        fixed = check_loader_kwargs(loader_kwargs)
-        resolved_device = resolve_device(device)
-        # Only the rank that drives the study opens its storage.
-        study_storage = open_storage(storage if ranks is None or ranks.drives else None)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
-        batches_per_epoch = count_batches(dataset, batch_size, fixed)
-        environment = Environment.current(
-            world_size=ranks.world_size if ranks else 1,
-            local_world_size=ranks.local_world_size if ranks else 1,
-            nodes=ranks.nodes if ranks else 1,
-            node_cpus=ranks.node_cpus if ranks else None,
-        )
-        method = start_method(fixed, environment.start_method)
-        check_picklable(
-            {
-                "dataset": dataset,
-                "collate_fn": fixed.get("collate_fn"),
-                "worker_init_fn": fixed.get("worker_init_fn"),
-            },
-            method,
-        )
-        isolation = check_isolation(isolation)
-        if ranks is not None and isolation == "subprocess":
-            raise InvalidInputError(
-                'isolation="subprocess" does not work under torchrun: a trial\'s own '
-                "process is not a rank of the job, and a step_fn with DDP collectives "
-                'would wait there forever. Use isolation="in-process".'
-            )
-        memory_bytes = resolve_memory_budget(memory_budget) if ranks is None else 0
-        restorable = check_restorable(restore)
-        result_path = check_result_path(path, writes=ranks is None or ranks.rank == 0)
+        return _checked(ranks, dataset, step_fn, arguments)
     except Exception as error:
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)
         raise
+
+
+def _checked(
+    ranks: Ranks | None,
+    dataset: Dataset[Any],
+    step_fn: Callable[[Any], object],
+    arguments: TuneArguments,
+) -> Problem:
+    """The arguments checked one by one, in the order in which a wrong one is named
+    (the first found is raised), and what they come to on this machine."""
+    dataset_length = check_dataset(dataset)
+    batch_size = check_batch_size(arguments.batch_size, dataset_length)
+    step_fn = check_step_fn(step_fn)
+    budget = check_seconds(
+        "time_budget",
+        DEFAULT_TIME_BUDGET if arguments.time_budget is None else arguments.time_budget,
+        hint=" It is the seconds the whole tuning run may take.",
+    )
+    n_trials = check_n_trials(arguments.n_trials)
+    space = check_search_space(arguments.search_space)
+    fixed = check_loader_kwargs(arguments.loader_kwargs)
+    device = resolve_device(arguments.device)
+    # Only the rank that drives the study opens its storage.
+    storage = open_storage(arguments.storage if ranks is None or ranks.drives else None)
+    seed = arguments.seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInputError(f"seed must be an int, but got {seed!r}.")
+    batches_per_epoch = count_batches(dataset, batch_size, fixed)
+    environment = Environment.current(
+        world_size=ranks.world_size if ranks else 1,
+        local_world_size=ranks.local_world_size if ranks else 1,
+        nodes=ranks.nodes if ranks else 1,
+        node_cpus=ranks.node_cpus if ranks else None,
+    )
+    method = start_method(fixed, environment.start_method)
+    check_picklable(
+        {
+            "dataset": dataset,
+            "collate_fn": fixed.get("collate_fn"),
+            "worker_init_fn": fixed.get("worker_init_fn"),
+        },
+        method,
+    )
     return Problem(
         dataset=dataset,
         step_fn=step_fn,
@@ -206,17 +224,31 @@ def check_arguments(
         seed=seed,
         space=space,
         fixed=fixed,
-        device=resolved_device,
-        storage=study_storage,
+        device=device,
+        storage=storage,
         environment=environment,
         start_method=method,
-        isolation=isolation,
-        memory_budget=memory_budget,
-        memory_bytes=memory_bytes,
-        show_progress=show_progress,
-        restore=restorable,
-        path=result_path,
+        # The rest checked here, in the order of the fields.
+        isolation=_checked_isolation(arguments.isolation, ranks),
+        memory_budget=arguments.memory_budget,
+        memory_bytes=resolve_memory_budget(arguments.memory_budget) if ranks is None else 0,
+        show_progress=arguments.show_progress,
+        restore=check_restorable(arguments.restore),
+        path=check_result_path(arguments.path, writes=ranks is None or ranks.rank == 0),
     )
+
+
+def _checked_isolation(isolation: object, ranks: Ranks | None) -> Isolation:
+    """``isolation``, checked, and refused where it cannot work: ``"subprocess"`` under
+    torchrun."""
+    checked = check_isolation(isolation)
+    if ranks is not None and checked == "subprocess":
+        raise InvalidInputError(
+            'isolation="subprocess" does not work under torchrun: a trial\'s own '
+            "process is not a rank of the job, and a step_fn with DDP collectives "
+            'would wait there forever. Use isolation="in-process".'
+        )
+    return checked
 
 
 def shared_arguments(problem: Problem) -> tuple[Any, ...]:

@@ -35,7 +35,13 @@ from torch.utils.data import Dataset
 
 from autoloader._exceptions import InvalidInputError, RankError
 from autoloader._preserve import Restorable, preserved
-from autoloader._problem import Problem, agree, check_arguments, check_main_thread
+from autoloader._problem import (
+    Problem,
+    TuneArguments,
+    agree,
+    check_arguments,
+    check_main_thread,
+)
 from autoloader._reuse import reused
 from autoloader._session import RunSession
 from autoloader._sigterm import Sigterm, sigterm_while_tuning
@@ -178,30 +184,29 @@ def tune(
         loader = result.make_loader(dataset)
     """
     started = perf_counter()
+    # tune()'s keyword arguments, each passed on (tests/test_signatures.py ties the two).
+    arguments = TuneArguments(
+        batch_size=batch_size,
+        time_budget=time_budget,
+        n_trials=n_trials,
+        memory_budget=memory_budget,
+        search_space=search_space,
+        loader_kwargs=loader_kwargs,
+        device=device,
+        seed=seed,
+        storage=storage,
+        show_progress=show_progress,
+        isolation=isolation,
+        restore=restore,
+        path=path,
+    )
     check_main_thread("tune()")
     # Under torchrun every rank calls tune(): they tune together (see distributed/_joint.py).
     ranks = Ranks.join()
     try:
         # The random number generators, and this process's threads (step_threads).
         with sigterm_while_tuning(ranks) as sigterm, preserved(), kept_threads():
-            problem = check_arguments(
-                ranks,
-                dataset,
-                step_fn,
-                batch_size=batch_size,
-                time_budget=time_budget,
-                n_trials=n_trials,
-                memory_budget=memory_budget,
-                search_space=search_space,
-                loader_kwargs=loader_kwargs,
-                device=device,
-                seed=seed,
-                storage=storage,
-                show_progress=show_progress,
-                isolation=isolation,
-                restore=restore,
-                path=path,
-            )
+            problem = check_arguments(ranks, dataset, step_fn, arguments)
             with preserved(*problem.restore, rng=False):
                 return _tune(ranks, started, problem, sigterm)
     finally:

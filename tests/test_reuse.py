@@ -16,7 +16,7 @@ import torch
 
 import autoloader
 from autoloader import InvalidInputError, SearchSpace
-from autoloader._problem import Problem, check_arguments, shared_arguments
+from autoloader._problem import Problem, TuneArguments, check_arguments, shared_arguments
 from autoloader._reuse import reused
 from autoloader.search._study import ProblemIdentity, name_of
 
@@ -83,11 +83,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def _problem(path: Path) -> Problem:
     """``_tune``'s problem, as tune() checks it."""
     return check_arguments(
-        None, SleepDataset(256, latency=0.001), CountingStep(), batch_size=8,
-        time_budget=4, n_trials=None, memory_budget=None, search_space=SPACE,
-        loader_kwargs=None, device=None, seed=0, storage=None, show_progress=False,
-        isolation="in-process", restore=None, path=path,
-    )  # fmt: skip
+        None,
+        SleepDataset(256, latency=0.001),
+        CountingStep(),
+        TuneArguments(
+            batch_size=8, time_budget=4, search_space=SPACE, show_progress=False, path=path
+        ),
+    )
 
 
 def test_the_file_of_the_same_problem_is_reused(tmp_path: Path, saved: dict[str, object]) -> None:
@@ -174,10 +176,13 @@ def test_a_problem_that_differs_in_any_part_of_its_identity_is_another_problem_e
     one added to it is checked here too (the other problem must then differ in it)."""
     problem = _problem(tmp_path / "loader.json")
     other = check_arguments(
-        None, BusyDataset(128), noop_step, batch_size=4, time_budget=4, n_trials=None,
-        memory_budget="4GB", search_space=SearchSpace(), loader_kwargs={"shuffle": True},
-        device="cpu", seed=0, storage=None, show_progress=False, isolation="in-process",
-        restore=None,
+        None,
+        BusyDataset(128),
+        noop_step,
+        TuneArguments(
+            batch_size=4, time_budget=4, memory_budget="4GB", search_space=SearchSpace(),
+            loader_kwargs={"shuffle": True}, device="cpu", show_progress=False,
+        ),
     )  # fmt: skip
     mine, theirs = problem.identity(), other.identity()
     shared = shared_arguments(problem)

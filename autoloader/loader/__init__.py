@@ -14,6 +14,9 @@ Modules, from the top down, one job each::
     _step_threads    step_threads(): the training process's own torch threads, for a
                      block (NOTE [ Step threads ])
     _params          the settings autoloader tunes, in their canonical form
+    _dataloader_options
+                     DataLoader's own arguments and defaults, read from its signature,
+                     that AutoLoader's and ThreadLoader's are checked against
     _torch_compat    every private torch API autoloader touches, in one place
 
 ``_torch_compat`` is not re-exported: ``loader`` and ``measure`` import it by its name,
@@ -21,6 +24,7 @@ so that every use of torch's private API is found by searching for that name.
 """
 
 from autoloader.loader._batched import PER_ITEM_OPTIONS
+from autoloader.loader._dataloader_options import DATALOADER_DEFAULTS, changed_options
 from autoloader.loader._factory import (
     build_loader,
     dataloader_kwargs,
@@ -40,12 +44,14 @@ from autoloader.loader._thread_loader import ThreadLoader
 
 __all__ = [
     "BASELINE_PARAMS",
+    "DATALOADER_DEFAULTS",
     "PER_ITEM_OPTIONS",
     "TUNED_KEYS",
     "WORKER_KINDS",
     "Params",
     "ThreadLoader",
     "build_loader",
+    "changed_options",
     "dataloader_kwargs",
     "default_start_method",
     "kept_threads",
