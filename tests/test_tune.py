@@ -430,7 +430,12 @@ def test_iterable_datasets_are_tuned() -> None:
     result = _tune(
         ShardedStream(512), noop_step, time_budget=4.0, search_space={"num_workers": (0, 2)}
     )
-    assert {t.params["num_workers"] for t in result.trials} <= {0, 1, 2}
+    # Worker processes only, each reading its own share (get_worker_info()); threads have
+    # no worker info and would each read the whole stream, so they are not offered.
+    assert any(
+        n.startswith("worker_kind fixed to processes: an IterableDataset") for n in result.notes
+    )
+    assert {t.params["worker_kind"] for t in result.trials} == {"processes"}
     assert any(t.params["num_workers"] > 0 and t.state == "complete" for t in result.trials)
     # The tuned loader yields the stream as it is: every item once.
     items = [int(x) for batch in result.make_loader(ShardedStream(512)) for x in batch[:, 0]]
