@@ -501,6 +501,10 @@ def test_with_an_accelerator_pin_memory_is_searched() -> None:
         result = _tune(time_budget=4.0, search_space={"num_workers": (0, 2)})
     assert result.environment.accelerator == "cuda: Fake GPU x1"
     assert not any("no accelerator" in n for n in result.notes)
+    # Both values measured: the defaults without pinning, the search's first settings with
+    # it, and pinning broke none of them.
+    assert {t.params["pin_memory"] for t in result.trials} == {False, True}
+    assert not [t for t in result.trials if t.params["pin_memory"] and t.state == "failed"]
     assert math.isfinite(result.speedup)
 
 
