@@ -117,7 +117,9 @@ def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -
     assert loader.tuned and loader.result is not None
     assert len(loader.history) >= 3  # the baseline and the search, in the loop
     assert loader.num_workers == loader.result.params["num_workers"]
-    assert "tuned" in loader.report() or "autoloader report" in loader.report()
+    # Tuned, the report is the tuning run's, as autoloader.report() gives it.
+    assert loader.report() == autoloader.report(loader.result)
+    assert loader.report().startswith("autoloader report: batch size 16,")
 
 
 def test_an_epoch_left_early_leaves_the_next_one_dataloaders() -> None:
