@@ -220,5 +220,6 @@ def test_a_result_that_cannot_be_saved_is_returned_with_a_warning(tmp_path: Path
     # elsewhere that holds it, as the warning advises.
     assert step.calls > 0 and result.trials[0].phase == "baseline" and not result.partial
     assert any(t.state == "complete" and t.params == result.params for t in result.trials)
-    again = autoloader.load(result.save(tmp_path / "elsewhere.json"))
+    result.save(tmp_path / "elsewhere.json")
+    again = autoloader.load(tmp_path / "elsewhere.json")
     assert again.params == result.params and again.trials == result.trials
