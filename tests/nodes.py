@@ -5,8 +5,9 @@ autoloader tells nodes apart by host name (``Ranks.join``): the ranks of a node 
 its memory budget, its watcher and its CPUs. Two agents started this way are two nodes
 to it, as two machines would be, while they share this machine's memory and CPUs (which
 the tests use: a budget counted over the whole machine instead of one node's would
-already be passed before any trial). Used by ``tests/test_two_nodes.py`` and
-``benchmarks/two_nodes.py``.
+already be passed before any trial). Used by the two-node tests of
+``tests/test_torchrun.py`` and by ``benchmarks/two_node_budget.py``,
+``benchmarks/torchrun_joint.py`` and ``benchmarks/control_traffic.py``.
 
 Starting a namespace needs root (or CAP_SYS_ADMIN). Where it is not permitted the tests
 skip and say why, unless ``AUTOLOADER_REQUIRE_NODES=1`` (set by ``.ci/run``, which runs

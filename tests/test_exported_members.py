@@ -1,7 +1,14 @@
 """The public surface changes only on purpose (as httpx's test_exported_members)."""
 
 import inspect
+import re
 import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import autoloader
 
@@ -40,18 +47,44 @@ def test_every_exported_name_is_documented() -> None:
             assert inspect.getdoc(value), f"{name} has no docstring"
 
 
-def test_the_torch_floor_covers_the_apis_the_package_uses() -> None:
-    """``torch.accelerator`` and ``DataLoader(in_order=...)`` arrived in torch 2.6: the
-    floor in pyproject.toml must not promise an older torch."""
-    import re
-    from pathlib import Path
+def _runs_with_this_torch() -> bool:
+    """Whether the package finds the machine and builds a loader with the torch as it is
+    now: its AttributeError or TypeError is what an API torch lacks would raise."""
+    from autoloader.loader._factory import build_loader, merge_loader_kwargs
+    from autoloader.loader._params import BASELINE_PARAMS
 
+    try:
+        autoloader.Environment.current()
+        build_loader(
+            TensorDataset(torch.zeros(8, 2)), merge_loader_kwargs(BASELINE_PARAMS, batch_size=4)
+        )
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def test_the_torch_floor_covers_the_apis_the_package_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``torch.accelerator`` and ``DataLoader(in_order=...)`` arrived in torch 2.6: if the
+    package breaks on a torch without them (2.5, simulated here), the floor in
+    pyproject.toml must not promise an older torch."""
     package = Path(autoloader.__file__).parent
     pyproject = (package.parent / "pyproject.toml").read_text()
     floor = re.search(r'^\s*"torch>=(\d+)\.(\d+)', pyproject, re.MULTILINE)
     assert floor is not None, "pyproject.toml has no torch>= floor"
-    source = "".join(p.read_text() for p in package.rglob("*.py"))
-    needs = (2, 6) if "torch.accelerator" in source or "in_order" in source else (2, 0)
+    assert _runs_with_this_torch()
+    init = DataLoader.__init__
+
+    def init_of_torch_2_5(self: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
+        if "in_order" in kwargs:
+            raise TypeError("DataLoader.__init__() got an unexpected keyword argument 'in_order'")
+        init(self, *args, **kwargs)
+
+    with monkeypatch.context() as torch_2_5:
+        torch_2_5.delattr(torch, "accelerator")
+        torch_2_5.setattr(DataLoader, "__init__", init_of_torch_2_5)
+        needs = (2, 0) if _runs_with_this_torch() else (2, 6)
     assert (int(floor[1]), int(floor[2])) >= needs
 
 
@@ -59,7 +92,6 @@ def test_the_version_is_kept_in_one_place() -> None:
     """The installed distribution's version is read from ``autoloader.__version__``
     (``dynamic`` in pyproject.toml), under the distribution's own name."""
     from importlib.metadata import version
-    from pathlib import Path
 
     pyproject = (Path(autoloader.__file__).parent.parent / "pyproject.toml").read_text()
     assert 'name = "torch-autoloader"' in pyproject

@@ -176,6 +176,28 @@ class FaultInWorkersDataset(SleepDataset):
         return super().__getitem__(index)
 
 
+class HoldsOnceArmed(SleepDataset):
+    """Reads like ``SleepDataset`` until the file ``armed`` exists. From then on, a worker
+    process that reads an item creates the file ``holding`` and holds the item until a
+    signal ends it (Ctrl-C): a trial with workers under way, which cannot end before it
+    is interrupted. The main process and thread workers read on as before."""
+
+    def __init__(self, length: int, armed: str, holding: str) -> None:
+        super().__init__(length)
+        self.armed = armed
+        self.holding = holding
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import signal
+
+        if get_worker_info() is not None and os.path.exists(self.armed):
+            with open(self.holding, "a"):
+                pass
+            while True:
+                signal.pause()
+        return super().__getitem__(index)
+
+
 def _fault(fault: str) -> None:
     import errno
     import os
