@@ -167,3 +167,13 @@ def test_a_timeout_that_user_code_swallows_fires_again(release: threading.Event)
         timer.cancel()
         timer.join()
     assert time.monotonic() - started < 0.2 + 3.0 + 2.0
+
+
+def test_a_timeouts_message_says_its_stage_once() -> None:
+    timeout = TrialTimeout("loading a batch", 3.0)
+    assert str(TrialError("loading a batch", timeout, 0)) == (
+        "TrialTimeout: no progress for 3 s while loading a batch"
+    )
+    assert str(TrialError("running step_fn", ValueError("bad"), 0)) == (
+        "ValueError: bad while running step_fn"
+    )

@@ -44,7 +44,9 @@ class TrialError(Exception):
         self.worker_signals: tuple[int, ...] = ()
         self.worker_exit_codes: tuple[int, ...] = ()
         self.rank: int | None = None
-        super().__init__(f"{self.summary} while {stage}")
+        # A timeout already says what it was doing (TrialTimeout: "... while loading a batch").
+        said = isinstance(error, TrialTimeout) and error.stage == stage
+        super().__init__(self.summary if said else f"{self.summary} while {stage}")
 
     def __reduce__(self) -> tuple[Callable[..., TrialError], tuple[Any, ...]]:
         # Sent from a trial's own process (isolation="subprocess"): pickling keeps
