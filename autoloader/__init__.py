@@ -28,13 +28,10 @@ from autoloader._exceptions import (
 )
 from autoloader._preserve import preserved
 from autoloader._tune import tune
-from autoloader.checks._environment import Environment
-from autoloader.loader._thread_loader import ThreadLoader
-from autoloader.results._plot import plot
-from autoloader.results._record import TrialRecord
-from autoloader.results._report import report
-from autoloader.results._result import TuneResult, load
-from autoloader.search._space import SearchSpace
+from autoloader.checks import Environment
+from autoloader.loader import ThreadLoader
+from autoloader.results import TrialRecord, TuneResult, load, plot, report
+from autoloader.search import SearchSpace
 
 __version__ = "0.1.0"
 

@@ -49,15 +49,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from autoloader._exceptions import InvalidInputError
 from autoloader._loop_tuning import LoopTuning
 from autoloader._problem import TuneArguments, check_arguments
-from autoloader.loader._dataloader_options import DATALOADER_DEFAULTS, changed_options
-from autoloader.loader._feed import EpochBatches
-from autoloader.loader._params import Params
+from autoloader.loader import DATALOADER_DEFAULTS, EpochBatches, Params, changed_options
 from autoloader.loader._torch_compat import exiting
-from autoloader.measure._live import LiveTrial, TrialEnded
-from autoloader.results._record import TrialRecord, record_of
-from autoloader.results._report import report
-from autoloader.results._result import TuneResult
-from autoloader.search._space import SearchSpace
+from autoloader.measure import LiveTrial, TrialEnded
+from autoloader.results import TrialRecord, TuneResult, record_of, report
+from autoloader.search import SearchSpace
 
 _logger = logging.getLogger("autoloader")
 

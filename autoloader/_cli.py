@@ -30,10 +30,10 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from autoloader._exceptions import AutoloaderError
 from autoloader._problem import DEFAULT_TIME_BUDGET, TuneArguments
-from autoloader.checks._validation import ISOLATIONS
+from autoloader.checks import ISOLATIONS
 
 if TYPE_CHECKING:
-    from autoloader.results._result import TuneResult
+    from autoloader.results import TuneResult
 
 # The exit status of a run stopped by SIGTERM, and of one stopped by Ctrl-C.
 _SIGTERM_STATUS = 128 + signal.SIGTERM
@@ -42,7 +42,7 @@ _SIGINT_STATUS = 128 + signal.SIGINT
 
 def _tune(args: argparse.Namespace) -> int:
     from autoloader._tune import tune
-    from autoloader.results._report import report
+    from autoloader.results import report
 
     out = _checked_out(args.out)  # before the dataset is built, or any trial
     dataset = factory = args.dataset
@@ -101,7 +101,7 @@ def _tuned_and_saved(
         AutoloaderError: the file could not be written; the report is printed first,
             so that the settings are not lost.
     """
-    from autoloader.results._report import report
+    from autoloader.results import report
 
     with _sigterm_noted() as terminated:
         result = run()
@@ -148,16 +148,14 @@ def _sigterm_noted() -> Iterator[threading.Event]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from autoloader.results._report import report
-    from autoloader.results._result import load
+    from autoloader.results import load, report
 
     print(report(load(args.result)))
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from autoloader.results._plot import plot
-    from autoloader.results._result import load
+    from autoloader.results import load, plot
 
     result = load(args.result)
     try:
@@ -171,7 +169,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from autoloader._demo import SleepStep, SyntheticImageDataset
     from autoloader._tune import tune
-    from autoloader.results._report import report
+    from autoloader.results import report
 
     out = _checked_out(args.out)
     dataset = SyntheticImageDataset(args.items, read_latency=args.read_latency)
@@ -206,7 +204,7 @@ def _seconds(text: str, *, zero: bool = False) -> float:
         argparse.ArgumentTypeError: naming the value and the bounds.
     """
     from autoloader._exceptions import InvalidInputError
-    from autoloader.checks._validation import check_seconds
+    from autoloader.checks import check_seconds
 
     try:
         return check_seconds("it", float(text), zero=zero)
@@ -452,7 +450,7 @@ def _join_torchrun() -> None:
             in its range, or the rendezvous lacks a variable (``MASTER_ADDR``).
     """
     from autoloader._exceptions import InvalidInputError
-    from autoloader.checks._validation import env_int
+    from autoloader.checks import env_int
 
     if dist.is_initialized() or "RANK" not in os.environ:
         return
@@ -500,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autoloader: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as error:
-        from autoloader.search._driver import Terminated
+        from autoloader.search import Terminated
 
         if isinstance(error, Terminated):  # before the baseline: nothing measured to save
             print("autoloader: stopped by SIGTERM before the baseline ended", file=sys.stderr)

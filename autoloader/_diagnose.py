@@ -27,19 +27,28 @@ from autoloader._verdict import (
 )
 from autoloader._verdict import step_cpus as measured_step_cpus
 from autoloader._verdict import verdict as judge
-from autoloader.checks._copy_on_read import copied_per_worker
-from autoloader.checks._environment import Environment
-from autoloader.checks._facts import Checks
-from autoloader.checks._validation import check_seconds, check_step_fn, start_method
-from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
-from autoloader.measure._device import resolve_device
-from autoloader.measure._errors import TrialError
-from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded, resolve_memory_budget
-from autoloader.measure._runner import TrialRunner
-from autoloader.measure._units import format_bytes
-from autoloader.measure._units import format_seconds as _ms
-from autoloader.search._cost_model import (
+from autoloader.checks import (
+    Checks,
+    Environment,
+    check_seconds,
+    check_step_fn,
+    copied_per_worker,
+    start_method,
+)
+from autoloader.measure import (
+    Deadlines,
+    Measurement,
+    MemoryBudgetExceeded,
+    TrialError,
+    TrialRunner,
+    TrialTimeout,
+    format_bytes,
+    resolve_device,
+    resolve_memory_budget,
+    time_limit,
+)
+from autoloader.measure import format_seconds as _ms
+from autoloader.search import (
     STEP_ON_CPU,
 )
 

@@ -20,18 +20,18 @@ from typing import Any, Protocol
 from autoloader._exceptions import BaselineError
 from autoloader._problem import Problem
 from autoloader._session import RunSession
-from autoloader.distributed._joint import job_outcome
-from autoloader.distributed._ranks import Ranks
-from autoloader.loader._feed import EpochBatches
-from autoloader.loader._params import Params
-from autoloader.measure._deadlines import Deadlines
-from autoloader.measure._errors import TrialError
-from autoloader.measure._live import LiveTrial
-from autoloader.measure._measurement import Measurement, WindowCallback
-from autoloader.measure._memory import MemoryBudgetExceeded
-from autoloader.results._result import TuneResult, in_memory_kwargs
-from autoloader.search import Completed, Proposal, Trial
-from autoloader.search._objective import trial_seconds
+from autoloader.distributed import Ranks, job_outcome
+from autoloader.loader import EpochBatches, Params
+from autoloader.measure import (
+    Deadlines,
+    LiveTrial,
+    Measurement,
+    MemoryBudgetExceeded,
+    TrialError,
+    WindowCallback,
+)
+from autoloader.results import TuneResult, in_memory_kwargs
+from autoloader.search import Completed, Proposal, Trial, trial_seconds
 
 Failure = TrialError | MemoryBudgetExceeded
 

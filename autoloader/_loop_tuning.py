@@ -34,18 +34,28 @@ from autoloader._loop_search import (
 from autoloader._problem import Problem, agree
 from autoloader._reuse import reused
 from autoloader._session import RunSession
-from autoloader.checks._environment import world
-from autoloader.distributed._ranks import Ranks
-from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs, new_loader
-from autoloader.loader._feed import EpochBatches, Feed
-from autoloader.loader._params import BASELINE_PARAMS, Params, normalize_params
-from autoloader.loader._step_threads import set_step_threads
-from autoloader.measure._deadlines import Deadlines
-from autoloader.measure._errors import TrialError
-from autoloader.measure._live import LiveTrial, release
-from autoloader.measure._measurement import WindowCallback
-from autoloader.measure._memory import MemoryBudgetExceeded
-from autoloader.results._result import TuneResult
+from autoloader.checks import world
+from autoloader.distributed import Ranks
+from autoloader.loader import (
+    BASELINE_PARAMS,
+    EpochBatches,
+    Feed,
+    Params,
+    dataloader_kwargs,
+    merge_loader_kwargs,
+    new_loader,
+    normalize_params,
+    set_step_threads,
+)
+from autoloader.measure import (
+    Deadlines,
+    LiveTrial,
+    MemoryBudgetExceeded,
+    TrialError,
+    WindowCallback,
+    release,
+)
+from autoloader.results import TuneResult
 from autoloader.search import Proposal, Trial
 
 _logger = logging.getLogger("autoloader")

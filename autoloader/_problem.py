@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 
 from autoloader._exceptions import InvalidInputError, ResultFileError
 from autoloader._preserve import Restorable, check_restorable
-from autoloader.checks._environment import Environment
-from autoloader.checks._validation import (
+from autoloader.checks import (
+    Environment,
     Isolation,
     check_batch_size,
     check_dataset,
@@ -34,14 +34,10 @@ from autoloader.checks._validation import (
     count_batches,
     start_method,
 )
-from autoloader.distributed._joint import agree_on_arguments, node_memory_budget
-from autoloader.distributed._ranks import Ranks
-from autoloader.measure._device import resolve_device
-from autoloader.measure._memory import resolve_memory_budget
-from autoloader.results._files import check_writable, read_result_json
-from autoloader.results._result import SCHEMA_VERSION
-from autoloader.search._space import SearchSpace, check_search_space
-from autoloader.search._study import ProblemIdentity, open_storage
+from autoloader.distributed import Ranks, agree_on_arguments, node_memory_budget
+from autoloader.measure import resolve_device, resolve_memory_budget
+from autoloader.results import SCHEMA_VERSION, check_writable, read_result_json
+from autoloader.search import ProblemIdentity, SearchSpace, check_search_space, open_storage
 
 # Seconds a run may take where time_budget is not given: tune() and AutoLoader (None),
 # the CLI and the Lightning and Transformers adapters all default to this one number.

@@ -18,8 +18,8 @@ import warnings
 
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
 from autoloader._problem import Problem
-from autoloader.distributed._ranks import Ranks
-from autoloader.results._result import TuneResult, in_memory_kwargs, load
+from autoloader.distributed import Ranks
+from autoloader.results import TuneResult, in_memory_kwargs, load
 
 _logger = logging.getLogger("autoloader")
 

@@ -33,30 +33,42 @@ import optuna
 import torch
 
 from autoloader._problem import Problem
-from autoloader.checks._facts import Checks, checks_seconds
-from autoloader.distributed._ranks import Ranks
-from autoloader.measure._deadlines import Deadlines
-from autoloader.measure._errors import TrialError
-from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded
-from autoloader.measure._runner import Runner
-from autoloader.results._record import TrialRecord, record_of
-from autoloader.results._report import describe
-from autoloader.results._result import TuneResult, in_memory_kwargs, split_loader_kwargs
-from autoloader.search import Choice, Driver, Outcome, Policy, Proposal, Trial, TrialSpec
-from autoloader.search._driver import Interruption, Terminated, quiet_optuna, remember_ctrl_c
-from autoloader.search._objective import trial_seconds
-from autoloader.search._reasons import (
-    BudgetGivenBack,
-    Interrupted,
-    Note,
-    Resumed,
-    SpaceNote,
-    TunedJointly,
-    render,
+from autoloader.checks import Checks, checks_seconds
+from autoloader.distributed import Ranks
+from autoloader.measure import Deadlines, Measurement, MemoryBudgetExceeded, Runner, TrialError
+from autoloader.results import (
+    TrialRecord,
+    TuneResult,
+    describe,
+    in_memory_kwargs,
+    record_of,
+    split_loader_kwargs,
 )
-from autoloader.search._space import SearchSpace, Startup, resolve_space
-from autoloader.search._study import study_name
+from autoloader.search import (
+    BudgetGivenBack,
+    Choice,
+    Driver,
+    Interrupted,
+    Interruption,
+    Note,
+    Outcome,
+    Policy,
+    Proposal,
+    Resumed,
+    SearchSpace,
+    SpaceNote,
+    Startup,
+    Terminated,
+    Trial,
+    TrialSpec,
+    TunedJointly,
+    quiet_optuna,
+    remember_ctrl_c,
+    render,
+    resolve_space,
+    study_name,
+    trial_seconds,
+)
 
 _logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 
 from autoloader._exceptions import RankError
-from autoloader.distributed._ranks import Ranks
-from autoloader.search._driver import Interruption, Terminated
+from autoloader.distributed import Ranks
+from autoloader.search import Interruption, Terminated
 
 
 class Sigterm:

@@ -40,9 +40,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from autoloader._exceptions import InvalidInputError
-from autoloader.loader._batch_items import BatchItems
-from autoloader.loader._draws import drawing_as, persistent
-from autoloader.loader._factory import dataloader_kwargs, merge_loader_kwargs
+from autoloader.loader import (
+    BatchItems,
+    dataloader_kwargs,
+    drawing_as,
+    merge_loader_kwargs,
+    persistent,
+)
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments

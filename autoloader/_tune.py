@@ -45,20 +45,12 @@ from autoloader._problem import (
 from autoloader._reuse import reused
 from autoloader._session import RunSession
 from autoloader._sigterm import Sigterm, sigterm_while_tuning
-from autoloader.checks._facts import checks_seconds
-from autoloader.checks._validation import Isolation
-from autoloader.distributed._joint import JointRunner, follow, spare_batch
-from autoloader.distributed._ranks import Ranks
-from autoloader.loader._factory import build_loader, merge_loader_kwargs
-from autoloader.loader._params import BASELINE_PARAMS
-from autoloader.loader._step_threads import kept_threads
-from autoloader.measure._isolation import SubprocessRunner
-from autoloader.measure._runner import Runner, TrialRunner
-from autoloader.measure._units import format_bytes
-from autoloader.results._progress import Progress
-from autoloader.results._result import TuneResult, in_memory_kwargs
-from autoloader.search._driver import quiet_optuna
-from autoloader.search._space import SearchSpace
+from autoloader.checks import Isolation, checks_seconds
+from autoloader.distributed import JointRunner, Ranks, follow, spare_batch
+from autoloader.loader import BASELINE_PARAMS, build_loader, kept_threads, merge_loader_kwargs
+from autoloader.measure import Runner, SubprocessRunner, TrialRunner, format_bytes
+from autoloader.results import Progress, TuneResult, in_memory_kwargs
+from autoloader.search import SearchSpace, quiet_optuna
 
 _logger = logging.getLogger(__name__)
 

@@ -55,10 +55,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoloader.measure._measurement import Measurement
-from autoloader.measure._units import format_bytes
-from autoloader.measure._units import format_seconds as _ms
-from autoloader.search._cost_model import (
+from autoloader.measure import Measurement, format_bytes
+from autoloader.measure import format_seconds as _ms
+from autoloader.search import (
     CPU_BOUND_SHARE,
     STEP_BOUND_WAIT,
     STEP_ON_CPU,

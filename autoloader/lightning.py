@@ -67,10 +67,10 @@ from autoloader._lightning_compat import DataLoaderSource, check_version
 from autoloader._preserve import Restorable, preserved
 from autoloader._problem import DEFAULT_TIME_BUDGET
 from autoloader._tune import check_passed_through, tune
-from autoloader.checks._validation import env_int
-from autoloader.loader._draws import drawing_as
-from autoloader.results._result import TuneResult
-from autoloader.search._space import SearchSpace, check_search_space, without_batched_fetch
+from autoloader.checks import env_int
+from autoloader.loader import drawing_as
+from autoloader.results import TuneResult
+from autoloader.search import SearchSpace, check_search_space, without_batched_fetch
 
 __all__ = ["LoaderTuner"]
 

@@ -28,8 +28,8 @@ from autoloader._preserve import Restorable, preserved
 from autoloader._problem import DEFAULT_TIME_BUDGET
 from autoloader._trainer_loader import LoaderMaker, apply_settings, generators_of, tuning_parts
 from autoloader._tune import check_passed_through, tune
-from autoloader.results._result import TuneResult
-from autoloader.search._space import SearchSpace, without_batched_fetch
+from autoloader.results import TuneResult
+from autoloader.search import SearchSpace, without_batched_fetch
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainingArguments

@@ -13,3 +13,46 @@ Modules::
     _environment    the machine (CPUs, memory, torch, accelerator, ranks), and how
                     another machine differs from it
 """
+
+from autoloader.checks._copy_on_read import copied_per_worker
+from autoloader.checks._environment import Environment, affinity, usable_cpus, world, world_nodes
+from autoloader.checks._facts import Checks, checks_seconds
+from autoloader.checks._validation import (
+    ISOLATIONS,
+    Isolation,
+    check_batch_size,
+    check_dataset,
+    check_isolation,
+    check_loader_kwargs,
+    check_n_trials,
+    check_picklable,
+    check_seconds,
+    check_step_fn,
+    count_batches,
+    env_int,
+    start_method,
+)
+
+__all__ = [
+    "ISOLATIONS",
+    "Checks",
+    "Environment",
+    "Isolation",
+    "affinity",
+    "check_batch_size",
+    "check_dataset",
+    "check_isolation",
+    "check_loader_kwargs",
+    "check_n_trials",
+    "check_picklable",
+    "check_seconds",
+    "check_step_fn",
+    "checks_seconds",
+    "copied_per_worker",
+    "count_batches",
+    "env_int",
+    "start_method",
+    "usable_cpus",
+    "world",
+    "world_nodes",
+]

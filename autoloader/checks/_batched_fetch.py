@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, default_convert
 
-from autoloader.loader._batched import PER_ITEM_OPTIONS
-from autoloader.measure._deadlines import TrialTimeout
+from autoloader.loader import PER_ITEM_OPTIONS
+from autoloader.measure import TrialTimeout
 
 
 def batched_fetch_problem(

@@ -13,10 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoloader.loader._factory import default_start_method
-from autoloader.measure._device import accelerator
-from autoloader.measure._memory import total_memory
-from autoloader.measure._units import format_bytes
+from autoloader.loader import default_start_method
+from autoloader.measure import accelerator, format_bytes, total_memory
 
 # Memory sizes that differ by less than this are the same machine (kernels and
 # firmware reserve slightly different amounts).

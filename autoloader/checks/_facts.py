@@ -81,11 +81,15 @@ from autoloader._exceptions import InvalidInputError
 from autoloader.checks._batched_fetch import batched_fetch_problem, same_batch
 from autoloader.checks._copy_on_read import copy_on_read
 from autoloader.checks._forked import ForkedCheckFailed, can_fork, run_forked
-from autoloader.loader._factory import build_loader, merge_loader_kwargs, new_loader
-from autoloader.measure._deadlines import TrialTimeout, time_limit
-from autoloader.measure._errors import TrialError, describe_error
-from autoloader.measure._memory import default_memory_budget
-from autoloader.measure._runner import TrialRunner
+from autoloader.loader import build_loader, merge_loader_kwargs, new_loader
+from autoloader.measure import (
+    TrialError,
+    TrialRunner,
+    TrialTimeout,
+    default_memory_budget,
+    describe_error,
+    time_limit,
+)
 
 _T = TypeVar("_T")
 

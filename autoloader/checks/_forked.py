@@ -23,8 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autoloader.measure._deadlines import TrialTimeout
-from autoloader.measure._errors import describe_error
+from autoloader.measure import TrialTimeout, describe_error
 
 _T = TypeVar("_T")
 

@@ -10,9 +10,8 @@ from typing import Any, Literal, get_args
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autoloader._exceptions import InvalidInputError, UnpicklableError
-from autoloader.loader._factory import build_loader, merge_loader_kwargs
-from autoloader.loader._params import BASELINE_PARAMS, TUNED_KEYS
-from autoloader.measure._pickling import _dumps, describe_unpicklable
+from autoloader.loader import BASELINE_PARAMS, TUNED_KEYS, build_loader, merge_loader_kwargs
+from autoloader.measure import _dumps, describe_unpicklable
 
 # Start methods that pickle the dataset and collate_fn into each worker; under "fork"
 # workers inherit them and nothing needs to pickle.

@@ -8,3 +8,23 @@ Modules::
 The lockstep the ranks' loops keep within a trial is measure/_lockstep.py: a trial's
 loop takes its decisions there, whether one process measures or many.
 """
+
+from autoloader.distributed._joint import (
+    JointRunner,
+    agree_on_arguments,
+    follow,
+    job_outcome,
+    node_memory_budget,
+    spare_batch,
+)
+from autoloader.distributed._ranks import Ranks
+
+__all__ = [
+    "JointRunner",
+    "Ranks",
+    "agree_on_arguments",
+    "follow",
+    "job_outcome",
+    "node_memory_budget",
+    "spare_batch",
+]

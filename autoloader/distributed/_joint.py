@@ -21,18 +21,21 @@ from typing import Any
 
 from autoloader._exceptions import BaselineError, InvalidInputError, RankError
 from autoloader.distributed._ranks import Ranks
-from autoloader.measure._deadlines import Deadlines
-from autoloader.measure._errors import TrialError
-from autoloader.measure._lockstep import Checkpoint, PeerFailed
-from autoloader.measure._measurement import Measurement, WindowCallback
-from autoloader.measure._memory import (
+from autoloader.measure import (
     DEFAULT_BUDGET_SHARE,
+    Checkpoint,
+    Deadlines,
+    Measurement,
     MemoryBudgetExceeded,
+    PeerFailed,
+    TrialError,
+    TrialRunner,
+    WindowCallback,
     available_memory,
+    format_bytes,
+    parse_bytes,
     tree_memory,
 )
-from autoloader.measure._runner import TrialRunner
-from autoloader.measure._units import format_bytes, parse_bytes
 
 # Seconds between checkpoints: each costs a small all-reduce, and they are spaced to
 # keep it at _CHECKPOINT_SHARE of the loop's time (checkpoint_spacing): 0.05 s at least,

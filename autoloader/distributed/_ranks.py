@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autoloader._exceptions import RankError
-from autoloader.checks._environment import affinity
+from autoloader.checks import affinity
 
 _logger = logging.getLogger(__name__)
 

@@ -23,8 +23,10 @@ Modules, from the top down, one job each::
 so that every use of torch's private API is found by searching for that name.
 """
 
+from autoloader.loader._batch_items import BatchItems
 from autoloader.loader._batched import PER_ITEM_OPTIONS
 from autoloader.loader._dataloader_options import DATALOADER_DEFAULTS, changed_options
+from autoloader.loader._draws import drawing_as, persistent
 from autoloader.loader._factory import (
     build_loader,
     dataloader_kwargs,
@@ -32,6 +34,7 @@ from autoloader.loader._factory import (
     merge_loader_kwargs,
     new_loader,
 )
+from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.loader._params import (
     BASELINE_PARAMS,
     TUNED_KEYS,
@@ -39,24 +42,31 @@ from autoloader.loader._params import (
     Params,
     normalize_params,
 )
-from autoloader.loader._step_threads import kept_threads, step_threads
-from autoloader.loader._thread_loader import ThreadLoader
+from autoloader.loader._step_threads import kept_threads, set_step_threads, step_threads
+from autoloader.loader._thread_loader import THREAD_WORKER_PREFIX, ThreadLoader
 
 __all__ = [
     "BASELINE_PARAMS",
     "DATALOADER_DEFAULTS",
     "PER_ITEM_OPTIONS",
+    "THREAD_WORKER_PREFIX",
     "TUNED_KEYS",
     "WORKER_KINDS",
+    "BatchItems",
+    "EpochBatches",
+    "Feed",
     "Params",
     "ThreadLoader",
     "build_loader",
     "changed_options",
     "dataloader_kwargs",
     "default_start_method",
+    "drawing_as",
     "kept_threads",
     "merge_loader_kwargs",
     "new_loader",
     "normalize_params",
+    "persistent",
+    "set_step_threads",
     "step_threads",
 ]

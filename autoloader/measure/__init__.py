@@ -22,7 +22,7 @@ Modules, from the top down, one job each::
     _units         bytes and seconds, parsed and shown
 """
 
-from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
+from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines, TrialTimeout, time_limit
 from autoloader.measure._device import accelerator, resolve_device
 from autoloader.measure._errors import (
     TrialError,
@@ -31,6 +31,7 @@ from autoloader.measure._errors import (
     exception_chain,
 )
 from autoloader.measure._isolation import SubprocessRunner
+from autoloader.measure._live import LiveTrial, TrialEnded, release
 from autoloader.measure._lockstep import Checkpoint, Lockstep, PeerFailed
 from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import (
@@ -43,25 +44,29 @@ from autoloader.measure._memory import (
     total_memory,
     tree_memory,
 )
-from autoloader.measure._pickling import describe_unpicklable
+from autoloader.measure._pickling import _dumps, describe_unpicklable
 from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 
 __all__ = [
     "DEFAULT_BUDGET_SHARE",
+    "STARTUP_PER_WORKER",
     "Checkpoint",
     "Deadlines",
+    "LiveTrial",
     "Lockstep",
     "Measurement",
     "MemoryBudgetExceeded",
     "PeerFailed",
     "Runner",
     "SubprocessRunner",
+    "TrialEnded",
     "TrialError",
     "TrialProcessDied",
     "TrialRunner",
     "TrialTimeout",
     "WindowCallback",
+    "_dumps",
     "accelerator",
     "available_memory",
     "default_memory_budget",
@@ -72,6 +77,7 @@ __all__ = [
     "format_seconds",
     "is_oom_error",
     "parse_bytes",
+    "release",
     "resolve_device",
     "resolve_memory_budget",
     "time_limit",

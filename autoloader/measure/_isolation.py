@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 
 from autoloader._exceptions import IsolationError, UnpicklableError
-from autoloader.loader._factory import default_start_method
+from autoloader.loader import default_start_method
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError, TrialProcessDied, portable_chain, restore_chain
 from autoloader.measure._measurement import Measurement, WindowCallback

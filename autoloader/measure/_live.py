@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from autoloader.loader._feed import Feed
+from autoloader.loader import Feed
 from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._batches import batch_length, tensor_bytes
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon

@@ -15,8 +15,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from autoloader.loader._factory import build_loader, merge_loader_kwargs
-from autoloader.loader._step_threads import step_threads
+from autoloader.loader import build_loader, merge_loader_kwargs, step_threads
 from autoloader.measure._deadlines import Alarm, Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Alone, Lockstep

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from autoloader.loader._thread_loader import THREAD_WORKER_PREFIX
+from autoloader.loader import THREAD_WORKER_PREFIX
 from autoloader.measure._batches import batch_length, loader_length, tensor_bytes
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon
 from autoloader.measure._cpu_demand import CpuDemand

@@ -11,11 +11,10 @@ from dataclasses import fields
 from typing import Any, TypeGuard
 
 from autoloader._exceptions import ResultFileError
-from autoloader.checks._environment import Environment, usable_cpus, world
-from autoloader.loader._params import TUNED_KEYS, Params, normalize_params
+from autoloader.checks import Environment, usable_cpus, world
+from autoloader.loader import TUNED_KEYS, Params, normalize_params
 from autoloader.results._record import TrialRecord
-from autoloader.search._outcome import FaultKind
-from autoloader.search._space import SETTING_RULES, Rule, SearchSpace, default_max_workers
+from autoloader.search import SETTING_RULES, FaultKind, Rule, SearchSpace, default_max_workers
 
 # Fixed DataLoader options of these types are written to the JSON file; others
 # (a collate_fn, a sampler, a generator) live only in the result returned by tune().

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autoloader._exceptions import InvalidInputError, ResultFileError
-from autoloader.measure._units import format_bytes
+from autoloader.measure import format_bytes
 
 
 def check_writable(path: Path) -> None:

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autoloader.search._outcome import Completed, Trial, state_of
+from autoloader.search import Completed, Trial, state_of
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,13 +38,12 @@ import statistics
 import textwrap
 from collections.abc import Iterator
 
-from autoloader.checks._copy_on_read import copied_per_worker
-from autoloader.loader._params import BASELINE_PARAMS, TUNED_KEYS
-from autoloader.measure._units import format_bytes, format_seconds
+from autoloader.checks import copied_per_worker
+from autoloader.loader import BASELINE_PARAMS, TUNED_KEYS
+from autoloader.measure import format_bytes, format_seconds
 from autoloader.results._record import TrialRecord
 from autoloader.results._result import TuneResult
-from autoloader.search._cost_model import step_competes_with_workers
-from autoloader.search._outcome import FaultKind
+from autoloader.search import FaultKind, step_competes_with_workers
 
 # Share of /dev/shm that batches in flight may fill before it is worth a word.
 _SHM_SHARE = 0.25

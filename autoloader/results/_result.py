@@ -15,9 +15,8 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
-from autoloader.checks._environment import Environment, world, world_nodes
-from autoloader.loader._factory import build_loader, dataloader_kwargs, merge_loader_kwargs
-from autoloader.loader._step_threads import set_step_threads
+from autoloader.checks import Environment, world, world_nodes
+from autoloader.loader import build_loader, dataloader_kwargs, merge_loader_kwargs, set_step_threads
 from autoloader.results._fields import (
     JSON_SCALARS,
     amount,
@@ -36,7 +35,7 @@ from autoloader.results._fields import (
 )
 from autoloader.results._files import new_file, read_result_json
 from autoloader.results._record import TrialRecord
-from autoloader.search._space import default_max_workers
+from autoloader.search import default_max_workers
 
 _logger = logging.getLogger(__name__)
 

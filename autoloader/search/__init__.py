@@ -18,7 +18,22 @@ Layers, each importing only those below it::
 """
 
 from autoloader.search._choice import Choice
-from autoloader.search._driver import Driver, Proposal
+from autoloader.search._cost_model import (
+    CPU_BOUND_SHARE,
+    STEP_BOUND_WAIT,
+    STEP_ON_CPU,
+    cpu_bound_seconds,
+    step_competes_with_workers,
+)
+from autoloader.search._driver import (
+    Driver,
+    Interruption,
+    Proposal,
+    Terminated,
+    quiet_optuna,
+    remember_ctrl_c,
+)
+from autoloader.search._objective import trial_seconds
 from autoloader.search._outcome import (
     Completed,
     Failed,
@@ -29,23 +44,73 @@ from autoloader.search._outcome import (
     PruneKind,
     Trial,
     TrialSpec,
+    state_of,
 )
 from autoloader.search._policy import Plan, Policy, Stop
+from autoloader.search._reasons import (
+    BudgetGivenBack,
+    Interrupted,
+    Note,
+    Resumed,
+    SpaceNote,
+    TunedJointly,
+    render,
+)
+from autoloader.search._space import (
+    SETTING_RULES,
+    Rule,
+    SearchSpace,
+    Startup,
+    check_search_space,
+    default_max_workers,
+    resolve_space,
+    without_batched_fetch,
+)
+from autoloader.search._study import ProblemIdentity, open_storage, study_name
 
 __all__ = [
+    "CPU_BOUND_SHARE",
+    "SETTING_RULES",
+    "STEP_BOUND_WAIT",
+    "STEP_ON_CPU",
+    "BudgetGivenBack",
     "Choice",
     "Completed",
     "Driver",
     "Failed",
     "FaultKind",
+    "Interrupted",
+    "Interruption",
+    "Note",
     "Outcome",
     "Phase",
     "Plan",
     "Policy",
+    "ProblemIdentity",
     "Proposal",
     "PruneKind",
     "Pruned",
+    "Resumed",
+    "Rule",
+    "SearchSpace",
+    "SpaceNote",
+    "Startup",
     "Stop",
+    "Terminated",
     "Trial",
     "TrialSpec",
+    "TunedJointly",
+    "check_search_space",
+    "cpu_bound_seconds",
+    "default_max_workers",
+    "open_storage",
+    "quiet_optuna",
+    "remember_ctrl_c",
+    "render",
+    "resolve_space",
+    "state_of",
+    "step_competes_with_workers",
+    "study_name",
+    "trial_seconds",
+    "without_batched_fetch",
 ]

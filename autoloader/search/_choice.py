@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoloader._exceptions import BaselineError
-from autoloader.loader._params import BASELINE_PARAMS, Params
-from autoloader.measure._measurement import Measurement
+from autoloader.loader import BASELINE_PARAMS, Params
+from autoloader.measure import Measurement
 from autoloader.search._known_failures import params_key
 from autoloader.search._outcome import Completed, Trial
 

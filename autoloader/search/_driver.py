@@ -29,11 +29,8 @@ from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from autoloader._exceptions import BaselineError
-from autoloader.loader._params import normalize_params
-from autoloader.measure._errors import TrialError
-from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded
-from autoloader.measure._runner import Runner
+from autoloader.loader import normalize_params
+from autoloader.measure import Measurement, MemoryBudgetExceeded, Runner, TrialError
 from autoloader.search._faults import classify
 from autoloader.search._known_failures import failing_from, known_failure
 from autoloader.search._lease import Heartbeat, Lease, this_process

@@ -14,11 +14,15 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-from autoloader.checks._environment import world
-from autoloader.measure._deadlines import TrialTimeout
-from autoloader.measure._errors import TrialError, TrialProcessDied, exception_chain
-from autoloader.measure._memory import is_oom_error
-from autoloader.measure._units import format_bytes
+from autoloader.checks import world
+from autoloader.measure import (
+    TrialError,
+    TrialProcessDied,
+    TrialTimeout,
+    exception_chain,
+    format_bytes,
+    is_oom_error,
+)
 from autoloader.search._outcome import Failed, FaultKind, Pruned, PruneKind
 
 _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}

@@ -6,8 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines
-from autoloader.measure._measurement import Measurement
+from autoloader.measure import STARTUP_PER_WORKER, Deadlines, Measurement
 from autoloader.search._cost_model import CPU_BOUND_SHARE
 from autoloader.search._objective import MIN_TRIAL_SECONDS
 from autoloader.search._outcome import Trial, baseline_measurement

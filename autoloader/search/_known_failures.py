@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autoloader.loader._params import Params
+from autoloader.loader import Params
 from autoloader.search._outcome import (
     WORKER_COUNT_FAULTS,
     Completed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from autoloader.measure._measurement import Measurement
+from autoloader.measure import Measurement
 
 # Bounds on one trial's measurement time, and its share of the time budget.
 _TRIAL_SHARE = 0.1

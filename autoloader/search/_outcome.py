@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader.loader._params import Params
-from autoloader.measure._deadlines import Deadlines
-from autoloader.measure._measurement import Measurement
+from autoloader.loader import Params
+from autoloader.measure import Deadlines, Measurement
 
 
 class Phase(str, enum.Enum):

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoloader._exceptions import AllSettingsFailedError
-from autoloader.loader._params import BASELINE_PARAMS, Params
-from autoloader.measure._deadlines import Deadlines
-from autoloader.measure._measurement import Measurement
+from autoloader.loader import BASELINE_PARAMS, Params
+from autoloader.measure import Deadlines, Measurement
 from autoloader.search._choice import TIE_TOLERANCE, Choice, choose, values_by_setting
 from autoloader.search._cost_model import (
     GIVE_BACK_WAIT,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from autoloader._exceptions import InvalidInputError
-from autoloader.loader._params import WORKER_KINDS, Params, normalize_params
+from autoloader.loader import WORKER_KINDS, Params, normalize_params
 from autoloader.search._reasons import (
     BatchedFetchSearched,
     NoAccelerator,

@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 
 from autoloader._exceptions import InvalidInputError, StorageError
-from autoloader.checks._environment import Environment
+from autoloader.checks import Environment
 from autoloader.search._lease import HEARTBEAT_GRACE, HEARTBEAT_SECONDS
 from autoloader.search._space import SearchSpace
 
