@@ -281,21 +281,9 @@ def diagnose(
     checks, copied = _checks(loader, seconds=seconds, memory_budget=budget, threads=threads)
     step_threads = torch.get_num_threads()
     try:
-        loops = _Loops.measure(
-            loader, step_fn, device=resolved_device, seconds=seconds, memory_budget=budget
-        )
+        loops = _measure(loader, step_fn, device=resolved_device, seconds=seconds, budget=budget)
     except MemoryBudgetExceeded as error:
         return _memory_bound(error, workers, batch_size, budget, usable_cpus)
-    except TrialTimeout as timeout:
-        raise _hung(timeout) from timeout
-    except TrialError as error:
-        if isinstance(error.error, TrialTimeout):
-            raise _hung(error.error) from error.error
-        raise LoopError(
-            f"The loop over the loader failed: {error}"
-            + (f" at {error.where}" if error.where else "")
-            + ". Fix it and run the loop once by hand before diagnosing it."
-        ) from error.error
     loop, alone = loops.loop, loops.alone
     cpu_share, load_cpu = loops.loading_cpu(workers, threads=threads, usable_cpus=usable_cpus)
     verdict, reason = judge(
@@ -324,8 +312,7 @@ def diagnose(
                 usable_cpus=usable_cpus,
                 step_threads=step_threads,
             )
-            if crowded:
-                reason = f"{reason} {crowded}"
+            reason = f"{reason} {crowded}" if crowded else reason
     return Diagnosis(
         verdict=verdict,
         reason=reason,
@@ -347,6 +334,34 @@ def diagnose(
         step_threads=step_threads,
         workers_cpus=workers_cpus,
     )
+
+
+def _measure(
+    loader: DataLoader[Any],
+    step_fn: Callable[[Any], object],
+    *,
+    device: torch.device | None,
+    seconds: float,
+    budget: int,
+) -> _Loops:
+    """The loop, the loader alone and the step alone, measured; a fault of the user's
+    code as a :class:`LoopError` that says what to do.
+
+    Raises:
+        MemoryBudgetExceeded: the process tree passed ``budget`` (a verdict, not an error).
+    """
+    try:
+        return _Loops.measure(loader, step_fn, device=device, seconds=seconds, memory_budget=budget)
+    except TrialTimeout as timeout:
+        raise _hung(timeout) from timeout
+    except TrialError as error:
+        if isinstance(error.error, TrialTimeout):
+            raise _hung(error.error) from error.error
+        raise LoopError(
+            f"The loop over the loader failed: {error}"
+            + (f" at {error.where}" if error.where else "")
+            + ". Fix it and run the loop once by hand before diagnosing it."
+        ) from error.error
 
 
 def _checks(

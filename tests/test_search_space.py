@@ -7,7 +7,8 @@ import pytest
 
 from autoloader import InvalidInputError, SearchSpace
 from autoloader.loader._params import TUNED_KEYS, normalize_params
-from autoloader.search._space import SETTING_RULES, trial_params
+from autoloader.search._setting_rules import SETTING_RULES
+from autoloader.search._space import trial_params
 
 
 def test_defaults_resolve_for_the_machine() -> None:

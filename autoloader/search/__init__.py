@@ -13,6 +13,7 @@ Layers, each importing only those below it::
     _cost_model      a first guess at the worker count, from the baseline
     _faults          classify(): what a failed trial's error means
     _space           SearchSpace: the settings searched, resolved for this machine
+    _setting_rules   what each tuned setting may hold (SETTING_RULES), one definition
     _outcome         TrialSpec, Trial and the typed outcomes Completed | Pruned | Failed
     _reasons         why the search stopped, and notes for the user, typed; render()
 """
@@ -56,9 +57,8 @@ from autoloader.search._reasons import (
     TunedJointly,
     render,
 )
+from autoloader.search._setting_rules import SETTING_RULES, Rule
 from autoloader.search._space import (
-    SETTING_RULES,
-    Rule,
     SearchSpace,
     Startup,
     check_search_space,
