@@ -10,6 +10,8 @@ Example::
     loader = result.make_loader(dataset)
 """
 
+import logging
+
 from autoloader._autoloader import AutoLoader
 from autoloader._diagnose import Diagnosis, diagnose
 from autoloader._exceptions import (
@@ -34,6 +36,12 @@ from autoloader.results import TrialRecord, TuneResult, load, plot, report
 from autoloader.search import SearchSpace
 
 __version__ = "0.1.0"
+
+# A library's logger (Python's logging HOWTO, "Configuring Logging for a Library"): its
+# records go where the application's logging sends them, and nowhere (not to stderr
+# through logging's last resort) where the application configured none. The CLI does
+# (logging.basicConfig); AutoLoader(verbose=True) and tune()'s progress print their own.
+logging.getLogger("autoloader").addHandler(logging.NullHandler())
 
 __all__ = [
     "AllSettingsFailedError",

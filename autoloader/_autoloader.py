@@ -28,6 +28,11 @@ each a trial, and a trial's rate is the loop's own, the time between two of its
   tuned ``step_threads``, and the result is saved at ``path`` with its problem's
   identity: a later run of the same problem on the same machine reads it and tunes
   nothing.
+- **What it cannot tune, it passes through.** Where the epoch is not a sequence of
+  batches of indices that the settings could take turns at (an ``IterableDataset``,
+  ``batch_size=None``, a ``batch_sampler``, ``in_order=False``), AutoLoader is the
+  DataLoader of its arguments, tuned arguments included, and says once why it does not
+  tune (:attr:`AutoLoader.untuned`): it never refuses what DataLoader takes.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from autoloader._exceptions import InvalidInputError
 from autoloader._loop_tuning import LoopTuning
 from autoloader._problem import TuneArguments, check_arguments
+from autoloader.checks import world
 from autoloader.loader import DATALOADER_DEFAULTS, EpochBatches, Params, changed_options
 from autoloader.loader._torch_compat import exiting
 from autoloader.measure import LiveTrial, TrialEnded
@@ -61,8 +67,6 @@ _T_co = TypeVar("_T_co", covariant=True)
 
 # DataLoader's arguments that AutoLoader chooses: given, each must have DataLoader's default.
 _TUNED_ARGUMENTS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
-# Those, and multiprocessing_context: what each setting's loader is given, not AutoLoader.
-_SETTINGS_OWN = frozenset({*_TUNED_ARGUMENTS, "multiprocessing_context"})
 
 
 class TrainingLoop:
@@ -89,10 +93,19 @@ class AutoLoader(DataLoader[_T_co]):
     pace; then the best loads the rest. Every epoch yields exactly the batches, in the
     order, that ``DataLoader`` with the same arguments and generator yields.
 
+    Where its arguments leave nothing it can tune (an ``IterableDataset``,
+    ``batch_size=None``, a ``batch_sampler`` or ``in_order=False``), it is the
+    ``DataLoader`` of those arguments, tuned ones included, untuned: :attr:`untuned`
+    says why, and it is logged (``autoloader`` logger, WARNING).
+
     Args:
         dataset, batch_size, shuffle, sampler, collate_fn, drop_last, timeout,
-            worker_init_fn, multiprocessing_context, generator, pin_memory_device: as
-            DataLoader's, kept in every setting.
+            worker_init_fn, generator, pin_memory_device: as DataLoader's, kept in
+            every setting.
+        multiprocessing_context: as DataLoader's, which takes it with workers only:
+            AutoLoader chooses them, so it takes none (set the process's start method,
+            ``torch.multiprocessing.set_start_method``, instead); passed through to a
+            loader it does not tune.
         path (str or path, optional): a JSON file that keeps the tuned settings. A run
             that finds there the result of the same problem (dataset type and length,
             batch size, search space, loader options, device, the training script) on
@@ -111,13 +124,15 @@ class AutoLoader(DataLoader[_T_co]):
 
     Attributes:
         result (TuneResult or None): the tuned settings, every trial and the notes, once
-            tuning ended (or was read from ``path``).
+            tuning ended (or was read from ``path``); ``None`` where it does not tune.
+        untuned (str or None): why it loads as the DataLoader of its arguments without
+            tuning, ``None`` where it tunes.
 
     Raises:
         InvalidInputError: before any work, for an argument that is wrong, a tuned
-            argument given (``num_workers=4``: pass a search space instead), a
-            ``batch_sampler``, ``batch_size=None``, ``in_order=False`` or an
-            ``IterableDataset``.
+            argument given (``num_workers=4``: pass a search space instead) or a
+            ``multiprocessing_context``, where it tunes.
+        ValueError, TypeError: DataLoader's own, for arguments DataLoader refuses.
     """
 
     def __init__(
@@ -166,15 +181,32 @@ class AutoLoader(DataLoader[_T_co]):
             "pin_memory_device": pin_memory_device,
             "in_order": in_order,
         }
-        checked_batch_size = _checked_batch_size(dataset, batch_size, options)
+        self.untuned = _untuned_because(dataset, batch_size, options)
+        self.verbose = verbose
+        if self.untuned is not None:
+            # The rest kept as given, unused: the loader is DataLoader's.
+            self.path = None if path is None else Path(path)
+            self.time_budget: float | None = time_budget
+            self.n_trials = n_trials
+            self.memory_budget = memory_budget
+            self.search_space = search_space
+            self.device = device
+            self.seed = seed
+            self._pass_through(dataset, batch_size, options)
+            return
+        checked_batch_size = _checked_batch_size(batch_size, options)
+        # DataLoader's own checks first, in its words. Without workers: each setting's
+        # loader has its own.
+        kept = {name: value for name, value in options.items() if name not in _TUNED_ARGUMENTS}
+        super().__init__(dataset, batch_size=checked_batch_size, **kept)
         arguments = TuneArguments(
             batch_size=checked_batch_size,
             time_budget=time_budget,
             n_trials=n_trials,
             memory_budget=memory_budget,
             search_space=search_space,
-            # The tuned options, batch_sampler and in_order are DataLoader's defaults
-            # (checked): those that differ are kept in every setting.
+            # The tuned options, multiprocessing_context, batch_sampler and in_order are
+            # DataLoader's defaults (checked): those that differ are kept in every setting.
             loader_kwargs=changed_options(options),
             device=device,
             seed=seed,
@@ -182,11 +214,9 @@ class AutoLoader(DataLoader[_T_co]):
             path=path,
         )
         step = TrainingLoop()
-        problem = check_arguments(None, dataset, step, arguments)
-        # Without workers: each setting's loader has its own (and DataLoader refuses a
-        # multiprocessing_context without them).
-        kept = {name: value for name, value in options.items() if name not in _SETTINGS_OWN}
-        super().__init__(dataset, batch_size=checked_batch_size, **kept)
+        # Whether workers can be sent the dataset is asked where the search starts
+        # (LoopTuning): none is needed before, nor at all where it cannot be.
+        problem = check_arguments(None, dataset, step, arguments, check_pickling=False)
         self.path = problem.path
         self.time_budget = problem.budget
         self.n_trials = n_trials
@@ -194,29 +224,47 @@ class AutoLoader(DataLoader[_T_co]):
         self.search_space = search_space
         self.device = device
         self.seed = seed
-        self.verbose = verbose
-        self._context = multiprocessing_context
         # Under torchrun, checked again as one rank of the job once the ranks have joined.
         problem_of = functools.partial(
-            check_arguments, dataset=dataset, step_fn=step, arguments=arguments
+            check_arguments,
+            dataset=dataset,
+            step_fn=step,
+            arguments=arguments,
+            check_pickling=False,
         )
-        self._tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
+        tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
+        self._tuning: LoopTuning | None = tuning
         # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
         self._epoch: weakref.ref[_Epoch] | None = None
-        weakref.finalize(self, self._tuning.release)
+        weakref.finalize(self, tuning.release)
+
+    def _pass_through(
+        self, dataset: Dataset[_T_co], batch_size: int | None, options: Mapping[str, Any]
+    ) -> None:
+        """Be the DataLoader of these arguments, untuned, and say why once."""
+        super().__init__(dataset, batch_size, **options)
+        self._tuning = None
+        self._epoch = None
+        line = f"AutoLoader: not tuning, {self.untuned}; it loads as DataLoader would"
+        _logger.warning("%s", line)
+        if self.verbose and world()[0] == 0:
+            print(line, file=sys.stderr, flush=True)
 
     @property
     def result(self) -> TuneResult | None:
-        return self._tuning.result
+        return None if self._tuning is None else self._tuning.result
 
     @property
     def tuned(self) -> bool:
-        """Whether the settings are chosen (tuning ended, or was read from ``path``)."""
-        return self._tuning.result is not None
+        """Whether the settings are chosen (tuning ended, or was read from ``path``);
+        never, for a loader that does not tune (:attr:`untuned`)."""
+        return self.result is not None
 
     @property
     def history(self) -> list[TrialRecord]:
         """Every trial so far, as :attr:`TuneResult.trials` records them."""
+        if self._tuning is None:
+            return []
         if self._tuning.result is not None:
             return list(self._tuning.result.trials)
         return [record_of(trial) for trial in self._tuning.history]
@@ -224,7 +272,7 @@ class AutoLoader(DataLoader[_T_co]):
     @property
     def setting(self) -> Params | None:
         """The setting loading the current epoch's batches now (a trial's, while it
-        tunes), ``None`` between epochs."""
+        tunes), ``None`` between epochs and where it does not tune."""
         epoch = self._current_epoch()
         trial = None if epoch is None else epoch.trial
         return None if trial is None else dict(trial.params)
@@ -232,10 +280,12 @@ class AutoLoader(DataLoader[_T_co]):
     @property
     def failures(self) -> list[str]:
         """What went wrong in a setting and was kept from the loop, in order."""
-        return list(self._tuning.failures)
+        return [] if self._tuning is None else list(self._tuning.failures)
 
     def report(self) -> str:
         """The tuning run's report (:func:`autoloader.report`), or where it stands."""
+        if self._tuning is None:
+            return f"AutoLoader: not tuned, {self.untuned}: it loads as DataLoader would."
         if self._tuning.result is not None:
             return report(self._tuning.result)
         return (
@@ -247,15 +297,26 @@ class AutoLoader(DataLoader[_T_co]):
         setting's persistent ones (a later epoch starts new ones). An epoch the loop
         dropped, the loader's garbage collection and the interpreter's exit stop them
         too (``NOTE [ Nothing outlives the loop ]``)."""
+        if self._tuning is None:
+            # As DataLoader's own: its persistent workers, where it keeps them.
+            shutdown = getattr(self._iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._iterator = None
+            return
+        tuning = self._tuning
         epoch, self._epoch = self._current_epoch(), None
         with contextlib.ExitStack() as stack:
-            stack.callback(self._tuning.release)
+            stack.callback(tuning.release)
             if epoch is not None:
                 stack.callback(epoch.close)
-            self._tuning.settle()
+            tuning.settle()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self._tuning.settle()
+        if self._tuning is None:
+            return super().__iter__()
+        tuning = self._tuning
+        tuning.settle()
         previous = self._current_epoch()
         if previous is not None:
             previous.close()  # the loop left the last epoch before its end
@@ -263,7 +324,7 @@ class AutoLoader(DataLoader[_T_co]):
         # the base seed of the workers, from the user's generator.
         indices = iter(self._index_sampler)
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        epoch = _Epoch(self, EpochBatches(indices), seed)
+        epoch = _Epoch(self, tuning, EpochBatches(indices), seed)
         self._epoch = weakref.ref(epoch)
         return epoch
 
@@ -271,12 +332,36 @@ class AutoLoader(DataLoader[_T_co]):
         return None if self._epoch is None else self._epoch()
 
 
-def _checked_batch_size(dataset: object, batch_size: int | None, options: Mapping[str, Any]) -> int:
-    """``batch_size``, once AutoLoader takes its arguments (``options``: its other
-    DataLoader arguments after ``dataset``, by name).
+def _untuned_because(
+    dataset: object, batch_size: int | None, options: Mapping[str, Any]
+) -> str | None:
+    """Why AutoLoader cannot tune these arguments (``options``: its other DataLoader
+    arguments after ``dataset`` and ``batch_size``, by name), or ``None`` where it can.
+    Each setting takes turns at the epoch's batches of indices, in the sampler's order
+    (``NOTE [ Every batch once ]``)."""
+    if isinstance(dataset, IterableDataset):
+        return (
+            "an IterableDataset has no batches of indices for the settings to take turns "
+            "at (autoloader.tune() and result.make_loader() tune one)"
+        )
+    if options["batch_sampler"] is not None:
+        return "it takes batch_size and a per-item sampler, not a batch_sampler"
+    if batch_size is None:
+        return "it times the loop in batches, and batch_size=None loads items one at a time"
+    if options["in_order"] is not True:
+        return (
+            "out of order (in_order=False), a setting that fails could not say which "
+            "batches it had delivered"
+        )
+    return None
+
+
+def _checked_batch_size(batch_size: int | None, options: Mapping[str, Any]) -> int:
+    """``batch_size``, once AutoLoader takes its arguments to tune (``options``: its
+    other DataLoader arguments after ``dataset``, by name).
 
     Raises:
-        InvalidInputError: for what AutoLoader does not take.
+        InvalidInputError: for what AutoLoader does not take where it tunes.
     """
     for name in _TUNED_ARGUMENTS:
         value = options[name]
@@ -286,26 +371,16 @@ def _checked_batch_size(dataset: object, batch_size: int | None, options: Mappin
                 f"search only some values pass search_space={{{name!r}: ...}}, or use a "
                 "DataLoader with your own setting."
             )
-    if isinstance(dataset, IterableDataset):
+    if options["multiprocessing_context"] is not None:
+        # DataLoader's own words: AutoLoader is built with num_workers=0 (it chooses them).
         raise InvalidInputError(
-            "AutoLoader loads map-style datasets: it hands each setting the epoch's "
-            "batches of indices, which an IterableDataset does not have. Use "
-            "autoloader.tune() and result.make_loader() for it."
+            "multiprocessing_context can only be used with multi-process loading "
+            "(num_workers > 0), but got num_workers=0: AutoLoader chooses num_workers "
+            "itself, so it takes no multiprocessing_context. To start its workers with "
+            "another method, set the process's: "
+            "torch.multiprocessing.set_start_method('spawn')."
         )
-    if options["batch_sampler"] is not None:
-        raise InvalidInputError(
-            "AutoLoader takes batch_size and a per-item sampler, not a batch_sampler."
-        )
-    if batch_size is None:
-        raise InvalidInputError(
-            "AutoLoader needs a batch_size: it times the loop in samples per second of "
-            "batches (batch_size=None, items one at a time, is not supported)."
-        )
-    if options["in_order"] is not True:
-        raise InvalidInputError(
-            "AutoLoader delivers batches in the sampler's order (in_order=True): out of "
-            "order, a setting that fails could not say which batches it had delivered."
-        )
+    assert batch_size is not None, "batch_size=None is passed through"
     return batch_size
 
 
@@ -338,9 +413,11 @@ class _Epoch(Iterator[Any]):
     """One pass over an AutoLoader: each batch from the trial under way, the next trial
     started where one ends."""
 
-    def __init__(self, owner: AutoLoader[Any], batches: EpochBatches, seed: int) -> None:
+    def __init__(
+        self, owner: AutoLoader[Any], tuning: LoopTuning, batches: EpochBatches, seed: int
+    ) -> None:
         self.owner = owner  # NOTE [ Nothing outlives the loop ]
-        self.tuning = owner._tuning
+        self.tuning = tuning
         self.batches = batches
         self.seed = seed
         self.current = _Current()

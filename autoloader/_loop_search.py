@@ -171,6 +171,7 @@ class SoloSearch(Search):
             try:
                 told = session.judge(proposal, outcome, voted=False)
             except BaselineError:
+                trial.feed.epoch.drop_failed()
                 raise users_error(outcome) from None
             tuning.record_failure(proposal.spec.params, outcome)
         session.tell(proposal, told)

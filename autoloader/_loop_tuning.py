@@ -10,6 +10,7 @@ drives too.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import sys
@@ -31,7 +32,7 @@ from autoloader._loop_search import (
     describe_params,
     users_error,
 )
-from autoloader._problem import Problem, agree
+from autoloader._problem import Problem, agree, workers_unpicklable
 from autoloader._reuse import reused
 from autoloader._session import RunSession
 from autoloader.checks import world
@@ -211,7 +212,7 @@ class LoopTuning:
         if ranks is not None:
             # The machine as this rank's job sees it, and the same problem on every rank.
             self.problem = agree(ranks, self.problem_of(ranks))
-        problem = self.problem
+        problem = self.problem = _workers_only_where_picklable(self.problem)
         found = reused(problem, ranks)
         if found is not None:
             if ranks is not None:
@@ -341,12 +342,9 @@ class LoopTuning:
         failure = outcome if isinstance(outcome, (TrialError, MemoryBudgetExceeded)) else None
         if self.stage is Stage.MAKING_UP:
             if failure is not None:  # the last good setting failed on a failed one's batches
-                self._makeup_failed(trial.params, failure)
+                self._makeup_failed(trial, failure)
                 return
-            self.makeup, self.stage = 0, self.after_makeup
-            if self.stage is Stage.SEARCHING:
-                assert self.search is not None
-                self.search.made_up(self)
+            self._made_up()
             return
         if self.stage is Stage.SEARCHING:
             assert self.search is not None
@@ -356,7 +354,7 @@ class LoopTuning:
             return
         assert self.stage is Stage.TUNED
         if failure is not None:
-            self._chosen_failed(trial.params, failure)
+            self._chosen_failed(trial, failure)
             self._make_up(undelivered)
 
     def _make_up(self, batches: int) -> None:
@@ -374,21 +372,36 @@ class LoopTuning:
             describe_params(self.last_good),
         )
 
-    def _makeup_failed(self, params: Params, error: Failure) -> None:
+    def _made_up(self) -> None:
+        """The batches to make up are loaded: the stage they came from goes on."""
+        self.makeup, self.stage = 0, self.after_makeup
+        if self.stage is Stage.SEARCHING:
+            assert self.search is not None
+            self.search.made_up(self)
+
+    def _makeup_failed(self, trial: LiveTrial, error: Failure) -> None:
         """The last good setting failed too on a failed setting's batches: the baseline
-        loads them, or, where the baseline failed, the error is the dataset's."""
+        loads them, or, where the baseline failed, the error is the dataset's: it
+        reaches the loop, its batch consumed, and the baseline loads the rest of them
+        if the loop goes on."""
+        params = trial.params
         if params == BASELINE_PARAMS:
-            raise users_error(error)
+            self.makeup -= trial.feed.delivered_count + 1
+            if self.makeup <= 0:
+                self._made_up()
+            raise users_error(_consumed(trial, error))
         self.failures.append(
             f"{describe_params(params)} (loading a failed setting's batches): {error}"
         )
         self.last_good = BASELINE_PARAMS
 
-    def _chosen_failed(self, params: Params, error: Failure) -> None:
+    def _chosen_failed(self, trial: LiveTrial, error: Failure) -> None:
         """The chosen setting failed in training: the last good other setting, or the
-        baseline, loads the rest."""
+        baseline, loads the rest; where the baseline failed, the error is the dataset's
+        (its batch consumed)."""
+        params = trial.params
         if params == BASELINE_PARAMS:
-            raise users_error(error)
+            raise users_error(_consumed(trial, error))
         self.failures.append(f"{describe_params(params)} (chosen, in training): {error}")
         fallback = self.last_good if self.last_good != params else BASELINE_PARAMS
         _logger.warning(
@@ -430,6 +443,24 @@ class LoopTuning:
         _logger.info("%s", line)
         if owner.verbose and world()[0] == 0:
             print(line, file=sys.stderr, flush=True)
+
+
+def _workers_only_where_picklable(problem: Problem) -> Problem:
+    """``problem``, searched without workers where they could not be sent what they
+    load (under spawn or forkserver): the loop goes on as DataLoader's would with
+    ``num_workers=0``, which sends nothing, where a worker would fail."""
+    why = workers_unpicklable(problem)
+    if why is None or problem.space.num_workers == (0, 0):
+        return problem
+    _logger.warning("AutoLoader: tuning without workers: %s", why)
+    return dataclasses.replace(problem, space=dataclasses.replace(problem.space, num_workers=0))
+
+
+def _consumed(trial: LiveTrial, error: Failure) -> Failure:
+    """``error``, where the baseline raised it: the batch that raised it consumed, as
+    DataLoader consumes it, the loop going on with the next."""
+    trial.feed.epoch.drop_failed()
+    return error
 
 
 def _set_threads(threads: int | None) -> int | None:

@@ -33,6 +33,7 @@ from autoloader.checks import (
     check_step_fn,
     count_batches,
     start_method,
+    unpicklable,
 )
 from autoloader.distributed import Ranks, agree_on_arguments, node_memory_budget
 from autoloader.measure import resolve_device, resolve_memory_budget
@@ -157,11 +158,16 @@ def check_arguments(
     dataset: Dataset[Any],
     step_fn: Callable[[Any], object],
     arguments: TuneArguments,
+    *,
+    check_pickling: bool = True,
 ) -> Problem:
     """:func:`tune`'s arguments, checked before anything runs. Under torchrun a rank's
-    error is told to the others (see :func:`agree`), so that none waits for it."""
+    error is told to the others (see :func:`agree`), so that none waits for it.
+    ``check_pickling=False`` leaves out whether workers can be sent the dataset (under
+    spawn or forkserver): ``AutoLoader``, which starts workers only where its search
+    tries them, asks it then (:func:`workers_unpicklable`)."""
     try:
-        return _checked(ranks, dataset, step_fn, arguments)
+        return _checked(ranks, dataset, step_fn, arguments, check_pickling=check_pickling)
     except Exception as error:
         if ranks is not None:
             agree_on_arguments(ranks, error=error, arguments=None)
@@ -173,6 +179,8 @@ def _checked(
     dataset: Dataset[Any],
     step_fn: Callable[[Any], object],
     arguments: TuneArguments,
+    *,
+    check_pickling: bool,
 ) -> Problem:
     """The arguments checked one by one, in the order in which a wrong one is named
     (the first found is raised), and what they come to on this machine."""
@@ -201,14 +209,8 @@ def _checked(
         node_cpus=ranks.node_cpus if ranks else None,
     )
     method = start_method(fixed, environment.start_method)
-    check_picklable(
-        {
-            "dataset": dataset,
-            "collate_fn": fixed.get("collate_fn"),
-            "worker_init_fn": fixed.get("worker_init_fn"),
-        },
-        method,
-    )
+    if check_pickling:
+        check_picklable(_sent_to_workers(dataset, fixed), method)
     return Problem(
         dataset=dataset,
         step_fn=step_fn,
@@ -232,6 +234,21 @@ def _checked(
         restore=check_restorable(arguments.restore),
         path=check_result_path(arguments.path, writes=ranks is None or ranks.rank == 0),
     )
+
+
+def _sent_to_workers(dataset: Dataset[Any], fixed: Mapping[str, Any]) -> dict[str, object]:
+    """What each worker process is sent, by name."""
+    return {
+        "dataset": dataset,
+        "collate_fn": fixed.get("collate_fn"),
+        "worker_init_fn": fixed.get("worker_init_fn"),
+    }
+
+
+def workers_unpicklable(problem: Problem) -> str | None:
+    """What of ``problem`` a worker process could not be sent under its start method,
+    in words, or ``None`` (see :func:`autoloader.checks.unpicklable`)."""
+    return unpicklable(_sent_to_workers(problem.dataset, problem.fixed), problem.start_method)
 
 
 def _checked_isolation(isolation: object, ranks: Ranks | None) -> Isolation:

@@ -307,8 +307,7 @@ def test_the_next_run_reuses_the_saved_settings_and_a_changed_dataset_tunes_agai
         ({"num_workers": 4}, "AutoLoader chooses num_workers itself"),
         ({"pin_memory": True}, "AutoLoader chooses pin_memory itself"),
         ({"persistent_workers": True}, "persistent_workers"),
-        ({"batch_size": None}, "needs a batch_size"),
-        ({"in_order": False}, "in_order=True"),
+        ({"multiprocessing_context": "spawn"}, "AutoLoader chooses num_workers itself"),
         ({"time_budget": -1}, "time_budget must be positive"),
         ({"path": "."}, "is a directory"),
     ],
@@ -318,12 +317,15 @@ def test_bad_arguments_are_refused_before_any_work(kwargs: dict[str, Any], messa
         AutoLoader(SleepDataset(length=16), **{"batch_size": 4, **kwargs})
 
 
-def test_an_iterable_dataset_or_a_batch_sampler_is_refused() -> None:
-    with pytest.raises(InvalidInputError, match="map-style"):
-        AutoLoader(ShardedStream(), batch_size=4)
+def test_an_iterable_dataset_or_a_batch_sampler_is_passed_through_untuned() -> None:
+    """Never refused: DataLoader's, untuned (tests/test_dropin.py compares the batches)."""
+    stream = AutoLoader(ShardedStream(), batch_size=4, num_workers=2, verbose=False)
+    assert stream.untuned is not None and "IterableDataset" in stream.untuned
+    assert stream.num_workers == 2 and not stream.tuned
     batches = torch.utils.data.BatchSampler(range(16), 4, False)
-    with pytest.raises(InvalidInputError, match="batch_sampler"):
-        AutoLoader(SleepDataset(length=16), batch_size=None, batch_sampler=batches)
+    sampled = AutoLoader(SleepDataset(length=16), batch_sampler=batches, verbose=False)
+    assert sampled.untuned is not None and "batch_sampler" in sampled.untuned
+    assert len(list(sampled)) == 4
 
 
 def test_autoloader_is_exported() -> None:

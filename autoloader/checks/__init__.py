@@ -31,6 +31,7 @@ from autoloader.checks._validation import (
     count_batches,
     env_int,
     start_method,
+    unpicklable,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "count_batches",
     "env_int",
     "start_method",
+    "unpicklable",
     "usable_cpus",
     "world",
     "world_nodes",

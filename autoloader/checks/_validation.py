@@ -198,22 +198,37 @@ def start_method(fixed: Mapping[str, Any], default: str) -> str:
     return name
 
 
+def unpicklable(objects: Mapping[str, object], method: str) -> str | None:
+    """Under spawn/forkserver, what of ``objects`` (by name) a worker process could not
+    be sent, pickled as the start method pickles it (``worker_dumps``: multiprocessing's
+    own objects, a ``Value`` or a ``Lock``, pickle as they do into a real worker);
+    ``None`` where all can be, or under fork, where workers inherit them.
+    ``"dataset.transform (function) cannot be pickled (...), but the 'spawn' start
+    method pickles dataset into every worker"``."""
+    if method not in _PICKLING_START_METHODS:
+        return None
+    for name, obj in objects.items():
+        if obj is not None and _dumps(obj) is not None:
+            return (
+                f"{describe_unpicklable(obj, name)}, but the {method!r} start method "
+                f"pickles {name} into every worker"
+            )
+    return None
+
+
 def check_picklable(objects: Mapping[str, object], method: str) -> None:
     """Under spawn/forkserver, check that what the workers receive can be pickled.
 
     Raises:
         UnpicklableError: naming the innermost attribute that fails to pickle.
     """
-    if method not in _PICKLING_START_METHODS:
-        return
-    for name, obj in objects.items():
-        if obj is not None and _dumps(obj) is not None:
-            raise UnpicklableError(
-                f"{describe_unpicklable(obj, name)}, but the {method!r} start method "
-                f"pickles {name} into every worker. Replace lambdas and local functions "
-                "with module-level ones, open files and connections lazily in the worker, "
-                "or pass loader_kwargs={'multiprocessing_context': 'fork'}."
-            )
+    problem = unpicklable(objects, method)
+    if problem is not None:
+        raise UnpicklableError(
+            f"{problem}. Replace lambdas and local functions with module-level ones, open "
+            "files and connections lazily in the worker, or pass "
+            "loader_kwargs={'multiprocessing_context': 'fork'}."
+        )
 
 
 # Where trials run: here, or each in a fresh process (measure/_isolation.py).

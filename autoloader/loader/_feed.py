@@ -44,6 +44,14 @@ class EpochBatches:
         self.taken += 1
         return batch
 
+    def drop_failed(self) -> None:
+        """The oldest batch given back raised in the loop, the dataset's error reaching
+        it as DataLoader's would: consumed, as DataLoader consumes a batch that raised,
+        so that a loop that goes on gets the next one."""
+        if self._given_back:
+            self._given_back.popleft()
+            self.taken += 1
+
     def give_back(self, batches: Iterable[Any]) -> None:
         """``batches`` (in their order) were not delivered: they come next."""
         returned = list(batches)

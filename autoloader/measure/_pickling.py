@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterator, Mapping
+from multiprocessing import context
 from multiprocessing.reduction import ForkingPickler
 
 # How deep the search for the unpicklable part of an object goes.
@@ -13,7 +14,32 @@ _MAX_PICKLE_DEPTH = 6
 Dumps = Callable[[object], object]
 
 
-def describe_unpicklable(obj: object, name: str, dumps: Dumps = ForkingPickler.dumps) -> str:
+class _StartingWorker:
+    """Stands for the ``Popen`` of a worker that spawn or forkserver is starting, while
+    the objects it is sent are pickled: multiprocessing's own objects (a ``Value``, a
+    ``Lock``, a ``Semaphore``) pickle only then, their file descriptors passed on to the
+    child (here, kept: nothing is sent)."""
+
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
+
+    @staticmethod
+    def DupFd(fd: int) -> int:  # multiprocessing's name
+        return fd
+
+
+def worker_dumps(obj: object) -> bytes:
+    """``obj`` pickled as spawn and forkserver pickle what a worker is sent: by
+    multiprocessing's reduction (:class:`ForkingPickler`), while a worker starts."""
+    context.set_spawning_popen(_StartingWorker())  # type: ignore[arg-type]
+    try:
+        return bytes(ForkingPickler.dumps(obj))
+    finally:
+        context.set_spawning_popen(None)
+
+
+def describe_unpicklable(obj: object, name: str, dumps: Dumps = worker_dumps) -> str:
     """``"dataset.pipeline.transform (function) cannot be pickled (...)"``: the innermost
     attribute of ``obj`` that ``dumps`` fails on, or ``obj`` itself."""
     found = _find_unpicklable(obj, name, depth=0, dumps=dumps)
@@ -21,7 +47,7 @@ def describe_unpicklable(obj: object, name: str, dumps: Dumps = ForkingPickler.d
     return f"{path} cannot be pickled ({error})"
 
 
-def _dumps(obj: object, dumps: Dumps = ForkingPickler.dumps) -> BaseException | None:
+def _dumps(obj: object, dumps: Dumps = worker_dumps) -> BaseException | None:
     try:
         dumps(obj)
     except Exception as error:  # pickling can raise almost anything
