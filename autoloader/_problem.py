@@ -264,12 +264,21 @@ def _checked_isolation(isolation: object, ranks: Ranks | None) -> Isolation:
     return checked
 
 
+# The parts of a problem's identity that each rank of a job may give its own: its
+# dataset object (a rank's shard, a fault injected on one rank in a test), its step, and
+# the fixed loader options that hold objects (each rank's DistributedSampler). The job
+# tunes one problem of one shape: the rest of the identity must be alike.
+RANK_OWN_PARTS = frozenset({"dataset", "step_fn", "fixed loader options"})
+
+
 def shared_arguments(problem: Problem) -> tuple[Any, ...]:
-    """What every rank of a job must give alike: the problem's identity (the device by
-    its kind: each rank moves batches to its own, cuda:0, cuda:1...; the memory budget
-    as given: :func:`agree` sizes it for the node after), and the run's own arguments."""
+    """What every rank of a job must give alike: the problem's identity but for
+    ``RANK_OWN_PARTS`` (the device by its kind: each rank moves batches to its own,
+    cuda:0, cuda:1...; the memory budget as given: :func:`agree` sizes it for the node
+    after), and the run's own arguments."""
+    parts = problem.identity(budget_as_given=True).parts()
     return (
-        *problem.identity(budget_as_given=True).parts().values(),
+        *(value for name, value in parts.items() if name not in RANK_OWN_PARTS),
         problem.batches_per_epoch, problem.budget, problem.n_trials, problem.seed,
         problem.isolation,
     )  # fmt: skip

@@ -203,7 +203,7 @@ def test_tune_saves_the_result_before_it_prints_the_report(
     def broken_report(result: object) -> str:
         raise BrokenPipeError
 
-    monkeypatch.setattr("autoloader.results._report.report", broken_report)
+    monkeypatch.setattr("autoloader.results.report", broken_report)  # as the CLI finds it
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "pipeline_for_save.py").write_text(PIPELINE)
     out = tmp_path / "best.json"
