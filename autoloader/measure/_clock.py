@@ -210,57 +210,32 @@ class TrialClock:
         batch_bytes: int,
         epochs_samples_per_second: float | None,
     ) -> Measurement:
-        """The measurement of the windows closed so far."""
-        return estimate(
-            self.total,
-            self.windows,
+        """The measurement of the windows closed so far: the rate over their sums, and
+        its error from the spread of the windows' rates."""
+        total, windows = self.total, self.windows
+        rate = total.samples / total.seconds if total.seconds > 0 else 0.0
+        relative_error = math.inf
+        if len(windows) >= 2 and rate > 0:
+            rates = [w.samples / w.seconds for w in windows]
+            spread = statistics.stdev(rates) / math.sqrt(len(rates))
+            relative_error = t95(len(rates) - 1) * spread / statistics.fmean(rates)
+        batches = max(1, total.batches)
+        return Measurement(
+            samples_per_second=rate,
+            relative_error=relative_error,
+            data_wait_fraction=min(1.0, total.wait / total.seconds) if total.seconds else 1.0,
+            load_seconds=total.wait / batches,
+            step_seconds=total.step / batches,
             time_to_first_batch=time_to_first_batch,
-            restarts=restarts,
+            epoch_restart_seconds=statistics.median(restarts) if restarts else None,
+            batches=total.batches,
             duration=duration,
             peak_memory=peak_memory,
             batch_bytes=batch_bytes,
+            load_cpu_seconds=total.wait_cpu / batches,
+            step_cpu_seconds=total.step_cpu / batches,
+            step_thread_cpu_seconds=total.step_own_cpu / batches,
+            load_thread_cpu_seconds=total.wait_own_cpu / batches,
             epochs_samples_per_second=epochs_samples_per_second,
             burst_left=self.burst_left,
         )
-
-
-def estimate(
-    total: Totals,
-    windows: list[Totals],
-    *,
-    time_to_first_batch: float,
-    restarts: list[float],
-    duration: float,
-    peak_memory: int,
-    batch_bytes: int,
-    epochs_samples_per_second: float | None,
-    burst_left: int,
-) -> Measurement:
-    """The measurement of the timing windows closed so far, ``total`` their sums: the
-    rate, and its error from the spread of the windows' rates."""
-    rate = total.samples / total.seconds if total.seconds > 0 else 0.0
-    relative_error = math.inf
-    if len(windows) >= 2 and rate > 0:
-        rates = [w.samples / w.seconds for w in windows]
-        spread = statistics.stdev(rates) / math.sqrt(len(rates))
-        relative_error = t95(len(rates) - 1) * spread / statistics.fmean(rates)
-    batches = max(1, total.batches)
-    return Measurement(
-        samples_per_second=rate,
-        relative_error=relative_error,
-        data_wait_fraction=min(1.0, total.wait / total.seconds) if total.seconds else 1.0,
-        load_seconds=total.wait / batches,
-        step_seconds=total.step / batches,
-        time_to_first_batch=time_to_first_batch,
-        epoch_restart_seconds=statistics.median(restarts) if restarts else None,
-        batches=total.batches,
-        duration=duration,
-        peak_memory=peak_memory,
-        batch_bytes=batch_bytes,
-        load_cpu_seconds=total.wait_cpu / batches,
-        step_cpu_seconds=total.step_cpu / batches,
-        step_thread_cpu_seconds=total.step_own_cpu / batches,
-        load_thread_cpu_seconds=total.wait_own_cpu / batches,
-        epochs_samples_per_second=epochs_samples_per_second,
-        burst_left=burst_left,
-    )

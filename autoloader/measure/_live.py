@@ -101,7 +101,6 @@ class LiveTrial:
         self.stop_early = max_seconds is not None and math.isfinite(max_seconds)
         self.on_window = on_window
         self.keep_workers = keep_workers
-        self.workers = int(params.get("num_workers", 0))
         self.started = perf_counter()
         self.deadline = math.inf if max_seconds is None else self.started + max_seconds
         self.first_limit = deadlines.first if deadlines else None
