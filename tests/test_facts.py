@@ -91,6 +91,20 @@ def test_the_probe_takes_neither_a_cache_nor_a_one_off_copy_for_copy_on_read(
     assert copied_per_worker(facts) is None, facts["copy_on_read"]
 
 
+def test_the_probe_takes_no_reuse_of_the_parents_freed_heap_for_copy_on_read() -> None:
+    """A cache filling the free blocks of a fragmented heap the child inherited writes pages
+    it shares with its parent: that is the allocator's, not the dataset's copy (19 KB per
+    item before the probe took those blocks first; an HDF5 pipeline in a CI run, 2 KiB)."""
+    blocks = [bytes(65_536 - 64) + bytes([i % 256]) for i in range(3_000)]
+    del blocks[::2]  # about 100 MiB of free, dirty holes in this process's C heap
+    dataset = Memo(20_000)
+    dataset[0]
+    facts = dataset_facts(dataset, len(dataset))
+    assert facts["copy_on_read_items"], facts["missing"]
+    assert copied_per_worker(facts) is None, facts["copy_on_read"]
+    assert blocks
+
+
 def test_the_probe_reads_safely_after_this_process_ran_torchs_thread_pool() -> None:
     """A process forked after torch's intra-op pool ran deadlocks at its first large op,
     unless it limits itself to one thread first, as DataLoader's workers do."""
