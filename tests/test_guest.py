@@ -19,11 +19,14 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import AutoLoader
+from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._memory import MemoryWatch, tree_memory
+from autoloader.measure._supervision import WorkerDeaths
 from tests.workloads import SleepDataset
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +96,41 @@ def test_a_child_the_loop_starts_while_autoloader_tunes_is_left_alone(
     assert users_child[0].poll() is None
     # Still this process's child, running: nobody reaped it behind its Popen's back.
     assert os.waitpid(users_child[0].pid, os.WNOHANG) == (0, 0)
+
+
+class _UsersChildEndsAsWorkersStart(torch.utils.data.Sampler[int]):
+    """A sampler whose iterator, drawn as the loader's workers start, waits for a child of
+    the user's that exits: its SIGCHLD lands while the trial's loader is starting."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        return iter(range(self.length))
+
+
+def test_a_users_child_ending_as_a_trials_workers_start_fails_nothing() -> None:
+    """The SIGCHLD of a child that is not the trial's, held back while its loader's
+    workers start, is checked against the trial's workers: all alive, the trial loads
+    on (it used to shut its healthy workers down, and its first fetch then waited ten
+    seconds for a hang deadline)."""
+    dataset = SleepDataset(length=64, latency=0.0)
+    loader = DataLoader(
+        dataset, batch_size=8, num_workers=2, sampler=_UsersChildEndsAsWorkersStart(64), timeout=20
+    )
+    deaths = WorkerDeaths(MemoryWatch(1 << 62), defer=True)
+    with deaths.handled():
+        iterator = deaths.start(loader)
+        try:
+            with deaths.fetching():
+                batches = [batch for batch in iterator]
+        finally:
+            shutdown_workers(iterator, loader)
+    assert len(batches) == 8
 
 
 def _start_a_child_once(children: list[subprocess.Popen[bytes]]) -> Any:

@@ -98,11 +98,14 @@ class WorkerDeaths:
         finally:
             self._deferring = False
         if self._deferred:
+            # The signal may be another child's (the user's, a last trial's worker):
+            # the trial's workers are stopped only where one of them died.
             self._deferred = False
             try:
                 raise_if_any_worker_failed()
-            finally:
+            except BaseException:
                 shutdown_workers(iterator, loader, abandon=True)
+                raise
         return iterator
 
     @contextlib.contextmanager
