@@ -198,6 +198,10 @@ def _failed(
     return Trial(number, Phase.SEARCH, dict(params), Failed(kind, f"{kind.value}: made up"))
 
 
+def _pruned(number: int, params: Mapping[str, Any], kind: PruneKind) -> Trial:
+    return Trial(number, Phase.SEARCH, dict(params), Pruned(kind, f"{kind.value}: made up"))
+
+
 def _baseline(value: float = 100.0, **kwargs: Any) -> Trial:
     return _done(0, BASELINE_PARAMS, value, phase=Phase.BASELINE, **kwargs)
 
@@ -390,6 +394,23 @@ def test_failures_at_two_counts_above_every_success_mark_a_boundary_and_bisect()
     history.append(_done(8, _params(5), 420.0))
     assert bisection(history) is None  # 5 works, 6 fails: found
     assert known_failure(_params(7), history) is not None
+
+
+def test_sigkilled_workers_at_two_counts_mark_a_boundary_whatever_their_prefetch() -> None:
+    """Workers from index 2 up SIGKILLed: 4 workers (prefetch 2) and 9 (prefetch 5) were
+    killed, so 9 workers with prefetch 1, which asks less memory than either by the
+    memory rule, is known to fail too, and the search bisects below 4 (AutoLoader ran
+    it and reloaded its batches, 10 s of a 20 s budget)."""
+    history = [_baseline(), _done(1, _params(2), 600.0)]
+    history.append(_pruned(2, _params(4), PruneKind.KILLED))
+    assert known_failure(_params(9, prefetch=1), history) is None  # one could be luck
+    history.append(_pruned(3, _params(9, prefetch=5), PruneKind.KILLED))
+    assert boundary(history) == (2, 4) and failing_from(history) == 4
+    known = known_failure(_params(9, prefetch=1), history)
+    assert isinstance(known, Pruned) and known.kind is PruneKind.KILLED
+    assert known.same_as == 2 and "every count from 4 workers up" in known.reason
+    between = bisection(history)
+    assert between is not None and between["num_workers"] == 3
 
 
 def test_memory_and_shared_memory_faults_do_not_mark_a_boundary() -> None:

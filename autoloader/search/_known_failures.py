@@ -61,7 +61,8 @@ def known_failure(params: Mapping[str, Any], history: Sequence[Trial]) -> Outcom
 # NOTE [ Failure boundary ]
 # Some faults come with the worker count: a WebDataset with k shards fails every
 # count above k; a dataset that crashes or hangs in workers >= k fails every count
-# above k. Once failures of such a kind are seen at two counts or more above the
+# above k; a worker SIGKILLed (by the OOM killer or not) is such a fault too.
+# Once failures of such a kind are seen at two counts or more above the
 # largest count that worked, every count from the smallest of them up is known to
 # fail (the sampler draws fewer workers, and a proposal there would be recorded
 # without running), and the search bisects between the largest success and the
@@ -110,7 +111,7 @@ def failing_from(history: Sequence[Trial]) -> int | None:
     return smallest if len(counts) >= 2 else None
 
 
-def _beyond_boundary(params: Mapping[str, Any], history: Sequence[Trial]) -> Failed | None:
+def _beyond_boundary(params: Mapping[str, Any], history: Sequence[Trial]) -> Outcome | None:
     smallest = failing_from(history)
     if smallest is None or int(params["num_workers"]) < smallest:
         return None
@@ -118,20 +119,24 @@ def _beyond_boundary(params: Mapping[str, Any], history: Sequence[Trial]) -> Fai
         (t for t in _worker_count_failures(history) if t.workers >= smallest),
         key=lambda t: t.workers,
     )
-    assert isinstance(first.outcome, Failed)
-    return Failed(
-        first.outcome.kind,
-        f"{first.outcome.reason} (not run: every count from {smallest} workers up failed so far)",
-        same_as=first.number,
-    )
+    outcome = first.outcome
+    note = f" (not run: every count from {smallest} workers up failed so far)"
+    if isinstance(outcome, Pruned):
+        return Pruned(outcome.kind, outcome.reason + note, same_as=first.number)
+    assert isinstance(outcome, Failed)
+    return Failed(outcome.kind, outcome.reason + note, same_as=first.number)
 
 
 def _worker_count_failures(history: Sequence[Trial]) -> list[Trial]:
-    """Trials run that failed with a fault that comes with the worker count."""
+    """Trials run that failed with a fault that comes with the worker count, or whose
+    workers were SIGKILLed: by the OOM killer, more workers only ask more memory; by
+    anything else (a worker index that a job's scheduler kills), more workers meet it too."""
     return [
         t for t in history
-        if isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS
-        and not t.skipped
+        if not t.skipped and (
+            (isinstance(t.outcome, Failed) and t.outcome.kind in WORKER_COUNT_FAULTS)
+            or (isinstance(t.outcome, Pruned) and t.outcome.kind is PruneKind.KILLED)
+        )
     ]  # fmt: skip
 
 
