@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from autoloader._exceptions import AllSettingsFailedError
+from autoloader._exceptions import AllSettingsFailedError, AutoloaderError, StudyInUseError
 from autoloader._loop_search import (
     Failure,
     JointSearch,
@@ -33,7 +33,7 @@ from autoloader._loop_search import (
     users_error,
 )
 from autoloader._problem import Problem, agree, workers_unpicklable
-from autoloader._reuse import reused
+from autoloader._reuse import reused, study_beside
 from autoloader._session import RunSession
 from autoloader.checks import world
 from autoloader.distributed import Ranks
@@ -57,7 +57,7 @@ from autoloader.measure import (
     release,
 )
 from autoloader.results import TuneResult
-from autoloader.search import Proposal, Trial
+from autoloader.search import Proposal, Trial, open_storage
 
 _logger = logging.getLogger("autoloader")
 
@@ -221,11 +221,33 @@ class LoopTuning:
             return
         session = None
         if ranks is None or ranks.drives:  # rank 0 runs the checks and the search
-            session = RunSession(problem, ranks, started=self.started, threads=self.threads)
-            session.check()
-            session.open(None)
+            session = self._session(ranks)
         self.search = SoloSearch(session) if ranks is None else JointSearch(session, ranks)
         self.stage = Stage.SEARCHING
+
+    def _session(self, ranks: Ranks | None) -> RunSession:
+        """The search's run, its study kept beside ``path`` where there is one (``NOTE [
+        An unfinished search kept ]``): an earlier run's unfinished study continued."""
+        problem, started = self.problem, self.started
+        assert started is not None, "the first batch starts the run"
+        beside = None if problem.path is None else study_beside(problem.path)
+        if beside is not None and problem.storage is None:
+            try:
+                problem = dataclasses.replace(problem, storage=open_storage(beside))
+            except AutoloaderError as error:
+                _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
+        session = RunSession(problem, ranks, started=started, threads=self.threads)
+        session.check()
+        try:
+            session.open(None)
+        except StudyInUseError as error:
+            if problem is self.problem:
+                raise  # the user's own storage: theirs to sort out
+            _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
+            session.problem = dataclasses.replace(problem, storage=None)
+            session.open(None)
+        self.problem = session.problem
+        return session
 
     def epoch_length(self) -> int | None:
         """Batches in an epoch of the AutoLoader, ``None`` where its sampler has no length."""
@@ -321,7 +343,8 @@ class LoopTuning:
         )
 
     def release(self) -> None:
-        """Stop the kept loader's persistent workers."""
+        """Stop the kept loader's persistent workers, and give the study's lease back."""
+        self._close_session()
         if self.kept is not None:
             loader, _ = self.kept
             self.kept = None
@@ -414,8 +437,18 @@ class LoopTuning:
 
     # The end of tuning -----------------------------------------------------------------
 
+    def _close_session(self) -> None:
+        session = None if self.search is None else self.search.session
+        if session is not None:
+            session.close()
+
     def take(self, result: TuneResult, *, reused_from: Path | None) -> None:
         """TUNED: train with ``result``'s settings from here on, and say so."""
+        self._close_session()
+        path = self.problem.path
+        if reused_from is None and path is not None and path.exists() and not result.partial:
+            # NOTE [ An unfinished search kept ]: the result holds every trial now.
+            study_beside(path).unlink(missing_ok=True)
         self.stage = Stage.TUNED
         self.result = result
         self.chosen = normalize_params(result.params)

@@ -8,6 +8,18 @@ reuses the file only where both are the same; where not, it says which part diff
 tunes again and replaces the file. A file that cannot be read, or whose run was
 interrupted, is tuned again too. Under torchrun, global rank 0 reads the file (it is the
 one that writes it) and every rank takes its decision.
+
+NOTE [ An unfinished search kept ]
+A training run can end before ``AutoLoader``'s search does (a first run of a few
+epochs, a debugging run, a job stopped early). Its trials are not lost: where the loader
+has a ``path``, the search's study is kept beside it (:func:`study_beside`, an Optuna
+journal, written as each trial ends), and the next run of the same problem, finding no
+finished result at ``path``, continues that study: the trials it finished are not
+measured again and the search goes on where it stopped. Once the search ends and its
+result is saved at ``path``, the study beside it is removed: the result holds every
+trial. The journal is opened only where the search starts (a result reused opens
+nothing); one that cannot be opened, or that another live run is tuning, leaves the
+search in memory, with a warning.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from pathlib import Path
 
 from autoloader._exceptions import EnvironmentMismatchWarning, ResultFileError
 from autoloader._problem import Problem
@@ -22,6 +35,12 @@ from autoloader.distributed import Ranks
 from autoloader.results import TuneResult, in_memory_kwargs, load
 
 _logger = logging.getLogger("autoloader")
+
+
+def study_beside(path: Path) -> Path:
+    """Where ``AutoLoader`` keeps the study of a search not finished yet, beside its
+    result file ``path`` (``NOTE [ An unfinished search kept ]``)."""
+    return path.with_name(path.name + ".study")
 
 
 def reused(problem: Problem, ranks: Ranks | None) -> TuneResult | None:

@@ -270,6 +270,12 @@ class RunSession:
 
     # The end ---------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Give the study's lease back, its heartbeat stopped, where :meth:`open` took
+        it for a caller that measures the trials itself; safe to call more than once."""
+        if self._driver is not None:
+            self._driver.end()
+
     def conclude(self, *, partial: bool = False) -> TuneResult:
         """The result: the policy's choice, every trial, and the notes in words
         (``partial``: Ctrl-C or SIGTERM cut the trials short)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,44 @@ def test_the_next_run_reuses_the_saved_settings_and_a_changed_dataset_tunes_agai
     finally:
         changed.close()
     assert "not reusing" in caplog.text and "dataset length: 120 then, 130 now" in caplog.text
+
+
+def test_a_run_shorter_than_the_budget_leaves_its_search_for_the_next_to_continue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NOTE [ An unfinished search kept ]: the first run trains 2 epochs of a 60 s budget;
+    the next continues its study (its trials not measured again), tunes, saves the
+    result and removes the study; nothing of the search outlives either loader."""
+    path = tmp_path / "loader.json"
+    study = tmp_path / "loader.json.study"
+    dataset = SleepDataset(length=240, latency=0.001)
+    kwargs: dict[str, Any] = {"batch_size": 8, "path": path, "verbose": False}
+    first = AutoLoader(dataset, time_budget=60, **kwargs)
+    try:
+        seen = _epochs(first, 2)
+    finally:
+        first.close()
+    finished = first.history  # the trial under way when it closed, told as it stood
+    assert not first.tuned and finished, finished
+    assert "autoloader-heartbeat" not in [t.name for t in threading.enumerate()]
+    assert study.exists() and not path.exists()
+    _every_sample_once(seen, 240, 2)
+
+    caplog.set_level(logging.INFO, logger="autoloader")
+    second = AutoLoader(dataset, time_budget=4, **kwargs)
+    try:
+        _until_tuned(second, after=0)
+        tuning = second._tuning
+        assert tuning is not None
+        earlier = [t for t in tuning.history if t.earlier]
+    finally:
+        second.close()
+    assert second.tuned and path.exists() and not study.exists()
+    assert [t.params for t in earlier] == [t.params for t in finished]
+    baselines = [t for t in second.result.trials if t.phase == "baseline"]  # type: ignore[union-attr]
+    assert len(baselines) == 1, "the first run's baseline was measured again"
+    assert any("earlier run" in note for note in second.result.notes), second.result.notes  # type: ignore[union-attr]
+    assert "autoloader-heartbeat" not in [t.name for t in threading.enumerate()]
 
 
 # Bad input ---------------------------------------------------------------------------------
