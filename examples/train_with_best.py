@@ -39,14 +39,19 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     loader = tuned.make_loader(dataset)
     tuned.apply_threads()  # the step's torch threads, where they were tuned
+    print(
+        f"loader: num_workers={loader.num_workers}, prefetch_factor={loader.prefetch_factor}, "
+        f"persistent_workers={loader.persistent_workers}, pin_memory={loader.pin_memory}"
+    )
     for epoch in range(args.epochs):
-        started, losses = time.perf_counter(), []
+        started, losses, samples = time.perf_counter(), [], 0
         for batch in loader:
             losses.append(step(batch))
+            samples += len(batch[1])
         seconds = time.perf_counter() - started
         print(
-            f"epoch {epoch}: {len(dataset) / seconds:,.0f} samples/s, "
-            f"mean loss {sum(losses) / len(losses):.3f}"
+            f"epoch {epoch}: {samples} of {len(dataset)} samples, {samples / seconds:,.0f} "
+            f"samples/s, mean loss {sum(losses) / len(losses):.3f}"
         )
 
 
