@@ -148,7 +148,12 @@ class CountingStep:
 
 _SEARCHED = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
 _OTHER_SPACE = SearchSpace(num_workers=(0, 3), prefetch_factor=2)
-_TUNED = {"batch_size": 8, "time_budget": 3, "search_space": _SEARCHED, "show_progress": False}
+_TUNED: dict[str, Any] = {
+    "batch_size": 8,
+    "time_budget": 3,
+    "search_space": _SEARCHED,
+    "show_progress": False,
+}
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def _tune(dataset: SleepDataset, step: DDPStep, path: Path) -> tuple[dict[str, A
 def _autoloader(dataset: SleepDataset, step: DDPStep, path: Path) -> dict[str, Any]:
     """An AutoLoader with ``path``, stepped until it has tuned: whether it was tuned at
     its first batch, and its result."""
-    sampler = DistributedSampler(dataset)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset)
     loader = autoloader.AutoLoader(
         dataset,
         batch_size=8,
