@@ -32,6 +32,7 @@ from autoloader._loop_search import (
     describe_params,
     users_error,
 )
+from autoloader._preserve import preserved
 from autoloader._problem import Problem, agree, workers_unpicklable
 from autoloader._reuse import reused
 from autoloader._session import RunSession
@@ -222,8 +223,11 @@ class LoopTuning:
         session = None
         if ranks is None or ranks.drives:  # rank 0 runs the checks and the search
             session = RunSession(problem, ranks, started=self.started, threads=self.threads)
-            session.check()
-            session.open(None)
+            # The checks load batches with loaders of their own, seeded from torch's
+            # generator: the loop's sampler and workers draw from it as DataLoader's would.
+            with preserved():
+                session.check()
+                session.open(None)
         self.search = SoloSearch(session) if ranks is None else JointSearch(session, ranks)
         self.stage = Stage.SEARCHING
 
