@@ -331,6 +331,35 @@ class AutoLoader(DataLoader[_T_co]):
     def _current_epoch(self) -> _Epoch | None:
         return None if self._epoch is None else self._epoch()
 
+    # NOTE [ AutoLoader under accelerate ] (autoloader/accelerate.py): accelerate asks
+    # each DataLoader given to prepare() whether it was prepared already; a tuning
+    # AutoLoader answers with the refusal, which reaches the user's prepare() call.
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        if self._tuning is None:
+            # Untuned, it is DataLoader: accelerate rebuilds it as it rebuilds one.
+            raise AttributeError("_is_accelerate_prepared")
+        raise InvalidInputError(
+            "accelerator.prepare() rebuilds the DataLoaders given to it as plain "
+            "DataLoaders from their attributes, so this AutoLoader would load untuned, "
+            "with num_workers=0. Prepare it with autoloader.accelerate.prepare(), which "
+            "takes and returns what accelerator.prepare() does and keeps it tuning with "
+            "accelerate's sharding and device placement: model, optimizer, loader = "
+            "autoloader.accelerate.prepare(accelerator, model, optimizer, loader) (in a "
+            "Trainer's get_train_dataloader(): return "
+            "autoloader.accelerate.prepare(self.accelerator, loader))."
+        )
+
+    def _load_batches_of(self, batch_sampler: Sampler[list[Any]]) -> None:
+        """Load ``batch_sampler``'s batches from the next epoch on: accelerate's share
+        of this loader's batches for this process (``NOTE [ AutoLoader under
+        accelerate ]``)."""
+        assert self._tuning is not None, "an untuned AutoLoader is accelerate's to rebuild"
+        # DataLoader refuses a new batch_sampler once built, which its iterator (kept
+        # with persistent workers) would not see; a tuning AutoLoader draws each epoch's
+        # batches afresh from its batch_sampler (__iter__), and never uses that iterator.
+        object.__setattr__(self, "batch_sampler", batch_sampler)
+
 
 def _untuned_because(
     dataset: object, batch_size: int | None, options: Mapping[str, Any]

@@ -32,6 +32,7 @@ from autoloader._loop_search import (
     describe_params,
     users_error,
 )
+from autoloader._preserve import preserved
 from autoloader._problem import Problem, agree, workers_unpicklable
 from autoloader._reuse import reused, study_beside
 from autoloader._session import RunSession
@@ -237,7 +238,10 @@ class LoopTuning:
             except AutoloaderError as error:
                 _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
         session = RunSession(problem, ranks, started=started, threads=self.threads)
-        session.check()
+        # The checks load batches with loaders of their own, seeded from torch's
+        # generator: the loop's sampler and workers draw from it as DataLoader's would.
+        with preserved():
+            session.check()
         try:
             session.open(None)
         except StudyInUseError as error:

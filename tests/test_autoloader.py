@@ -123,6 +123,24 @@ def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -
     assert loader.report().startswith("autoloader report: batch size 16,")
 
 
+def test_shuffled_from_the_global_generator_every_epoch_is_dataloaders() -> None:
+    """Without a generator, the sampler's permutations and the workers' base seeds come
+    from torch's global generator: the checks before the search (which load batches)
+    leave it as they found it, so the epochs and the generator are DataLoader's."""
+    dataset = SleepDataset(length=120, latency=0.001)
+    kwargs = {"batch_size": 8, "shuffle": True}
+    torch.manual_seed(5)
+    loader = AutoLoader(dataset, time_budget=2, verbose=False, **kwargs)
+    try:
+        seen, epochs = _until_tuned(loader, after=1)
+    finally:
+        loader.close()
+    state = torch.get_rng_state()
+    torch.manual_seed(5)
+    assert seen == _epochs(DataLoader(dataset, **kwargs), epochs, step=0.0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_an_epoch_left_early_leaves_the_next_one_dataloaders() -> None:
     """A loop that breaks out of an epoch (max steps) and starts the next one: the next
     epoch is DataLoader's next epoch."""

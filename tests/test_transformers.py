@@ -309,7 +309,7 @@ def test_arguments_that_cannot_apply_are_refused(
 
 def test_importing_autoloader_imports_no_framework() -> None:
     code = (
-        "import sys, autoloader, autoloader.transformers\n"
+        "import sys, autoloader, autoloader.transformers, autoloader.accelerate\n"
         "print(sorted(m for m in ('transformers', 'accelerate', 'lightning')"
         " if m in sys.modules))"
     )
