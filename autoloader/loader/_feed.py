@@ -33,6 +33,20 @@ class EpochBatches:
         self._indices = indices
         self._given_back: deque[Any] = deque()
         self.taken = 0  # handed out and not given back
+        # Delivered to the loop, or consumed by raising in it: always the epoch's first
+        # batches, in order (NOTE [ An AutoLoader's state ], in _loader_state.py).
+        self.done = 0
+
+    def fast_forward(self, count: int) -> None:
+        """The epoch's first ``count`` batches were delivered before a checkpoint: drawn
+        from the sampler as DataLoader draws them, and not loaded."""
+        for _ in range(count):
+            try:
+                next(self._indices)
+            except StopIteration:
+                return
+            self.taken += 1
+            self.done += 1
 
     def take(self) -> Any:
         """The next batch of indices.
@@ -51,6 +65,7 @@ class EpochBatches:
         if self._given_back:
             self._given_back.popleft()
             self.taken += 1
+            self.done += 1
 
     def give_back(self, batches: Iterable[Any]) -> None:
         """``batches`` (in their order) were not delivered: they come next."""
@@ -96,6 +111,7 @@ class Feed:
         """The loader delivered its oldest batch handed out."""
         self._handed.popleft()
         self.delivered_count += 1
+        self.epoch.done += 1
 
     def stop(self) -> None:
         """Hand out no more; the loader delivers those it has (NOTE [ Draining a trial ])."""
