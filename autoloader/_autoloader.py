@@ -412,7 +412,7 @@ class AutoLoader(DataLoader[_T_co]):
             # the base seed of the workers, from the user's generator.
             indices = iter(self._index_sampler)
             seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-            batches = EpochBatches(indices)
+            batches = EpochBatches(indices, length=_length(self._index_sampler))
             batches.fast_forward(skip)
         epoch = _Epoch(self, tuning, batches, seed, draws)
         self._epoch = weakref.ref(epoch)
@@ -423,6 +423,14 @@ class AutoLoader(DataLoader[_T_co]):
 
 
 _END = object()
+
+
+def _length(sampler: object) -> int | None:
+    """``len(sampler)``, or ``None`` where it has none."""
+    try:
+        return len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _untuned_because(
@@ -546,6 +554,7 @@ class _Epoch(Iterator[Any]):
                 self._end_trial()
             except StopIteration:
                 self.done = True
+                self.batches.exhaust()
                 self._end_trial()
                 raise
 

@@ -89,9 +89,12 @@ class Draws:
 
 def _generators(loader: Any) -> tuple[torch.Generator | None, torch.Generator | None]:
     """The generator ``loader`` draws its base seed from (``None``: the global one), and
-    its sampler's own where that is another."""
+    its sampler's own where that is another (a batch sampler's sampler's, where it was
+    given one)."""
     generator = loader.generator
-    sampler = getattr(loader.sampler, "generator", None)
+    batch_sampler = loader.batch_sampler
+    source = loader.sampler if batch_sampler is None else getattr(batch_sampler, "sampler", None)
+    sampler = getattr(source, "generator", None)
     if not isinstance(sampler, torch.Generator) or sampler is generator:
         sampler = None
     return generator, sampler
