@@ -73,8 +73,19 @@ def _reference(dataset: Any, batches: int, **kwargs: Any) -> tuple[list[list[int
     return seen, generator.get_state()
 
 
-def _trials(loader: AutoLoader[Any]) -> list[tuple[int, dict[str, Any], str]]:
-    return [(record.number, dict(record.params), record.state) for record in loader.history]
+def _trials(loader: AutoLoader[Any]) -> list[tuple[Any, ...]]:
+    """Each trial's number, setting, state and figures: a trial measured again would
+    not have the same."""
+    return [
+        (
+            record.number,
+            dict(record.params),
+            record.state,
+            record.duration,
+            record.samples_per_second,
+        )
+        for record in loader.history
+    ]
 
 
 _KWARGS: dict[str, Any] = {"batch_size": 8, "shuffle": True, "drop_last": True}
