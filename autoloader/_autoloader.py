@@ -97,7 +97,9 @@ class AutoLoader(DataLoader[_T_co]):
     ``time_budget`` seconds of training load the batches with one setting after another,
     proposed by the same search as :func:`autoloader.tune`, measured by the loop's own
     pace; then the best loads the rest. Every epoch yields exactly the batches, in the
-    order, that ``DataLoader`` with the same arguments and generator yields.
+    order, that ``DataLoader`` with the same arguments and generator yields. Like
+    torchdata's ``StatefulDataLoader``, it has :meth:`state_dict` and
+    :meth:`load_state_dict` for checkpoints taken mid-epoch (Lightning saves them).
 
     Where its arguments leave nothing it can tune (an ``IterableDataset``,
     ``batch_size=None``, a ``batch_sampler`` or ``in_order=False``), it is the

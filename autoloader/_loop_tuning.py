@@ -268,7 +268,10 @@ class LoopTuning:
         if self.stage is Stage.WAITING:
             return {"stage": "waiting"} if self.resumed is None else dict(self.resumed)
         kept = {"last_good": dict(self.last_good), "failures": list(self.failures)}
-        if self.stage is Stage.TUNED:
+        # Making up a failed setting's batches, the stage it came from: the resumed run
+        # loads them, its next batches, with that stage's setting.
+        stage = self.after_makeup if self.stage is Stage.MAKING_UP else self.stage
+        if stage is Stage.TUNED:
             assert self.result is not None and self.chosen is not None
             return {
                 "stage": "tuned",
