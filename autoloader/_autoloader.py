@@ -343,7 +343,7 @@ class AutoLoader(DataLoader[_T_co]):
             epoch = self._current_epoch()
             state = (
                 between_epochs(self)
-                if epoch is None or epoch.done
+                if epoch is None or epoch.done or epoch.batches.all_done
                 else in_epoch(epoch.draws, epoch.batches.done)
             )
             state["_problem"] = self._problem_key

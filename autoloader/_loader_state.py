@@ -21,11 +21,13 @@ loaded with ``torch.load(weights_only=True)`` keeps it):
   takes the delivered batches off the sampler without loading them: its next batch is
   the first undelivered one, and the generators end the epoch where the uninterrupted
   run's would. The global generator is put back as the caller had it, being the
-  training's too. Between epochs (after one ended, or once the loop dropped it:
-  ``_iterator_finished``), the state is the generators' states then, from which the
-  next epoch draws. A loader passed through untuned loads
-  and drops the delivered batches instead (it has no batches of indices to skip), as
-  StatefulDataLoader does for a dataset without a state of its own.
+  training's too. Between epochs (the loop got the epoch's last batch, or dropped the
+  epoch: ``_iterator_finished``), the state is the generators' states then, and the
+  resumed ``iter()`` starts the next epoch, as the uninterrupted run's next ``iter()``
+  would (so does StatefulDataLoader; Lightning, which stops an epoch at its length,
+  resumes from a checkpoint at its last batch with a new ``iter()``). A loader passed
+  through untuned loads and drops the delivered batches instead (it has no batches of
+  indices to skip), as StatefulDataLoader does for a dataset without a state of its own.
 - Where the tuning stands (``NOTE [ AutoLoader's tuning ]``, ``LoopTuning.state``).
   While it searches: the trials finished, as the study keeps them, and the part of the
   budget spent; the resumed run tells them to its new study and searches on with the

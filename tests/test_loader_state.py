@@ -119,7 +119,7 @@ def test_a_loop_stopped_while_tuning_resumes_batch_for_batch_and_tunes_on() -> N
         # The trials finished before the checkpoint are the resumed run's first, and
         # none is measured again: the new ones are numbered after them.
         assert trials[: len(finished)] == finished
-        assert [number for number, _, _ in trials] == list(range(len(trials)))
+        assert [trial[0] for trial in trials] == list(range(len(trials)))
         assert second.tuned and second.result is not None
         assert [record.number for record in second.result.trials] == list(range(len(trials)))
     finally:
@@ -280,9 +280,10 @@ def _fit(
 def test_a_lightning_fit_resumed_from_a_mid_epoch_checkpoint_goes_on_as_uninterrupted(
     tmp_path: Path,
 ) -> None:
-    """ModelCheckpoint every 15 steps (12 batches an epoch): the fit resumed from the
-    step-15 checkpoint trains on exactly the batches the uninterrupted fit had after
-    it, DataLoader's, and its tuning takes up the checkpoint's trials."""
+    """ModelCheckpoint every 9 steps (12 batches an epoch): a fit resumed from the step-18
+    checkpoint (mid-epoch) or the step-36 one (an epoch's last batch) trains on exactly
+    the batches the uninterrupted fit had after it, DataLoader's, and its tuning takes
+    up the checkpoint's trials."""
     dataset = SleepDataset(length=96, latency=0.004)
 
     def loader(seed: int) -> AutoLoader[Any]:
@@ -291,22 +292,21 @@ def test_a_lightning_fit_resumed_from_a_mid_epoch_checkpoint_goes_on_as_uninterr
             dataset, batch_size=8, shuffle=True, generator=generator, time_budget=4, verbose=False
         )
 
-    whole = _fit(loader(7), tmp_path / "whole", every=15)
+    whole = _fit(loader(7), tmp_path / "whole", every=9)
     assert isinstance(whole.loader, AutoLoader)
-    checkpoint = tmp_path / "whole" / "step=15.ckpt"
-    saved = torch.load(checkpoint, weights_only=True)["loops"]["fit_loop"]["state_dict"]
-    (state,) = saved["combined_loader"]  # Lightning saved the AutoLoader's state
-    assert state["_num_yielded"] == 3  # 15 steps: the 4th batch of the second epoch next
-    resumed = _fit(loader(1), tmp_path / "resumed", ckpt=checkpoint)
-    assert whole.seen[:15] + resumed.seen == whole.seen
     reference = DataLoader(
         dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7)
     )
     assert _fit(reference, tmp_path / "reference").seen == whole.seen
-    assert isinstance(resumed.loader, AutoLoader)
-    finished = (
-        len(state["_tuning"]["session"]["trials"])
-        if state["_tuning"]["stage"] == "searching"
-        else 0
-    )
-    assert _trials(resumed.loader)[:finished] == _trials(whole.loader)[:finished]
+    for step, next_batch in ((18, 6), (36, 0)):
+        checkpoint = tmp_path / "whole" / f"step={step}.ckpt"
+        saved = torch.load(checkpoint, weights_only=True)["loops"]["fit_loop"]["state_dict"]
+        (state,) = saved["combined_loader"]  # Lightning saved the AutoLoader's state
+        assert state["_num_yielded"] == next_batch
+        assert state["_iterator_finished"] is (next_batch == 0)  # the next epoch next
+        resumed = _fit(loader(1), tmp_path / f"resumed-{step}", ckpt=checkpoint)
+        assert whole.seen[:step] + resumed.seen == whole.seen
+        assert isinstance(resumed.loader, AutoLoader)
+        tuning = state["_tuning"]
+        finished = len(tuning["session"]["trials"]) if tuning["stage"] == "searching" else 0
+        assert _trials(resumed.loader)[:finished] == _trials(whole.loader)[:finished]

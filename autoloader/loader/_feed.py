@@ -43,6 +43,11 @@ class EpochBatches:
         # batches, in order (NOTE [ An AutoLoader's state ], in _loader_state.py).
         self.done = 0
 
+    @property
+    def all_done(self) -> bool:
+        """Whether the loop got every batch of the epoch (a sampler with a length)."""
+        return self.length is not None and self.done >= self.length
+
     def fast_forward(self, count: int) -> None:
         """The epoch's first ``count`` batches were delivered before a checkpoint: drawn
         from the sampler as DataLoader draws them, and not loaded."""
