@@ -122,6 +122,8 @@ def test_a_loop_stopped_while_tuning_resumes_batch_for_batch_and_tunes_on() -> N
         assert [trial[0] for trial in trials] == list(range(len(trials)))
         assert second.tuned and second.result is not None
         assert [record.number for record in second.result.trials] == list(range(len(trials)))
+        # The budget spent before the checkpoint counts: the run's tuning time holds it.
+        assert second.result.tuning_seconds >= state["_tuning"]["seconds"]
     finally:
         second.close()
 
