@@ -33,6 +33,11 @@ each a trial, and a trial's rate is the loop's own, the time between two of its
   ``batch_size=None``, a ``batch_sampler``, ``in_order=False``), AutoLoader is the
   DataLoader of its arguments, tuned arguments included, and says once why it does not
   tune (:attr:`AutoLoader.untuned`): it never refuses what DataLoader takes.
+- **Checkpoints mid-epoch.** ``state_dict()`` and ``load_state_dict()``, as torchdata's
+  ``StatefulDataLoader`` has them (and Lightning saves them): a run resumed from a state
+  goes on at the next undelivered batch, with the batches and the generators' states of
+  the uninterrupted run, and its tuning where it stood (``NOTE [ An AutoLoader's
+  state ]``, in ``_loader_state.py``).
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from autoloader._exceptions import InvalidInputError
+from autoloader._loader_state import Draws, between_epochs, checked, in_epoch, position_of
 from autoloader._loop_tuning import LoopTuning
 from autoloader._problem import TuneArguments, check_arguments
 from autoloader.checks import world
 from autoloader.loader import DATALOADER_DEFAULTS, EpochBatches, Params, changed_options
-from autoloader.loader._torch_compat import exiting
+from autoloader.loader._torch_compat import batches_yielded, exiting
 from autoloader.measure import LiveTrial, TrialEnded
 from autoloader.results import TrialRecord, TuneResult, record_of, report
 from autoloader.search import SearchSpace
@@ -91,7 +97,9 @@ class AutoLoader(DataLoader[_T_co]):
     ``time_budget`` seconds of training load the batches with one setting after another,
     proposed by the same search as :func:`autoloader.tune`, measured by the loop's own
     pace; then the best loads the rest. Every epoch yields exactly the batches, in the
-    order, that ``DataLoader`` with the same arguments and generator yields.
+    order, that ``DataLoader`` with the same arguments and generator yields. Like
+    torchdata's ``StatefulDataLoader``, it has :meth:`state_dict` and
+    :meth:`load_state_dict` for checkpoints taken mid-epoch (Lightning saves them).
 
     Where its arguments leave nothing it can tune (an ``IterableDataset``,
     ``batch_size=None``, a ``batch_sampler`` or ``in_order=False``), it is the
@@ -183,6 +191,10 @@ class AutoLoader(DataLoader[_T_co]):
         }
         self.untuned = _untuned_because(dataset, batch_size, options)
         self.verbose = verbose
+        # NOTE [ An AutoLoader's state ]: a state loaded for the next iter(), and, for a
+        # loader passed through, the iterator of the epoch under way (the loop holds it).
+        self._resume: dict[str, Any] | None = None
+        self._passed: tuple[weakref.ref[Any], Draws] | None = None
         if self.untuned is not None:
             # The rest kept as given, unused: the loader is DataLoader's.
             self.path = None if path is None else Path(path)
@@ -233,6 +245,7 @@ class AutoLoader(DataLoader[_T_co]):
             check_pickling=False,
         )
         tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
+        self._problem_key = problem.key()  # what a state loaded must be of
         self._tuning: LoopTuning | None = tuning
         # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
         self._epoch: weakref.ref[_Epoch] | None = None
@@ -312,19 +325,98 @@ class AutoLoader(DataLoader[_T_co]):
                 stack.callback(epoch.close)
             tuning.settle()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands, for a checkpoint, as torchdata's ``StatefulDataLoader``
+        gives it: at any time, mid-epoch included (between two ``next()`` calls), in
+        plain values and tensors. Lightning saves it in its checkpoints.
+
+        It holds the epoch's position (the batches the loop got of the epoch it holds,
+        and the generators' states at its start) and where the tuning stands (the
+        trials finished, or the result and the setting chosen). See ``NOTE [ An
+        AutoLoader's state ]``.
+        """
+        if self._resume is not None:  # loaded, for the next epoch
+            return dict(self._resume)
+        if self._tuning is None:
+            state = self._passed_state()
+        else:
+            epoch = self._current_epoch()
+            state = (
+                between_epochs(self)
+                if epoch is None or epoch.done or epoch.batches.all_done
+                else in_epoch(epoch.draws, epoch.batches.done)
+            )
+            state["_problem"] = self._problem_key
+            state["_tuning"] = self._tuning.state()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of an AutoLoader of the same arguments (in an
+        earlier run): the next ``iter()`` goes on at the first batch the loop had not
+        got, with the batches and generators' states of the uninterrupted run, and the
+        tuning goes on where it stood, measuring no finished trial again; or, tuned,
+        keeps the setting chosen. An empty dict changes nothing (as torchdata's).
+
+        Raises:
+            InvalidInputError: ``state_dict`` is not an AutoLoader's state, is of a
+                loader of other arguments, or this loader has started tuning.
+        """
+        if not state_dict:
+            return
+        state = checked(state_dict, None if self._tuning is None else self._problem_key)
+        tuning = state.get("_tuning")
+        if self._tuning is not None and tuning is not None:
+            self._tuning.resume(tuning)
+        self._resume = state
+
+    def _passed_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` of a loader passed through, DataLoader's iterator counting
+        the batches delivered."""
+        iterator = None if self._passed is None else self._passed[0]()
+        if iterator is None or self._passed is None:
+            return between_epochs(self)
+        done = batches_yielded(iterator)
+        try:
+            length: int | None = len(self)
+        except TypeError:  # an IterableDataset without a length
+            length = None
+        if length is not None and done >= length:
+            return between_epochs(self)
+        return in_epoch(self._passed[1], done)
+
+    def _draws(self) -> tuple[Draws, int, contextlib.AbstractContextManager[None]]:
+        """The epoch's generators' states at its start, the batches to skip, and where
+        to draw it: a state loaded, replayed, or the generators as they are."""
+        resume, self._resume = self._resume, None
+        if resume is None:
+            return Draws.now(self, global_too=True), 0, contextlib.nullcontext()
+        draws, skip = position_of(resume)
+        return draws, skip, draws.replayed(self)
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self._tuning is None:
-            return super().__iter__()
+            draws, skip, drawing = self._draws()
+            with drawing:
+                iterator = super().__iter__()
+                for _ in range(skip):  # NOTE [ An AutoLoader's state ]: loaded and dropped
+                    if next(iterator, _END) is _END:
+                        break
+            self._passed = (weakref.ref(iterator), draws)
+            return iterator
         tuning = self._tuning
         tuning.settle()
         previous = self._current_epoch()
         if previous is not None:
             previous.close()  # the loop left the last epoch before its end
-        # What DataLoader's iterator draws, in its order: the sampler's iterator, then
-        # the base seed of the workers, from the user's generator.
-        indices = iter(self._index_sampler)
-        seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        epoch = _Epoch(self, tuning, EpochBatches(indices), seed)
+        draws, skip, drawing = self._draws()
+        with drawing:
+            # What DataLoader's iterator draws, in its order: the sampler's iterator, then
+            # the base seed of the workers, from the user's generator.
+            indices = iter(self._index_sampler)
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            batches = EpochBatches(indices, length=_length(self._index_sampler))
+            batches.fast_forward(skip)
+        epoch = _Epoch(self, tuning, batches, seed, draws)
         self._epoch = weakref.ref(epoch)
         return epoch
 
@@ -359,6 +451,17 @@ class AutoLoader(DataLoader[_T_co]):
         # with persistent workers) would not see; a tuning AutoLoader draws each epoch's
         # batches afresh from its batch_sampler (__iter__), and never uses that iterator.
         object.__setattr__(self, "batch_sampler", batch_sampler)
+
+
+_END = object()
+
+
+def _length(sampler: object) -> int | None:
+    """``len(sampler)``, or ``None`` where it has none."""
+    try:
+        return len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _untuned_because(
@@ -443,12 +546,18 @@ class _Epoch(Iterator[Any]):
     started where one ends."""
 
     def __init__(
-        self, owner: AutoLoader[Any], tuning: LoopTuning, batches: EpochBatches, seed: int
+        self,
+        owner: AutoLoader[Any],
+        tuning: LoopTuning,
+        batches: EpochBatches,
+        seed: int,
+        draws: Draws,
     ) -> None:
         self.owner = owner  # NOTE [ Nothing outlives the loop ]
         self.tuning = tuning
         self.batches = batches
         self.seed = seed
+        self.draws = draws  # the generators' states at its start
         self.current = _Current()
         self.done = False
         weakref.finalize(self, _abandon, self.tuning, self.current)
@@ -476,6 +585,7 @@ class _Epoch(Iterator[Any]):
                 self._end_trial()
             except StopIteration:
                 self.done = True
+                self.batches.exhaust()
                 self._end_trial()
                 raise
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Protocol
@@ -23,7 +24,13 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from autoloader._exceptions import AllSettingsFailedError, AutoloaderError, StudyInUseError
+from autoloader._exceptions import (
+    AllSettingsFailedError,
+    AutoloaderError,
+    InvalidInputError,
+    ResultFileError,
+    StudyInUseError,
+)
 from autoloader._loop_search import (
     Failure,
     JointSearch,
@@ -57,7 +64,7 @@ from autoloader.measure import (
     WindowCallback,
     release,
 )
-from autoloader.results import TuneResult
+from autoloader.results import TuneResult, in_memory_kwargs
 from autoloader.search import Proposal, Trial, open_storage
 
 _logger = logging.getLogger("autoloader")
@@ -86,10 +93,13 @@ class _Loader(Protocol):
 #      │   epoch's tail is short ▼   │ the trial's exchange)           fails       ▼   │ loaded
 #      │                       MAKING_UP                                         MAKING_UP
 #      │
-#      └─── first batch: a saved result of this problem (_reuse.py) ───────────────► TUNED
+#      └─── first batch: a saved result of this problem (_reuse.py), or a state
+#           loaded from a checkpoint taken once tuned ────────────────────────────► TUNED
 #
 # - WAITING: nothing measured yet; the first batch starts the run (Ranks.join, the
-#   saved result, the checks before the search, the study).
+#   saved result, the checks before the search, the study); a state loaded from a
+#   checkpoint taken while searching starts it with the trials finished then
+#   (NOTE [ An AutoLoader's state ], in _loader_state.py).
 # - SEARCHING: each trial is the search's (_loop_search.py, chosen here once): alone,
 #   the driver's proposal, ended by its time or its windows' vote; under torchrun,
 #   rank 0's proposal as a segment of batches, the same on every rank (NOTE [ Joint
@@ -152,6 +162,9 @@ class LoopTuning:
         # Trials of epochs the loop dropped, stopped, and the batches they had not
         # delivered: the study is told at the next epoch (NOTE [ Nothing outlives the loop ]).
         self.abandoned: list[tuple[LiveTrial, int]] = []
+        # WAITING: where a checkpoint's state says the tuning stood (NOTE [ An
+        # AutoLoader's state ]), taken up at the first batch.
+        self.resumed: dict[str, Any] | None = None
 
     @property
     def owner(self) -> _Loader:
@@ -207,14 +220,20 @@ class LoopTuning:
 
     def _begin(self) -> None:
         """WAITING, at the first batch: the saved result (TUNED), or the checks and the
-        search's start (SEARCHING), alone or as one rank of a torchrun job."""
+        search's start (SEARCHING), alone or as one rank of a torchrun job; where a
+        checkpoint's state was loaded, the tuning as it stood then."""
+        resumed, self.resumed = self.resumed, None
+        if resumed is not None and resumed["stage"] == "tuned":
+            self._resume_tuned(resumed)
+            return
         self.started = perf_counter()
         ranks = Ranks.join()
         if ranks is not None:
             # The machine as this rank's job sees it, and the same problem on every rank.
             self.problem = agree(ranks, self.problem_of(ranks))
         problem = self.problem = _workers_only_where_picklable(self.problem)
-        found = reused(problem, ranks)
+        # A search resumed goes on: a result saved since is not this run's.
+        found = reused(problem, ranks) if resumed is None else None
         if found is not None:
             if ranks is not None:
                 ranks.close()
@@ -222,26 +241,33 @@ class LoopTuning:
             return
         session = None
         if ranks is None or ranks.drives:  # rank 0 runs the checks and the search
-            session = self._session(ranks)
+            session = self._session(ranks, resumed)
+        if resumed is not None:
+            self.last_good = normalize_params(resumed["last_good"])
+            self.failures = list(resumed["failures"])
         self.search = SoloSearch(session) if ranks is None else JointSearch(session, ranks)
         self.stage = Stage.SEARCHING
 
-    def _session(self, ranks: Ranks | None) -> RunSession:
-        """The search's run, its study kept beside ``path`` where there is one (``NOTE [
-        An unfinished search kept ]``): an earlier run's unfinished study continued."""
+    def _session(self, ranks: Ranks | None, resumed: Mapping[str, Any] | None) -> RunSession:
+        """The search's run: a checkpoint's, where one was loaded (``resumed``); else its
+        study kept beside ``path`` where there is one (``NOTE [ An unfinished search
+        kept ]``), an earlier run's unfinished study continued."""
         problem, started = self.problem, self.started
         assert started is not None, "the first batch starts the run"
         beside = None if problem.path is None else study_beside(problem.path)
-        if beside is not None and problem.storage is None:
+        if beside is not None and problem.storage is None and resumed is None:
             try:
                 problem = dataclasses.replace(problem, storage=open_storage(beside))
             except AutoloaderError as error:
                 _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
         session = RunSession(problem, ranks, started=started, threads=self.threads)
-        # The checks load batches with loaders of their own, seeded from torch's
-        # generator: the loop's sampler and workers draw from it as DataLoader's would.
+        # The checks read items here, which DataLoader would not: whatever they draw from
+        # the random generators (torch's global one is the training's, and the sampler's
+        # where the loader has no generator) is put back (NOTE [ An AutoLoader's state ]).
         with preserved():
             session.check()
+        if resumed is not None:  # the budget spent before the checkpoint, not the checks
+            self.started = session.started = perf_counter() - float(resumed["seconds"])
         try:
             session.open(None)
         except StudyInUseError as error:
@@ -250,8 +276,80 @@ class LoopTuning:
             _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
             session.problem = dataclasses.replace(problem, storage=None)
             session.open(None)
+        if resumed is not None and resumed["session"] is not None:
+            session.resume(resumed["session"])
         self.problem = session.problem
         return session
+
+    def _resume_tuned(self, state: Mapping[str, Any]) -> None:
+        """WAITING, at the first batch, from a checkpoint taken once tuned: TUNED, with
+        the result and the setting that loaded the batches then."""
+        self.started = perf_counter()
+        result = TuneResult.from_dict(state["result"])
+        result = dataclasses.replace(result, _in_memory_kwargs=in_memory_kwargs(self.problem.fixed))
+        self.last_good = normalize_params(state["last_good"])
+        self.failures = list(state["failures"])
+        self.take(result, chosen=normalize_params(state["chosen"]))
+
+    # Checkpoints (NOTE [ An AutoLoader's state ]) --------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Where the tuning stands, in plain values: :meth:`resume` takes it up."""
+        if self.stage is Stage.WAITING:
+            return {"stage": "waiting"} if self.resumed is None else dict(self.resumed)
+        kept = {"last_good": dict(self.last_good), "failures": list(self.failures)}
+        # Making up a failed setting's batches, the stage it came from: the resumed run
+        # loads them, its next batches, with that stage's setting.
+        stage = self.after_makeup if self.stage is Stage.MAKING_UP else self.stage
+        if stage is Stage.TUNED:
+            assert self.result is not None and self.chosen is not None
+            return {
+                "stage": "tuned",
+                # Plain JSON values: the torch version is a str subclass torch.load's
+                # weights_only refuses.
+                "result": json.loads(json.dumps(self.result.as_dict())),
+                "chosen": dict(self.chosen),
+                **kept,
+            }
+        assert self.search is not None and self.started is not None
+        session = self.search.session
+        return {
+            "stage": "searching",
+            "seconds": perf_counter() - self.started,
+            "session": None if session is None else session.checkpoint(),
+            **kept,
+        }
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Take up :meth:`state` of a checkpoint at the first batch.
+
+        Raises:
+            InvalidInputError: the tuning has begun, or ``state`` is not a tuning's.
+        """
+        if self.stage is not Stage.WAITING:
+            raise InvalidInputError(
+                "AutoLoader.load_state_dict() comes before the loader's first batch, but "
+                "this one has started tuning: load the state into a new AutoLoader of the "
+                "same arguments."
+            )
+        stage = state.get("stage")
+        try:
+            if stage == "tuned":
+                TuneResult.from_dict(state["result"])
+                normalize_params(state["chosen"])
+            elif stage == "searching":
+                float(state["seconds"])
+            elif stage != "waiting":
+                raise ValueError(f"a tuning stage {stage!r}")
+            if stage != "waiting":
+                normalize_params(state["last_good"])
+                list(state["failures"])
+        except (KeyError, TypeError, ValueError, ResultFileError) as error:
+            raise InvalidInputError(
+                f"AutoLoader.load_state_dict(): the state's tuning is not readable ({error}); "
+                "resume from a checkpoint this version of autoloader saved."
+            ) from None
+        self.resumed = None if stage == "waiting" else dict(state)
 
     def epoch_length(self) -> int | None:
         """Batches in an epoch of the AutoLoader, ``None`` where its sampler has no length."""
@@ -446,16 +544,20 @@ class LoopTuning:
         if session is not None:
             session.close()
 
-    def take(self, result: TuneResult, *, reused_from: Path | None) -> None:
-        """TUNED: train with ``result``'s settings from here on, and say so."""
+    def take(
+        self, result: TuneResult, *, reused_from: Path | None = None, chosen: Params | None = None
+    ) -> None:
+        """TUNED: train with ``result``'s settings from here on (``chosen``: another, a
+        checkpoint's, the chosen one having failed before it), and say so."""
         self._close_session()
         path = self.problem.path
-        if reused_from is None and path is not None and path.exists() and not result.partial:
+        searched = reused_from is None and chosen is None
+        if searched and path is not None and path.exists() and not result.partial:
             # NOTE [ An unfinished search kept ]: the result holds every trial now.
             study_beside(path).unlink(missing_ok=True)
         self.stage = Stage.TUNED
         self.result = result
-        self.chosen = normalize_params(result.params)
+        self.chosen = normalize_params(result.params) if chosen is None else chosen
         threads = result.params.get("step_threads")
         if threads is not None:
             torch.set_num_threads(int(threads))
@@ -463,7 +565,12 @@ class LoopTuning:
         owner.num_workers = int(self.chosen["num_workers"])
         owner.prefetch_factor = self.chosen["prefetch_factor"]
         owner.pin_memory = bool(self.chosen["pin_memory"])
-        if reused_from is not None:
+        if chosen is not None:
+            line = (
+                f"AutoLoader: resuming with {describe_params(self.chosen)}, tuned before the "
+                f"checkpoint ({result.speedup:.2f}x the defaults); nothing to tune"
+            )
+        elif reused_from is not None:
             line = (
                 f"AutoLoader: reusing {describe_params(self.chosen)} from {reused_from}, "
                 f"tuned for this problem on this machine ({result.speedup:.2f}x the "

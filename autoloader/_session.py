@@ -16,6 +16,8 @@ entry points differ only in who owns the loop, as Optuna's ``study.optimize()`` 
       ask()                the next trial, or None once the policy stops
       vote()               at each timing window: whether the trial should stop
       judge(), tell()      what happened, as a typed outcome; told to the study
+      checkpoint()         mid-run: the trials so far, which resume() takes
+                           after open() in a run resumed from a checkpoint
     conclude(partial=...)  the result: the choice, every trial, the notes in words once
     save(result)           at ``problem.path``, or a warning
 """
@@ -200,6 +202,21 @@ class RunSession:
     def history(self) -> list[Trial]:
         """Every trial so far, earlier runs' first; empty before :meth:`open`."""
         return [] if self._driver is None else self._driver.history
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The trials this run finished, for :meth:`resume` in a run resumed from a
+        checkpoint (``NOTE [ An AutoLoader's state ]``), in plain values."""
+        return self.driver.checkpoint()
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Go on with the trials of :meth:`checkpoint`, after :meth:`open`: none is
+        measured again.
+
+        Raises:
+            KeyError, TypeError, ValueError: ``state`` is not a checkpoint's.
+        """
+        with quiet_optuna():
+            self.driver.resume(state)
 
     # The loop: the driver's own (tune()), or the caller's, one trial at a time ------------
 

@@ -27,12 +27,39 @@ class EpochBatches:
     Args:
         indices: the epoch's iterator over the index sampler (a ``BatchSampler``'s
             lists of indices), drawn lazily, as DataLoader draws it.
+        length: the epoch's batches, where the sampler has a length: no loader asks
+            the sampler for one more (a ``RandomSampler`` draws from its generator
+            there) unless the loop does (:meth:`exhaust`), as with DataLoader's own
+            iterator, which asks only for the batch the loop asks for.
     """
 
-    def __init__(self, indices: Iterator[Any]) -> None:
+    def __init__(self, indices: Iterator[Any], *, length: int | None = None) -> None:
         self._indices = indices
+        self.length = length
+        self._ended = False
         self._given_back: deque[Any] = deque()
         self.taken = 0  # handed out and not given back
+        # Delivered to the loop, or consumed by raising in it: always the epoch's first
+        # batches, in order (NOTE [ An AutoLoader's state ], in _loader_state.py).
+        self.done = 0
+
+    @property
+    def all_done(self) -> bool:
+        """Whether the loop got every batch of the epoch (a sampler with a length)."""
+        return self.length is not None and self.done >= self.length
+
+    def fast_forward(self, count: int) -> None:
+        """The epoch's first ``count`` batches were delivered before a checkpoint: drawn
+        from the sampler as DataLoader draws them, and not loaded."""
+        if self.length is not None:
+            count = min(count, self.length)
+        for _ in range(count):
+            try:
+                self._next()
+            except StopIteration:
+                return
+            self.taken += 1
+            self.done += 1
 
     def take(self) -> Any:
         """The next batch of indices.
@@ -40,9 +67,28 @@ class EpochBatches:
         Raises:
             StopIteration: the epoch has no batch left.
         """
-        batch = self._given_back.popleft() if self._given_back else next(self._indices)
+        if self._given_back:
+            batch = self._given_back.popleft()
+        elif self.length is not None and self.taken >= self.length:
+            raise StopIteration
+        else:
+            batch = self._next()
         self.taken += 1
         return batch
+
+    def _next(self) -> Any:
+        try:
+            return next(self._indices)
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def exhaust(self) -> None:
+        """The loop asked for a batch past the epoch's last: the sampler is asked too,
+        as DataLoader's iterator asks it then (its generator's draws come out the same)."""
+        if not self._ended:
+            next(self._indices, None)
+            self._ended = True
 
     def drop_failed(self) -> None:
         """The oldest batch given back raised in the loop, the dataset's error reaching
@@ -51,6 +97,7 @@ class EpochBatches:
         if self._given_back:
             self._given_back.popleft()
             self.taken += 1
+            self.done += 1
 
     def give_back(self, batches: Iterable[Any]) -> None:
         """``batches`` (in their order) were not delivered: they come next."""
@@ -96,6 +143,7 @@ class Feed:
         """The loader delivered its oldest batch handed out."""
         self._handed.popleft()
         self.delivered_count += 1
+        self.epoch.done += 1
 
     def stop(self) -> None:
         """Hand out no more; the loader delivers those it has (NOTE [ Draining a trial ])."""

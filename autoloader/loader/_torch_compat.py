@@ -155,3 +155,8 @@ def shutdown_workers(
         shutdown()
     if loader is not None:
         loader._iterator = None
+
+
+def batches_yielded(iterator: object) -> int:
+    """The batches a DataLoader iterator delivered in its epoch (``_num_yielded``)."""
+    return int(getattr(iterator, "_num_yielded", 0))

@@ -13,20 +13,27 @@ itself) and :func:`remember_ctrl_c` (which sets the driver's ``interrupted``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import signal
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from time import perf_counter
 from types import FrameType
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution, IntDistribution
-from optuna.trial import FrozenTrial, TrialState
+from optuna.distributions import (
+    BaseDistribution,
+    IntDistribution,
+    distribution_to_json,
+    json_to_distribution,
+)
+from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autoloader._exceptions import BaselineError
 from autoloader.loader import normalize_params
@@ -307,6 +314,33 @@ class Driver:
 
     # Resuming ---------------------------------------------------------------------
 
+    def checkpoint(self) -> dict[str, Any]:
+        """This run's finished trials as the study keeps them, and the search's time,
+        in plain values (``NOTE [ An AutoLoader's state ]``): :meth:`resume` takes them."""
+        mine = {trial.number for trial in self.history if not trial.earlier}
+        trials = [
+            _plain(frozen)
+            for frozen in self.study.get_trials(deepcopy=False)
+            if frozen.number in mine
+        ]
+        return {"trials": trials, "search_seconds": self.search_seconds}
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """This run's trials before a checkpoint (:meth:`checkpoint`), after :meth:`begin`:
+        told to the study again, and this run's history, not an earlier run's.
+
+        Raises:
+            KeyError, TypeError, ValueError: ``state`` is not a checkpoint's.
+        """
+        trials: Sequence[Mapping[str, Any]] = state["trials"]
+        for plain in trials:
+            self.study.add_trial(_frozen(plain))
+            trial = _trial_of(self.study.get_trials(deepcopy=False)[-1])
+            if trial is None:
+                raise ValueError(f"trial {plain!r} is not one of autoloader's")
+            self.history.append(dataclasses.replace(trial, earlier=False))
+        self.search_seconds = float(state["search_seconds"])
+
     def _load(self) -> list[Trial]:
         """The finished trials of earlier runs on this study, as the policy reads them."""
         earlier = []
@@ -470,6 +504,40 @@ def _trial_of(frozen: FrozenTrial) -> Trial | None:
         _logger.warning("trial %d of the study is not readable: %s", frozen.number, error)
         return None
     return Trial(frozen.number, phase, params, outcome, earlier=True)
+
+
+def _plain(frozen: FrozenTrial) -> dict[str, Any]:
+    """A finished trial in plain values (strings, numbers, lists, dicts): a checkpoint
+    loaded with ``torch.load(weights_only=True)`` keeps them."""
+    plain = {
+        "state": frozen.state.name,
+        "value": frozen.value,
+        "params": dict(frozen.params),
+        "distributions": {
+            name: distribution_to_json(distribution)
+            for name, distribution in frozen.distributions.items()
+        },
+        "user_attrs": dict(frozen.user_attrs),
+        "intermediate_values": {
+            str(step): value for step, value in frozen.intermediate_values.items()
+        },
+    }
+    loaded: dict[str, Any] = json.loads(json.dumps(plain))
+    return loaded
+
+
+def _frozen(plain: Mapping[str, Any]) -> FrozenTrial:
+    """The trial :func:`_plain` made plain, to add to a study."""
+    return create_trial(
+        state=TrialState[plain["state"]],
+        value=plain["value"],
+        params=plain["params"],
+        distributions={
+            name: json_to_distribution(text) for name, text in plain["distributions"].items()
+        },
+        user_attrs=plain["user_attrs"],
+        intermediate_values={int(step): v for step, v in plain["intermediate_values"].items()},
+    )
 
 
 def _orphan_reason(owner: Mapping[str, Any]) -> str:
