@@ -42,8 +42,8 @@ def _describe(process: psutil.Process) -> str:
 
 @pytest.fixture(autouse=True)
 def no_leftover_thread_workers() -> Iterator[None]:
-    """Fail any test that leaves a ThreadLoader's worker thread, or a memory watch,
-    running (NOTE [ Nothing outlives the loop ])."""
+    """Fail any test that leaves a ThreadLoader's worker thread, a memory watch or a
+    study's heartbeat running (NOTE [ Nothing outlives the loop ])."""
     yield
     deadline = time.monotonic() + 10
     while True:
@@ -54,7 +54,7 @@ def no_leftover_thread_workers() -> Iterator[None]:
     assert not left, f"test left threads running: {left}"
 
 
-_LEFT_RUNNING = ("autoloader-thread-worker-", "autoloader-memory")
+_LEFT_RUNNING = ("autoloader-thread-worker-", "autoloader-memory", "autoloader-heartbeat")
 
 
 @pytest.fixture(autouse=True)
