@@ -307,7 +307,6 @@ def test_the_next_run_reuses_the_saved_settings_and_a_changed_dataset_tunes_agai
         ({"num_workers": 4}, "AutoLoader chooses num_workers itself"),
         ({"pin_memory": True}, "AutoLoader chooses pin_memory itself"),
         ({"persistent_workers": True}, "persistent_workers"),
-        ({"multiprocessing_context": "spawn"}, "AutoLoader chooses num_workers itself"),
         ({"time_budget": -1}, "time_budget must be positive"),
         ({"path": "."}, "is a directory"),
     ],
