@@ -64,10 +64,14 @@ class Seen(pl.LightningModule):
         return self.made
 
 
-def _loader(**kwargs: Any) -> AutoLoader[Any]:
+LENGTH = 1024
+
+
+def _loader() -> AutoLoader[Any]:
+    """Items that wait 3 ms: worker processes pay, even on a busy machine."""
     return AutoLoader(
-        IndexedItems(length=64), batch_size=4, shuffle=True, time_budget=3, verbose=False,
-        **kwargs,
+        IndexedItems(length=LENGTH, latency=0.003), batch_size=4, shuffle=True, time_budget=4,
+        verbose=False,
     )  # fmt: skip
 
 
@@ -166,10 +170,12 @@ def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
             assert said["tuned"] and said["trials"] > 0 and said["same_history"], fit
             assert said["seen"], fit
             for epoch, items in said["seen"].items():
-                assert items == _distributed_order(64, rank, int(epoch)), (fit, epoch)
-        # The tuned loader's rebuild: no trial more, the chosen setting shown by both.
+                assert items == _distributed_order(LENGTH, rank, int(epoch)), (fit, epoch)
+        # The tuned loader's rebuild: no trial more, the chosen setting shown by both
+        # (and given back by Lightning as an argument).
         assert out["second"]["trials"] == out["first"]["trials"]
         chosen = out["chosen"]["num_workers"]
+        assert chosen > 0, "a latency-bound dataset wants workers"
         assert out["first"]["workers"] == out["second"]["workers"] == [chosen, chosen]
 
 
