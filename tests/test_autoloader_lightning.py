@@ -26,6 +26,9 @@ from lightning.pytorch.utilities.data import _update_dataloader  # noqa: E402
 from autoloader import AutoLoader, InvalidInputError  # noqa: E402
 from tests.test_lightning import ROOT, SlowItems  # noqa: E402
 
+LENGTH = 1024  # items to train on
+VALIDATION = 64  # items to validate on
+
 
 class IndexedItems(SlowItems):
     """SlowItems with each item's index, for the loop to say which it saw."""
@@ -64,7 +67,25 @@ class Seen(pl.LightningModule):
         return self.made
 
 
-LENGTH = 1024
+class Validated(Seen):
+    """Seen, validated each epoch by an AutoLoader made in its hook, which records the
+    items each epoch validates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validating: AutoLoader[Any] | None = None
+        self.validated: dict[int, list[int]] = {}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated.setdefault(self.current_epoch, []).extend(batch[2].tolist())
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        self.validating = AutoLoader(
+            IndexedItems(length=VALIDATION, latency=0), batch_size=4, time_budget=2,
+            verbose=False,
+        )  # fmt: skip
+        return self.validating
 
 
 def _loader() -> AutoLoader[Any]:
@@ -96,7 +117,9 @@ DDP_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import lightning.pytorch as pl
-    from tests.test_autoloader_lightning import Seen, StopWhenTuned, _loader, _trainer
+    from tests.test_autoloader_lightning import (
+        Seen, StopWhenTuned, Validated, _loader, _trainer,
+    )
 
     def fit(model, **kwargs):
         model.seen = {}
@@ -126,10 +149,17 @@ DDP_SCRIPT = textwrap.dedent(
     out["chosen"] = model.loader.result.params
     second = fit(model, max_epochs=2)
     out["second"] = said(model, second, model.loader)
-    # Made in the hook: Lightning rebuilds it from the arguments it recorded.
-    hooked = Seen()
+    # Made in the hooks: Lightning rebuilds them from the arguments it recorded.
+    hooked = Validated()
     third = fit(hooked, max_epochs=100, callbacks=[StopWhenTuned()])
     out["hook"] = said(hooked, third, hooked.made)
+    validating = third.val_dataloaders
+    out["validation"] = {
+        "seen": hooked.validated,
+        "sampler": type(validating.sampler).__name__,
+        "shared": validating is not hooked.validating
+        and validating.tuning is hooked.validating.tuning,
+    }
     out["rank"] = third.global_rank
     Path(sys.argv[1], f"rank{third.global_rank}.json").write_text(json.dumps(out))
     """
@@ -149,7 +179,8 @@ def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
 ) -> None:
     """Every rank's copy trains on its DistributedSampler's items, each once per epoch,
     in its order; one tuning per rank, the user's object reporting it: made outside a
-    hook and tuned (its num_workers the chosen one), or made in the hook."""
+    hook and tuned (its num_workers the chosen one), or made in the hook. The same for
+    a validation loader, made in its hook, each epoch validating each item once."""
     script = tmp_path / "ddp_rebuild.py"
     script.write_text(DDP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -171,6 +202,14 @@ def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
             assert said["seen"], fit
             for epoch, items in said["seen"].items():
                 assert items == _distributed_order(LENGTH, rank, int(epoch)), (fit, epoch)
+        validation = out["validation"]
+        assert validation["sampler"] == "DistributedSampler" and validation["shared"]
+        assert validation["seen"]
+        for epoch, items in validation["seen"].items():
+            expected = DistributedSampler(
+                range(VALIDATION), num_replicas=2, rank=rank, shuffle=False
+            )
+            assert items == list(expected), ("validation", epoch)
         # The tuned loader's rebuild: no trial more, the chosen setting shown by both
         # (and given back by Lightning as an argument).
         assert out["second"]["trials"] == out["first"]["trials"]
