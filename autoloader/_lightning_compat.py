@@ -279,10 +279,15 @@ def pass_on_to_rebuilds(loader: DataLoader[Any], **kwargs: Any) -> None:
     made in a ``*_dataloader`` hook: Lightning recorded the arguments it was made with
     (``_replace_dunder_methods`` keeps them in ``__pl_saved_kwargs``) and rebuilds it
     from them with its own sampler (``_update_dataloader``). A loader made elsewhere is
-    rebuilt from its public attributes, which need nothing of this."""
+    rebuilt from its public attributes, which need nothing of this. Only the arguments
+    its class's ``__init__`` takes are passed on: Lightning refuses to rebuild a
+    subclass that takes fewer with others."""
     saved = vars(loader).get("__pl_saved_kwargs")
-    if isinstance(saved, dict):
-        saved.update(kwargs)
+    if not isinstance(saved, dict):
+        return
+    parameters = inspect.signature(type(loader).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    saved.update({name: v for name, v in kwargs.items() if takes_any or name in parameters})
 
 
 @dataclass

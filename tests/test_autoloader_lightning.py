@@ -260,6 +260,41 @@ def test_predict_and_validate_load_through_the_users_autoloader() -> None:
     assert module.seen[0] == list(range(400))
 
 
+class FixedBatches(AutoLoader[Any]):
+    """A subclass of the user's whose ``__init__`` takes the arguments Lightning
+    rebuilds a loader with, but not all of AutoLoader's."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, drop_last=drop_last, time_budget=2, verbose=False,
+        )  # fmt: skip
+
+
+def test_a_subclass_that_takes_no_tuning_argument_is_rebuilt_as_lightning_can() -> None:
+    """Lightning rebuilds a subclass made in a hook from the arguments its ``__init__``
+    takes, and refuses others: the copy, given no ``tuning``, tunes on its own."""
+
+    class Hooked(Seen):
+        def predict_dataloader(self) -> DataLoader[Any]:
+            self.made = FixedBatches(IndexedItems(length=32), batch_size=8)
+            return self.made
+
+    module = Hooked()
+    trainer = _trainer(devices=1)
+    predicted = trainer.predict(module)
+    assert torch.cat(predicted).tolist() == list(range(32))
+    assert type(trainer.predict_dataloaders) is FixedBatches
+
+
 def test_every_argument_survives_a_rebuild() -> None:
     """Lightning's rebuild, from the attributes of an AutoLoader made outside a hook,
     gives each argument back, the workers' start method included."""
