@@ -347,9 +347,10 @@ class AutoLoader(DataLoader[_T_co]):
 
     def close(self) -> None:
         """Stop the workers now: those of an epoch left unfinished, and the chosen
-        setting's persistent ones (a later epoch starts new ones). An epoch the loop
-        dropped, the loader's garbage collection and the interpreter's exit stop them
-        too (``NOTE [ Nothing outlives the loop ]``)."""
+        setting's persistent ones, which its copies share (a later epoch starts new
+        ones; ``NOTE [ A rebuilt AutoLoader ]``). An epoch the loop dropped, the
+        loader's garbage collection and the interpreter's exit stop them too
+        (``NOTE [ Nothing outlives the loop ]``)."""
         if self.tuning is None:
             # As DataLoader's own: its persistent workers, where it keeps them.
             shutdown = getattr(self._iterator, "_shutdown_workers", None)

@@ -118,7 +118,8 @@ class LoopTuning:
     :meth:`start_trial` at each trial's first batch, :meth:`trial_ended` at its end.
 
     Args:
-        owner: the AutoLoader, held weakly (``NOTE [ Nothing outlives the loop ]``).
+        owner: the AutoLoader, held weakly (``NOTE [ Nothing outlives the loop ]``); its
+            copies load through the same tuning (``NOTE [ A rebuilt AutoLoader ]``).
         problem: its arguments, checked.
         problem_of: the problem again, as one rank of a torchrun job.
         threads: the process's torch threads before tuning set them.
