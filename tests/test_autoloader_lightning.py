@@ -6,6 +6,7 @@ survives the rebuild."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -222,42 +223,45 @@ def test_predict_and_validate_load_through_the_users_autoloader() -> None:
     """Lightning rebuilds a loader to predict with its index-recording batch sampler:
     the copy tunes, through the tuning of the loader the user gave, and predicts every
     item once, in order, the indices recorded."""
-    loader = AutoLoader(
-        IndexedItems(length=400, latency=0.003), batch_size=8, time_budget=2, verbose=False
-    )
-    trainer = _trainer(devices=1)
-    predicted = trainer.predict(Seen(), dataloaders=loader)
-    copy = trainer.predict_dataloaders
-    assert copy is not loader and copy.tuning is loader.tuning and copy.untuned is None
-    assert torch.cat(predicted).tolist() == list(range(400))
-    recorded = copy.batch_sampler.seen_batch_indices
-    assert [i for batch in recorded for i in batch] == list(range(400))
-    assert loader.history and loader.history == copy.history
+    with contextlib.ExitStack() as closing:  # the persistent workers a tuning keeps
+        loader = AutoLoader(
+            IndexedItems(length=400, latency=0.003), batch_size=8, time_budget=2, verbose=False
+        )
+        closing.callback(loader.close)
+        trainer = _trainer(devices=1)
+        predicted = trainer.predict(Seen(), dataloaders=loader)
+        copy = trainer.predict_dataloaders
+        assert copy is not loader and copy.tuning is loader.tuning and copy.untuned is None
+        assert torch.cat(predicted).tolist() == list(range(400))
+        recorded = copy.batch_sampler.seen_batch_indices
+        assert [i for batch in recorded for i in batch] == list(range(400))
+        assert loader.history and loader.history == copy.history
 
-    # Made in the hook: rebuilt from the arguments Lightning recorded, tuning included.
-    class Hooked(Seen):
-        def predict_dataloader(self) -> DataLoader[Any]:
-            self.made = AutoLoader(
-                IndexedItems(length=64), batch_size=8, time_budget=2, verbose=False
-            )
-            return self.made
+        # Made in the hook: rebuilt from the arguments Lightning recorded, tuning included.
+        class Hooked(Seen):
+            def predict_dataloader(self) -> DataLoader[Any]:
+                self.made = AutoLoader(
+                    IndexedItems(length=64), batch_size=8, time_budget=2, verbose=False
+                )
+                closing.callback(self.made.close)
+                return self.made
 
-    module = Hooked()
-    trainer = _trainer(devices=1)
-    predicted = trainer.predict(module)
-    assert torch.cat(predicted).tolist() == list(range(64))
-    copy = trainer.predict_dataloaders
-    assert module.made is not None and copy is not module.made
-    assert copy.tuning is module.made.tuning and copy.tuning.stage.name != "WAITING"
+        module = Hooked()
+        trainer = _trainer(devices=1)
+        predicted = trainer.predict(module)
+        assert torch.cat(predicted).tolist() == list(range(64))
+        copy = trainer.predict_dataloaders
+        assert module.made is not None and copy is not module.made
+        assert copy.tuning is module.made.tuning and copy.tuning.stage.name != "WAITING"
 
-    # Validation in one process is not rebuilt: the user's loader itself.
-    class Validating(Seen):
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            self.seen.setdefault(0, []).extend(batch[2].tolist())
+        # Validation in one process is not rebuilt: the user's loader itself.
+        class Validating(Seen):
+            def validation_step(self, batch: Any, batch_idx: int) -> None:
+                self.seen.setdefault(0, []).extend(batch[2].tolist())
 
-    module = Validating()
-    _trainer(devices=1).validate(module, dataloaders=loader)
-    assert module.seen[0] == list(range(400))
+        validating = Validating()
+        _trainer(devices=1).validate(validating, dataloaders=loader)
+        assert validating.seen[0] == list(range(400))
 
 
 class FixedBatches(AutoLoader[Any]):
