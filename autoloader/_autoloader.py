@@ -522,30 +522,32 @@ def _pass_on_to_rebuilds(loader: AutoLoader[Any], tuning: LoopTuning) -> None:
 
 # NOTE [ A rebuilt AutoLoader ]
 # Lightning (and Fabric) rebuild a DataLoader subclass to put in a sampler of their own:
-# a DistributedSampler in every distributed fit (for training and validation), and, to
-# predict, a batch sampler that records the indices it hands out. They call the class
-# again, ``type(loader)(**arguments)``, with the arguments Lightning recorded where the
-# loader was made in a ``*_dataloader`` hook, else with its public attributes named as
+# a DistributedSampler in a distributed fit (training and validation), and, to predict,
+# a batch sampler that records the indices it hands out. They call the class again,
+# ``type(loader)(**arguments)``, with the arguments Lightning recorded where the loader
+# was made in a ``*_dataloader`` hook, else with its public attributes named as
 # ``__init__``'s parameters; the user keeps the original, the loop gets the copy. A
 # fresh AutoLoader would tune again from nothing while the user's object says "0
 # trials", and an attribute showing the tuned setting (``num_workers=2``) would be
 # refused as an argument AutoLoader chooses itself. So an AutoLoader passes on its
-# tuning (the LoopTuning: one search, its result, its kept workers): as its attribute
-# ``tuning``, and added to the arguments Lightning recorded (``_lightning_compat.py``).
-# The copy, given ``tuning=``, loads through it: one search per process (under DDP,
-# each rank's copy through its rank's tuning, the ranks searching together as under
-# torchrun), whichever of original and copy the loop iterates (the epoch's, its sampler's
-# order and length: a rank's share), and seen alike from both (``result``, ``history``,
-# ``report()``, the chosen ``num_workers``). A copy takes the tuned arguments its
-# original shows and refuses others; its batch_sampler, where its batches are the size
-# the tuning measures (Lightning's predict wrapper around the original's), is tuned
-# like a sampler. The workers' ``multiprocessing_context`` is an attribute too:
-# AutoLoader takes it without workers (DataLoader refuses it with ``num_workers=0``,
-# where nothing would use it), for every setting with worker processes: a start method
-# is the one option a loader of the user's cannot be converted without (the process's
-# own start method is the alternative, and changes it for all else the process starts).
-# PyTorch's conformance test of DataLoader's own refusal is the one it fails, by design.
-# The kept loader's persistent workers stop when the last of original and copies goes.
+# tuning (the LoopTuning: one search, its result, its kept workers) as its attribute
+# ``tuning`` and, where its class takes that argument, in the arguments Lightning
+# recorded (``_lightning_compat.py``). The copy, given ``tuning=``, loads through it:
+# one search per process (under DDP each rank's copy through its rank's tuning, the
+# ranks searching together as under torchrun), seen alike from original and copy
+# (``result``, ``history``, ``report()``, the chosen ``num_workers``). The epoch is
+# the iterated loader's (its sampler's order and length: a rank's share), the problem
+# planned for it at the first batch. A copy takes the tuned arguments its original
+# shows and refuses others; its batch_sampler, where its batches are the size the
+# tuning measures (Lightning's predict wrapper around the original's), is tuned as a
+# sampler's batches are. The kept loader's persistent workers stop when the last of
+# original and copies goes.
+# The workers' ``multiprocessing_context`` is read back as an attribute too. AutoLoader
+# takes it without workers, where DataLoader refuses it with ``num_workers=0`` because
+# nothing would use it: AutoLoader chooses the workers, and a start method is the one
+# option a loader of the user's cannot be converted without (the process's own start
+# method, the alternative, changes it for all else the process starts). PyTorch's
+# conformance test of DataLoader's refusal is the one it fails, by design.
 
 # NOTE [ Nothing outlives the loop ]
 # A trial holds a thread (the memory watch), the SIGCHLD and SIGALRM handlers, and its
