@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import multiprocessing.context
 import os
 import sys
 import weakref
@@ -58,7 +59,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from autoloader._exceptions import InvalidInputError
 from autoloader._loader_state import Draws, between_epochs, checked, in_epoch, position_of
-from autoloader._loop_tuning import LoopTuning
+from autoloader._loop_tuning import LoopTuning, shown_setting
 from autoloader._problem import TuneArguments, check_arguments
 from autoloader.checks import world
 from autoloader.loader import DATALOADER_DEFAULTS, EpochBatches, Params, changed_options
@@ -110,10 +111,11 @@ class AutoLoader(DataLoader[_T_co]):
         dataset, batch_size, shuffle, sampler, collate_fn, drop_last, timeout,
             worker_init_fn, generator, pin_memory_device: as DataLoader's, kept in
             every setting.
-        multiprocessing_context: as DataLoader's, which takes it with workers only:
-            AutoLoader chooses them, so it takes none (set the process's start method,
-            ``torch.multiprocessing.set_start_method``, instead); passed through to a
-            loader it does not tune.
+        multiprocessing_context: the start method of the workers of every setting with
+            worker processes, as DataLoader's (threads are then not searched). As
+            DataLoader takes it with workers only, AutoLoader takes it with a
+            ``search_space`` of ``num_workers`` from 1 (``NOTE [ A rebuilt
+            AutoLoader ]``). Given at construction only.
         path (str or path, optional): a JSON file that keeps the tuned settings. A run
             that finds there the result of the same problem (dataset type and length,
             batch size, search space, loader options, device, the training script) on
@@ -129,17 +131,23 @@ class AutoLoader(DataLoader[_T_co]):
         verbose (bool, optional): print one line to stderr when tuning ends, with what
             it chose. It is logged (``autoloader`` logger, INFO) either way.
             (default: ``True``)
+        tuning (optional): another AutoLoader's :attr:`tuning`: this one is a copy of it
+            that loads through the same tuning, one search whose result both show, as
+            Lightning's rebuilds of an AutoLoader with a sampler of its own are (its
+            other AutoLoader arguments are the original's). (default: ``None``)
 
     Attributes:
         result (TuneResult or None): the tuned settings, every trial and the notes, once
             tuning ended (or was read from ``path``); ``None`` where it does not tune.
         untuned (str or None): why it loads as the DataLoader of its arguments without
             tuning, ``None`` where it tunes.
+        tuning: its search, shared with its copies (``NOTE [ A rebuilt AutoLoader ]``);
+            ``None`` where it does not tune.
 
     Raises:
-        InvalidInputError: before any work, for an argument that is wrong, a tuned
-            argument given (``num_workers=4``: pass a search space instead) or a
-            ``multiprocessing_context``, where it tunes.
+        InvalidInputError: before any work, for an argument that is wrong, or a tuned
+            argument given (``num_workers=4``: pass a search space instead) where it
+            tunes, but for a copy's, its original's.
         ValueError, TypeError: DataLoader's own, for arguments DataLoader refuses.
     """
 
@@ -171,6 +179,7 @@ class AutoLoader(DataLoader[_T_co]):
         device: str | torch.device | None = None,
         seed: int = 0,
         verbose: bool = True,
+        tuning: LoopTuning | None = None,
     ) -> None:
         options = {
             "shuffle": shuffle,
@@ -189,7 +198,11 @@ class AutoLoader(DataLoader[_T_co]):
             "pin_memory_device": pin_memory_device,
             "in_order": in_order,
         }
-        self.untuned = _untuned_because(dataset, batch_size, options)
+        self.tuning: LoopTuning | None = None
+        self._context: Any = None
+        # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
+        self._epoch: weakref.ref[_Epoch] | None = None
+        self.untuned = _untuned_because(dataset, batch_size, options, tuning)
         self.verbose = verbose
         # NOTE [ An AutoLoader's state ]: a state loaded for the next iter(), and, for a
         # loader passed through, the iterator of the epoch under way (the loop holds it).
@@ -206,19 +219,28 @@ class AutoLoader(DataLoader[_T_co]):
             self.seed = seed
             self._pass_through(dataset, batch_size, options)
             return
+        self.n_trials = n_trials
+        self.memory_budget = memory_budget
+        self.search_space = search_space
+        self.device = device
+        self.seed = seed
+        if tuning is not None:
+            self._copy(tuning, dataset, batch_size, options)
+            return
         checked_batch_size = _checked_batch_size(batch_size, options)
         # DataLoader's own checks first, in its words. Without workers: each setting's
-        # loader has its own.
-        kept = {name: value for name, value in options.items() if name not in _TUNED_ARGUMENTS}
-        super().__init__(dataset, batch_size=checked_batch_size, **kept)
+        # loader has its own (the multiprocessing_context theirs).
+        super().__init__(dataset, batch_size=checked_batch_size, **_kept(options))
+        context = _checked_context(multiprocessing_context)
         arguments = TuneArguments(
             batch_size=checked_batch_size,
             time_budget=time_budget,
             n_trials=n_trials,
             memory_budget=memory_budget,
             search_space=search_space,
-            # The tuned options, multiprocessing_context, batch_sampler and in_order are
-            # DataLoader's defaults (checked): those that differ are kept in every setting.
+            # The tuned options, batch_sampler and in_order are DataLoader's defaults
+            # (checked): those that differ, multiprocessing_context included, are kept
+            # in every setting (the context in those with worker processes).
             loader_kwargs=changed_options(options),
             device=device,
             seed=seed,
@@ -231,11 +253,6 @@ class AutoLoader(DataLoader[_T_co]):
         problem = check_arguments(None, dataset, step, arguments, check_pickling=False)
         self.path = problem.path
         self.time_budget = problem.budget
-        self.n_trials = n_trials
-        self.memory_budget = memory_budget
-        self.search_space = search_space
-        self.device = device
-        self.seed = seed
         # Under torchrun, checked again as one rank of the job once the ranks have joined.
         problem_of = functools.partial(
             check_arguments,
@@ -244,20 +261,45 @@ class AutoLoader(DataLoader[_T_co]):
             arguments=arguments,
             check_pickling=False,
         )
-        tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
+        if context is not None and not _workers_only(problem.space):
+            raise ValueError(
+                "multiprocessing_context can only be used with multi-process loading "
+                "(num_workers > 0), but got num_workers=0 among the settings AutoLoader may "
+                "choose. Pass search_space={'num_workers': (1, ...)} to search worker "
+                "processes only, started with this context, or drop it and set the "
+                "process's start method: torch.multiprocessing.set_start_method(...)."
+            )
+        self._context = context
         self._problem_key = problem.key()  # what a state loaded must be of
-        self._tuning: LoopTuning | None = tuning
-        # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
-        self._epoch: weakref.ref[_Epoch] | None = None
-        weakref.finalize(self, tuning.release)
+        self.tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
+        weakref.finalize(self, self.tuning.gone)
+        _pass_on_to_rebuilds(self, self.tuning)
+
+    def _copy(
+        self,
+        tuning: LoopTuning,
+        dataset: Dataset[_T_co],
+        batch_size: int | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        """Be a copy of the AutoLoader of ``tuning``, loading through it
+        (``NOTE [ A rebuilt AutoLoader ]``)."""
+        _check_copied_settings(tuning, options)
+        super().__init__(dataset, batch_size=batch_size, **_kept(options))
+        self._context = _checked_context(options["multiprocessing_context"])
+        self.path = tuning.problem.path
+        self._problem_key = tuning.problem.key()
+        self.time_budget = tuning.problem.budget
+        self.tuning = tuning
+        tuning.share(self)
+        weakref.finalize(self, tuning.gone)
+        _pass_on_to_rebuilds(self, tuning)
 
     def _pass_through(
         self, dataset: Dataset[_T_co], batch_size: int | None, options: Mapping[str, Any]
     ) -> None:
         """Be the DataLoader of these arguments, untuned, and say why once."""
         super().__init__(dataset, batch_size, **options)
-        self._tuning = None
-        self._epoch = None
         line = f"AutoLoader: not tuning, {self.untuned}; it loads as DataLoader would"
         _logger.warning("%s", line)
         if self.verbose and world()[0] == 0:
@@ -265,7 +307,7 @@ class AutoLoader(DataLoader[_T_co]):
 
     @property
     def result(self) -> TuneResult | None:
-        return None if self._tuning is None else self._tuning.result
+        return None if self.tuning is None else self.tuning.result
 
     @property
     def tuned(self) -> bool:
@@ -276,11 +318,11 @@ class AutoLoader(DataLoader[_T_co]):
     @property
     def history(self) -> list[TrialRecord]:
         """Every trial so far, as :attr:`TuneResult.trials` records them."""
-        if self._tuning is None:
+        if self.tuning is None:
             return []
-        if self._tuning.result is not None:
-            return list(self._tuning.result.trials)
-        return [record_of(trial) for trial in self._tuning.history]
+        if self.tuning.result is not None:
+            return list(self.tuning.result.trials)
+        return [record_of(trial) for trial in self.tuning.history]
 
     @property
     def setting(self) -> Params | None:
@@ -293,31 +335,53 @@ class AutoLoader(DataLoader[_T_co]):
     @property
     def failures(self) -> list[str]:
         """What went wrong in a setting and was kept from the loop, in order."""
-        return [] if self._tuning is None else list(self._tuning.failures)
+        return [] if self.tuning is None else list(self.tuning.failures)
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        """As DataLoader's: the start method of the workers (a context). Where it tunes,
+        that of every setting with worker processes, which AutoLoader takes at
+        construction only (``NOTE [ A rebuilt AutoLoader ]``)."""
+        if self.tuning is None:
+            return super().multiprocessing_context
+        return self._context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, context: Any) -> None:
+        if self.tuning is None:  # DataLoader's own, as its __init__ sets it
+            DataLoader.multiprocessing_context.fset(self, context)  # type: ignore[attr-defined]
+            return
+        if context is not self._context:
+            raise InvalidInputError(
+                "AutoLoader takes its multiprocessing_context at construction: its "
+                "settings are searched with it. Make a new AutoLoader with "
+                f"multiprocessing_context={context!r}."
+            )
 
     def report(self) -> str:
         """The tuning run's report (:func:`autoloader.report`), or where it stands."""
-        if self._tuning is None:
+        if self.tuning is None:
             return f"AutoLoader: not tuned, {self.untuned}: it loads as DataLoader would."
-        if self._tuning.result is not None:
-            return report(self._tuning.result)
+        if self.tuning.result is not None:
+            return report(self.tuning.result)
         return (
             f"AutoLoader: tuning, {len(self.history)} trials so far; the report comes once it ends."
         )
 
     def close(self) -> None:
         """Stop the workers now: those of an epoch left unfinished, and the chosen
-        setting's persistent ones (a later epoch starts new ones). An epoch the loop
-        dropped, the loader's garbage collection and the interpreter's exit stop them
-        too (``NOTE [ Nothing outlives the loop ]``)."""
-        if self._tuning is None:
+        setting's persistent ones, which its copies share (a later epoch starts new
+        ones; ``NOTE [ A rebuilt AutoLoader ]``). An epoch the loop dropped, the
+        loader's garbage collection and the interpreter's exit stop them too
+        (``NOTE [ Nothing outlives the loop ]``)."""
+        if self.tuning is None:
             # As DataLoader's own: its persistent workers, where it keeps them.
             shutdown = getattr(self._iterator, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
             self._iterator = None
             return
-        tuning = self._tuning
+        tuning = self.tuning
         epoch, self._epoch = self._current_epoch(), None
         with contextlib.ExitStack() as stack:
             stack.callback(tuning.release)
@@ -337,7 +401,7 @@ class AutoLoader(DataLoader[_T_co]):
         """
         if self._resume is not None:  # loaded, for the next epoch
             return dict(self._resume)
-        if self._tuning is None:
+        if self.tuning is None:
             state = self._passed_state()
         else:
             epoch = self._current_epoch()
@@ -347,7 +411,7 @@ class AutoLoader(DataLoader[_T_co]):
                 else in_epoch(epoch.draws, epoch.batches.done)
             )
             state["_problem"] = self._problem_key
-            state["_tuning"] = self._tuning.state()
+            state["_tuning"] = self.tuning.state()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -363,10 +427,10 @@ class AutoLoader(DataLoader[_T_co]):
         """
         if not state_dict:
             return
-        state = checked(state_dict, None if self._tuning is None else self._problem_key)
+        state = checked(state_dict, None if self.tuning is None else self._problem_key)
         tuning = state.get("_tuning")
-        if self._tuning is not None and tuning is not None:
-            self._tuning.resume(tuning)
+        if self.tuning is not None and tuning is not None:
+            self.tuning.resume(tuning)
         self._resume = state
 
     def _passed_state(self) -> dict[str, Any]:
@@ -394,7 +458,7 @@ class AutoLoader(DataLoader[_T_co]):
         return draws, skip, draws.replayed(self)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        if self._tuning is None:
+        if self.tuning is None:
             draws, skip, drawing = self._draws()
             with drawing:
                 iterator = super().__iter__()
@@ -403,7 +467,8 @@ class AutoLoader(DataLoader[_T_co]):
                         break
             self._passed = (weakref.ref(iterator), draws)
             return iterator
-        tuning = self._tuning
+        tuning = self.tuning
+        tuning.loads(self)
         tuning.settle()
         previous = self._current_epoch()
         if previous is not None:
@@ -428,7 +493,7 @@ class AutoLoader(DataLoader[_T_co]):
     # AutoLoader answers with the refusal, which reaches the user's prepare() call.
     @property
     def _is_accelerate_prepared(self) -> bool:
-        if self._tuning is None:
+        if self.tuning is None:
             # Untuned, it is DataLoader: accelerate rebuilds it as it rebuilds one.
             raise AttributeError("_is_accelerate_prepared")
         raise InvalidInputError(
@@ -446,7 +511,7 @@ class AutoLoader(DataLoader[_T_co]):
         """Load ``batch_sampler``'s batches from the next epoch on: accelerate's share
         of this loader's batches for this process (``NOTE [ AutoLoader under
         accelerate ]``)."""
-        assert self._tuning is not None, "an untuned AutoLoader is accelerate's to rebuild"
+        assert self.tuning is not None, "an untuned AutoLoader is accelerate's to rebuild"
         # DataLoader refuses a new batch_sampler once built, which its iterator (kept
         # with persistent workers) would not see; a tuning AutoLoader draws each epoch's
         # batches afresh from its batch_sampler (__iter__), and never uses that iterator.
@@ -465,20 +530,25 @@ def _length(sampler: object) -> int | None:
 
 
 def _untuned_because(
-    dataset: object, batch_size: int | None, options: Mapping[str, Any]
+    dataset: object, batch_size: int | None, options: Mapping[str, Any], tuning: LoopTuning | None
 ) -> str | None:
     """Why AutoLoader cannot tune these arguments (``options``: its other DataLoader
-    arguments after ``dataset`` and ``batch_size``, by name), or ``None`` where it can.
-    Each setting takes turns at the epoch's batches of indices, in the sampler's order
-    (``NOTE [ Every batch once ]``)."""
+    arguments after ``dataset`` and ``batch_size``, by name; ``tuning``: that of the
+    AutoLoader this one copies), or ``None`` where it can. Each setting takes turns at
+    the epoch's batches of indices, in the sampler's order (``NOTE [ Every batch once ]``):
+    a copy's batch_sampler too, where its batches are the size its tuning measures
+    (``NOTE [ A rebuilt AutoLoader ]``)."""
     if isinstance(dataset, IterableDataset):
         return (
             "an IterableDataset has no batches of indices for the settings to take turns "
             "at (autoloader.tune() and result.make_loader() tune one)"
         )
-    if options["batch_sampler"] is not None:
-        return "it takes batch_size and a per-item sampler, not a batch_sampler"
-    if batch_size is None:
+    batch_sampler = options["batch_sampler"]
+    if batch_sampler is not None:
+        measured = None if tuning is None else tuning.problem.batch_size
+        if measured is None or getattr(batch_sampler, "batch_size", None) != measured:
+            return "it takes batch_size and a per-item sampler, not a batch_sampler"
+    elif batch_size is None:
         return "it times the loop in batches, and batch_size=None loads items one at a time"
     if options["in_order"] is not True:
         return (
@@ -493,7 +563,7 @@ def _checked_batch_size(batch_size: int | None, options: Mapping[str, Any]) -> i
     other DataLoader arguments after ``dataset``, by name).
 
     Raises:
-        InvalidInputError: for what AutoLoader does not take where it tunes.
+        InvalidInputError: for a tuned argument given.
     """
     for name in _TUNED_ARGUMENTS:
         value = options[name]
@@ -503,18 +573,132 @@ def _checked_batch_size(batch_size: int | None, options: Mapping[str, Any]) -> i
                 f"search only some values pass search_space={{{name!r}: ...}}, or use a "
                 "DataLoader with your own setting."
             )
-    if options["multiprocessing_context"] is not None:
-        # DataLoader's own words: AutoLoader is built with num_workers=0 (it chooses them).
-        raise InvalidInputError(
-            "multiprocessing_context can only be used with multi-process loading "
-            "(num_workers > 0), but got num_workers=0: AutoLoader chooses num_workers "
-            "itself, so it takes no multiprocessing_context. To start its workers with "
-            "another method, set the process's: "
-            "torch.multiprocessing.set_start_method('spawn')."
-        )
     assert batch_size is not None, "batch_size=None is passed through"
     return batch_size
 
+
+def _kept(options: Mapping[str, Any]) -> dict[str, Any]:
+    """What of ``options`` AutoLoader gives DataLoader's own ``__init__``, which it calls
+    without workers: all but the tuned arguments and the workers' start method."""
+    return {
+        name: value
+        for name, value in options.items()
+        if name not in _TUNED_ARGUMENTS and name != "multiprocessing_context"
+    }
+
+
+def _checked_context(context: Any) -> Any:
+    """``multiprocessing_context`` as DataLoader checks and keeps it with workers (a start
+    method's name becomes its context): AutoLoader takes it without them, for the
+    settings with worker processes (``NOTE [ A rebuilt AutoLoader ]`` says why).
+
+    Raises:
+        ValueError, TypeError: DataLoader's own, for a context DataLoader refuses.
+    """
+    if context is None:
+        return None
+    if isinstance(context, str):
+        methods = torch.multiprocessing.get_all_start_methods()
+        if context not in methods:
+            raise ValueError(
+                "multiprocessing_context option should specify a valid start method in "
+                f"{methods!r}, but got multiprocessing_context={context!r}"
+            )
+        return torch.multiprocessing.get_context(context)
+    if not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context!r}"
+        )
+    return context
+
+
+def _workers_only(space: SearchSpace) -> bool:
+    """Whether every setting ``space`` lets AutoLoader choose loads with workers: only
+    then does a ``multiprocessing_context`` have a use, as DataLoader asks of it."""
+    workers = space.num_workers
+    low = workers[0] if isinstance(workers, tuple) else workers
+    return low is not None and low > 0
+
+
+def _check_copied_settings(tuning: LoopTuning, options: Mapping[str, Any]) -> None:
+    """A copy of an AutoLoader (``NOTE [ A rebuilt AutoLoader ]``) is given the tuned
+    arguments its original shows (DataLoader's defaults, or once tuned the chosen
+    setting's, which the copy shows too) and its original's start method, if any.
+
+    Raises:
+        InvalidInputError: for another value.
+    """
+    shown = {} if tuning.chosen is None else shown_setting(tuning.chosen)
+    for name in _TUNED_ARGUMENTS:
+        value, default = options[name], DATALOADER_DEFAULTS[name]
+        if value == default or (name in shown and value == shown[name]):
+            continue
+        raise InvalidInputError(
+            f"AutoLoader chooses {name} itself, but got {name}={value!r} for a copy of an "
+            f"AutoLoader (tuning=...), whose tuning chose {shown.get(name, default)!r}. "
+            f"Leave {name} out: the copy takes its original's setting."
+        )
+    context = options["multiprocessing_context"]
+    original = tuning.problem.fixed.get("multiprocessing_context")
+    if context is not None and _start_method(context) != _start_method(original):
+        raise InvalidInputError(
+            f"a copy of an AutoLoader (tuning=...) starts workers as its original does "
+            f"({_start_method(original) or 'the default start method'}), but got "
+            f"multiprocessing_context={context!r}. Leave it out, or make a new AutoLoader."
+        )
+
+
+def _start_method(context: Any) -> str | None:
+    """The start method of a ``multiprocessing_context`` as DataLoader takes it."""
+    if context is None or isinstance(context, str):
+        return context
+    return str(context.get_start_method())
+
+
+def _pass_on_to_rebuilds(loader: AutoLoader[Any], tuning: LoopTuning) -> None:
+    """Make Lightning's rebuild of ``loader``, where Lightning recorded its arguments to
+    rebuild it from (it was made in a ``*_dataloader`` hook), a copy that shares
+    ``tuning`` (``NOTE [ A rebuilt AutoLoader ]``). Elsewhere it is rebuilt from the
+    loader's attributes, ``loader.tuning`` among them."""
+    if "lightning" not in sys.modules:
+        return  # nothing recorded its arguments
+    try:
+        from autoloader._lightning_compat import pass_on_to_rebuilds
+    except ImportError:  # a Lightning autoloader.lightning does not support
+        return
+    pass_on_to_rebuilds(loader, tuning=tuning)
+
+
+# NOTE [ A rebuilt AutoLoader ]
+# Lightning (and Fabric) rebuild a DataLoader subclass to put in a sampler of their own:
+# a DistributedSampler in a distributed fit (training and validation), and, to predict,
+# a batch sampler that records the indices it hands out. They call the class again,
+# ``type(loader)(**arguments)``, with the arguments Lightning recorded where the loader
+# was made in a ``*_dataloader`` hook, else with its public attributes named as
+# ``__init__``'s parameters; the user keeps the original, the loop gets the copy. A
+# fresh AutoLoader would tune again from nothing while the user's object says "0
+# trials", and an attribute showing the tuned setting (``num_workers=2``) would be
+# refused as an argument AutoLoader chooses itself. So an AutoLoader passes on its
+# tuning (the LoopTuning: one search, its result, its kept workers) as its attribute
+# ``tuning`` and, where its class takes that argument, in the arguments Lightning
+# recorded (``_lightning_compat.py``). The copy, given ``tuning=``, loads through it:
+# one search per process (under DDP each rank's copy through its rank's tuning, the
+# ranks searching together as under torchrun), seen alike from original and copy
+# (``result``, ``history``, ``report()``, the chosen ``num_workers``). The epoch is
+# the iterated loader's (its sampler's order and length: a rank's share), the problem
+# planned for it at the first batch. A copy takes the tuned arguments its original
+# shows and refuses others; its batch_sampler, where its batches are the size the
+# tuning measures (Lightning's predict wrapper around the original's), is tuned as a
+# sampler's batches are. The kept loader's persistent workers stop when the last of
+# original and copies goes.
+# The workers' ``multiprocessing_context`` is read back as an attribute too, and kept.
+# DataLoader takes one with workers only, where something uses it; AutoLoader, which
+# chooses the workers, takes one where every setting it may choose has worker
+# processes (a search space of ``num_workers`` from 1): a start method is the one option
+# a loader of the user's cannot be converted without (the process's own start method,
+# the alternative, changes it for all else the process starts), and DataLoader's
+# refusal of one that nothing would use holds (PyTorch's conformance test of it passes).
 
 # NOTE [ Nothing outlives the loop ]
 # A trial holds a thread (the memory watch), the SIGCHLD and SIGALRM handlers, and its

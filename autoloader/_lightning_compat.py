@@ -274,6 +274,22 @@ def load_metric_state(
     metric._computed = computed
 
 
+def pass_on_to_rebuilds(loader: DataLoader[Any], **kwargs: Any) -> None:
+    """Make Lightning's rebuilds of ``loader`` pass ``kwargs`` too, where ``loader`` was
+    made in a ``*_dataloader`` hook: Lightning recorded the arguments it was made with
+    (``_replace_dunder_methods`` keeps them in ``__pl_saved_kwargs``) and rebuilds it
+    from them with its own sampler (``_update_dataloader``). A loader made elsewhere is
+    rebuilt from its public attributes, which need nothing of this. Only the arguments
+    its class's ``__init__`` takes are passed on: Lightning refuses to rebuild a
+    subclass that takes fewer with others."""
+    saved = vars(loader).get("__pl_saved_kwargs")
+    if not isinstance(saved, dict):
+        return
+    parameters = inspect.signature(type(loader).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    saved.update({name: v for name, v in kwargs.items() if takes_any or name in parameters})
+
+
 @dataclass
 class _BuiltSource(_DataLoaderSource):
     """A data source whose loader is built from another source's (see

@@ -129,7 +129,8 @@ class LoopTuning:
     :meth:`start_trial` at each trial's first batch, :meth:`trial_ended` at its end.
 
     Args:
-        owner: the AutoLoader, held weakly (``NOTE [ Nothing outlives the loop ]``).
+        owner: the AutoLoader, held weakly (``NOTE [ Nothing outlives the loop ]``); its
+            copies load through the same tuning (``NOTE [ A rebuilt AutoLoader ]``).
         problem: its arguments, checked.
         problem_of: the problem again, as one rank of a torchrun job.
         threads: the process's torch threads before tuning set them.
@@ -144,6 +145,11 @@ class LoopTuning:
         threads: int,
     ) -> None:
         self._owner = weakref.ref(owner)
+        # Every AutoLoader that loads through this tuning: its own and its copies
+        # (NOTE [ A rebuilt AutoLoader ]), told the chosen setting; the count of those
+        # alive, the kept loader's workers stopped once none is.
+        self._views: weakref.WeakSet[Any] = weakref.WeakSet([owner])
+        self._alive = 1
         self.problem = problem
         self.problem_of = problem_of
         self.threads = threads
@@ -168,10 +174,34 @@ class LoopTuning:
 
     @property
     def owner(self) -> _Loader:
-        """The AutoLoader: alive while the loop uses it, through its epoch."""
+        """The AutoLoader whose epoch the loop iterates (alive while the loop uses it,
+        through its epoch), or, once it is gone, another that loads through this tuning."""
         owner = self._owner()
+        if owner is None:
+            owner = next(iter(self._views), None)
         assert owner is not None, "an AutoLoader's search outlived it"
         return owner
+
+    def loads(self, owner: _Loader) -> None:
+        """``owner``'s epoch starts: it is the loader whose batches the trials load (its
+        length, its sampler's order)."""
+        self._owner = weakref.ref(owner)
+
+    def share(self, copy: _Loader) -> None:
+        """``copy``, a copy of this tuning's AutoLoader (``NOTE [ A rebuilt AutoLoader ]``),
+        loads through it from here on: the loader the loop iterates next."""
+        self._views.add(copy)
+        self._alive += 1
+        self.loads(copy)
+        if self.chosen is not None:
+            _show_setting(copy, self.chosen)
+
+    def gone(self) -> None:
+        """An AutoLoader of this tuning was collected: the last one stops the kept
+        loader's persistent workers (``NOTE [ Nothing outlives the loop ]``)."""
+        self._alive -= 1
+        if self._alive == 0:
+            self.release()
 
     @property
     def history(self) -> list[Trial]:
@@ -231,7 +261,10 @@ class LoopTuning:
         if ranks is not None:
             # The machine as this rank's job sees it, and the same problem on every rank.
             self.problem = agree(ranks, self.problem_of(ranks))
-        problem = self.problem = _workers_only_where_picklable(self.problem)
+        problem = _workers_only_where_picklable(self.problem)
+        # The epoch the loop iterates: a copy's (NOTE [ A rebuilt AutoLoader ]) may be a
+        # rank's share of its original's.
+        problem = self.problem = dataclasses.replace(problem, batches_per_epoch=self.epoch_length())
         # A search resumed goes on: a result saved since is not this run's.
         found = reused(problem, ranks) if resumed is None else None
         if found is not None:
@@ -561,10 +594,9 @@ class LoopTuning:
         threads = result.params.get("step_threads")
         if threads is not None:
             torch.set_num_threads(int(threads))
+        for view in list(self._views):
+            _show_setting(view, self.chosen)
         owner = self.owner
-        owner.num_workers = int(self.chosen["num_workers"])
-        owner.prefetch_factor = self.chosen["prefetch_factor"]
-        owner.pin_memory = bool(self.chosen["pin_memory"])
         if chosen is not None:
             line = (
                 f"AutoLoader: resuming with {describe_params(self.chosen)}, tuned before the "
@@ -587,6 +619,21 @@ class LoopTuning:
         _logger.info("%s", line)
         if owner.verbose and world()[0] == 0:
             print(line, file=sys.stderr, flush=True)
+
+
+def shown_setting(chosen: Params) -> dict[str, Any]:
+    """The DataLoader attributes an AutoLoader shows for the ``chosen`` setting."""
+    return {
+        "num_workers": int(chosen["num_workers"]),
+        "prefetch_factor": chosen["prefetch_factor"],
+        "pin_memory": bool(chosen["pin_memory"]),
+    }
+
+
+def _show_setting(loader: _Loader, chosen: Params) -> None:
+    """Set ``loader``'s DataLoader attributes to the ``chosen`` setting's."""
+    for name, value in shown_setting(chosen).items():
+        setattr(loader, name, value)
 
 
 def _workers_only_where_picklable(problem: Problem) -> Problem:

@@ -100,12 +100,21 @@ def test_dataloaders_own_errors_are_raised_in_its_words() -> None:
         AutoLoader(dataset, batch_size=None, drop_last=True)
     with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
         AutoLoader(dataset, batch_size=4, shuffle=True, sampler=RandomSampler(dataset))
-    # DataLoader refuses a start method without workers; AutoLoader starts with none.
+    # DataLoader refuses a start method without workers, where nothing would use it, and
+    # so does AutoLoader where it may choose a setting without; with worker processes
+    # only, it takes it for them (NOTE [ A rebuilt AutoLoader ]; test_autoloader_lightning).
+    workers = {"num_workers": (1, 4)}
     for context in ("spawn", multiprocessing.get_context("spawn")):
         with pytest.raises(ValueError, match=r"multi-process loading \(num_workers > 0\)"):
             DataLoader(dataset, batch_size=4, multiprocessing_context=context)
         with pytest.raises(ValueError, match=r"multi-process loading \(num_workers > 0\)"):
             AutoLoader(dataset, batch_size=4, multiprocessing_context=context)
+        loader = AutoLoader(
+            dataset, batch_size=4, multiprocessing_context=context, search_space=workers
+        )
+        assert loader.multiprocessing_context.get_start_method() == "spawn"
+    with pytest.raises(ValueError, match="should specify a valid start method"):
+        AutoLoader(dataset, batch_size=4, multiprocessing_context="bad")
 
 
 # A batch that raises is consumed, as DataLoader consumes it ---------------------------------

@@ -525,3 +525,18 @@ class ThreadSettingStep(ThreadsSeenStep):
     def __call__(self, batch: object) -> None:
         torch.set_num_threads(1)
         super().__call__(batch)
+
+
+# Set to 1 by a test in its own process: a forked worker inherits it, one started by
+# spawn or a fork server imports this module afresh and sees 0.
+PARENT_MARK = 0
+
+
+class StartMarkedDataset(SleepDataset):
+    """Each item ``[index, in a worker, PARENT_MARK as the loading process sees it]``:
+    which items worker processes loaded, and whether they were forked."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.latency:
+            time.sleep(self.latency)
+        return torch.tensor([index, get_worker_info() is not None, PARENT_MARK])

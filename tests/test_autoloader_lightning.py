@@ -1,0 +1,398 @@
+"""AutoLoader in real Lightning runs, which rebuild a DataLoader subclass from its
+arguments or attributes (a DistributedSampler in a DDP fit, an index-recording batch
+sampler to predict): the copy loads through its original's tuning, one search seen from
+the object the user holds (``NOTE [ A rebuilt AutoLoader ]``), and every argument
+survives the rebuild."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.utilities.data import _update_dataloader  # noqa: E402
+
+from autoloader import AutoLoader, InvalidInputError  # noqa: E402
+from tests.test_lightning import ROOT, SlowItems  # noqa: E402
+
+LENGTH = 1024  # items to train on
+VALIDATION = 64  # items to validate on
+
+
+class IndexedItems(SlowItems):
+    """SlowItems with each item's index, for the loop to say which it saw."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, y = super().__getitem__(index)
+        return x, y, torch.tensor(index)
+
+
+class Seen(pl.LightningModule):
+    """Records the items each epoch trains on, in their order; its train loader is
+    ``loader`` (made outside any hook) or, if ``None``, made in the hook."""
+
+    def __init__(self, loader: AutoLoader[Any] | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        self.loader = loader
+        self.made: AutoLoader[Any] | None = None
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        self.seen.setdefault(self.current_epoch, []).extend(index.tolist())
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return batch[2]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        if self.loader is not None:
+            return self.loader
+        self.made = _loader()
+        return self.made
+
+
+class Validated(Seen):
+    """Seen, validated each epoch by an AutoLoader made in its hook, which records the
+    items each epoch validates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validating: AutoLoader[Any] | None = None
+        self.validated: dict[int, list[int]] = {}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated.setdefault(self.current_epoch, []).extend(batch[2].tolist())
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        self.validating = AutoLoader(
+            IndexedItems(length=VALIDATION, latency=0), batch_size=4, time_budget=2,
+            verbose=False,
+        )  # fmt: skip
+        return self.validating
+
+
+def _loader() -> AutoLoader[Any]:
+    """Items that wait 3 ms: worker processes pay, even on a busy machine."""
+    return AutoLoader(
+        IndexedItems(length=LENGTH, latency=0.003), batch_size=4, shuffle=True, time_budget=4,
+        verbose=False,
+    )  # fmt: skip
+
+
+class StopWhenTuned(pl.Callback):
+    """Ends the fit after the epoch in which every rank's loader is tuned."""
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        tuned = trainer.strategy.reduce_boolean_decision(trainer.train_dataloader.tuned, all=True)
+        if tuned:
+            trainer.should_stop = True
+
+
+def _trainer(**kwargs: Any) -> Any:
+    return pl.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import lightning.pytorch as pl
+    from tests.test_autoloader_lightning import (
+        Seen, StopWhenTuned, Validated, _loader, _trainer,
+    )
+
+    def fit(model, **kwargs):
+        model.seen = {}
+        trainer = _trainer(devices=2, strategy="ddp", **kwargs)
+        trainer.fit(model)
+        return trainer
+
+    def said(model, trainer, held):
+        used = trainer.train_dataloader
+        return {
+            "seen": model.seen,
+            "sampler": type(used.sampler).__name__,
+            "copy": used is not held,
+            "tuned": held.tuned,
+            "trials": len(held.history),
+            "same_history": used.history == held.history,
+            "workers": [held.num_workers, used.num_workers],
+        }
+
+    pl.seed_everything(0, verbose=False)
+    out = {}
+    # Made outside any hook, in the module's __init__: tuned by a first fit, rebuilt
+    # by a second one with its tuned attributes.
+    model = Seen(_loader())
+    first = fit(model, max_epochs=100, callbacks=[StopWhenTuned()])
+    out["first"] = said(model, first, model.loader)
+    out["chosen"] = model.loader.result.params
+    second = fit(model, max_epochs=2)
+    out["second"] = said(model, second, model.loader)
+    # Made in the hooks: Lightning rebuilds them from the arguments it recorded.
+    hooked = Validated()
+    third = fit(hooked, max_epochs=100, callbacks=[StopWhenTuned()])
+    out["hook"] = said(hooked, third, hooked.made)
+    validating = third.val_dataloaders
+    out["validation"] = {
+        "seen": hooked.validated,
+        "sampler": type(validating.sampler).__name__,
+        "shared": validating is not hooked.validating
+        and validating.tuning is hooked.validating.tuning,
+    }
+    out["rank"] = third.global_rank
+    Path(sys.argv[1], f"rank{third.global_rank}.json").write_text(json.dumps(out))
+    """
+)
+
+
+def _distributed_order(length: int, rank: int, epoch: int) -> list[int]:
+    """The items a rank of 2 trains on in ``epoch``, in order, as Lightning's
+    DistributedSampler gives them (``seed_everything(0)``)."""
+    sampler = DistributedSampler(range(length), num_replicas=2, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
+    tmp_path: Path,
+) -> None:
+    """Every rank's copy trains on its DistributedSampler's items, each once per epoch,
+    in its order; one tuning per rank, the user's object reporting it: made outside a
+    hook and tuned (its num_workers the chosen one), or made in the hook. The same for
+    a validation loader, made in its hook, each epoch validating each item once."""
+    script = tmp_path / "ddp_rebuild.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["chosen"] == ranks[1]["chosen"], "the ranks tuned together"
+    for rank, out in enumerate(ranks):
+        assert out["rank"] == rank
+        for fit in ("first", "second", "hook"):
+            said = out[fit]
+            assert said["sampler"] == "DistributedSampler", fit
+            assert said["copy"], fit
+            # One tuning, seen from the object the user holds.
+            assert said["tuned"] and said["trials"] > 0 and said["same_history"], fit
+            assert said["seen"], fit
+            for epoch, items in said["seen"].items():
+                assert items == _distributed_order(LENGTH, rank, int(epoch)), (fit, epoch)
+        validation = out["validation"]
+        assert validation["sampler"] == "DistributedSampler" and validation["shared"]
+        assert validation["seen"]
+        for epoch, items in validation["seen"].items():
+            expected = DistributedSampler(
+                range(VALIDATION), num_replicas=2, rank=rank, shuffle=False
+            )
+            assert items == list(expected), ("validation", epoch)
+        # The tuned loader's rebuild: no trial more, the chosen setting shown by both
+        # (and given back by Lightning as an argument).
+        assert out["second"]["trials"] == out["first"]["trials"]
+        chosen = out["chosen"]["num_workers"]
+        assert chosen > 0, "a latency-bound dataset wants workers"
+        assert out["first"]["workers"] == out["second"]["workers"] == [chosen, chosen]
+
+
+def test_predict_and_validate_load_through_the_users_autoloader() -> None:
+    """Lightning rebuilds a loader to predict with its index-recording batch sampler:
+    the copy tunes, through the tuning of the loader the user gave, and predicts every
+    item once, in order, the indices recorded."""
+    with contextlib.ExitStack() as closing:  # the persistent workers a tuning keeps
+        loader = AutoLoader(
+            IndexedItems(length=400, latency=0.003), batch_size=8, time_budget=2, verbose=False
+        )
+        closing.callback(loader.close)
+        trainer = _trainer(devices=1)
+        predicted = trainer.predict(Seen(), dataloaders=loader)
+        copy = trainer.predict_dataloaders
+        assert copy is not loader and copy.tuning is loader.tuning and copy.untuned is None
+        assert torch.cat(predicted).tolist() == list(range(400))
+        recorded = copy.batch_sampler.seen_batch_indices
+        assert [i for batch in recorded for i in batch] == list(range(400))
+        assert loader.history and loader.history == copy.history
+
+        # Made in the hook: rebuilt from the arguments Lightning recorded, tuning included.
+        class Hooked(Seen):
+            def predict_dataloader(self) -> DataLoader[Any]:
+                self.made = AutoLoader(
+                    IndexedItems(length=64), batch_size=8, time_budget=2, verbose=False
+                )
+                closing.callback(self.made.close)
+                return self.made
+
+        module = Hooked()
+        trainer = _trainer(devices=1)
+        predicted = trainer.predict(module)
+        assert torch.cat(predicted).tolist() == list(range(64))
+        copy = trainer.predict_dataloaders
+        assert module.made is not None and copy is not module.made
+        assert copy.tuning is module.made.tuning and copy.tuning.stage.name != "WAITING"
+
+        # Validation in one process is not rebuilt: the user's loader itself.
+        class Validating(Seen):
+            def validation_step(self, batch: Any, batch_idx: int) -> None:
+                self.seen.setdefault(0, []).extend(batch[2].tolist())
+
+        validating = Validating()
+        _trainer(devices=1).validate(validating, dataloaders=loader)
+        assert validating.seen[0] == list(range(400))
+
+
+class FixedBatches(AutoLoader[Any]):
+    """A subclass of the user's whose ``__init__`` takes the arguments Lightning
+    rebuilds a loader with, but not all of AutoLoader's."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, drop_last=drop_last, time_budget=2, verbose=False,
+        )  # fmt: skip
+
+
+def test_a_subclass_that_takes_no_tuning_argument_is_rebuilt_as_lightning_can() -> None:
+    """Lightning rebuilds a subclass made in a hook from the arguments its ``__init__``
+    takes, and refuses others: the copy, given no ``tuning``, tunes on its own."""
+
+    class Hooked(Seen):
+        def predict_dataloader(self) -> DataLoader[Any]:
+            self.made = FixedBatches(IndexedItems(length=32), batch_size=8)
+            return self.made
+
+    module = Hooked()
+    trainer = _trainer(devices=1)
+    predicted = trainer.predict(module)
+    assert torch.cat(predicted).tolist() == list(range(32))
+    assert type(trainer.predict_dataloaders) is FixedBatches
+
+
+def test_every_argument_survives_a_rebuild() -> None:
+    """Lightning's rebuild, from the attributes of an AutoLoader made outside a hook,
+    gives each argument back, the workers' start method included."""
+
+    def seed_workers(worker_id: int) -> None:
+        pass
+
+    def collate(batch: list[Any]) -> Any:
+        return torch.utils.data.default_collate(batch)
+
+    generator = torch.Generator().manual_seed(5)
+    given: dict[str, Any] = dict(
+        batch_size=3, drop_last=True, timeout=7.0, worker_init_fn=seed_workers,
+        collate_fn=collate, generator=generator, pin_memory_device="cpu",
+        time_budget=4.0, n_trials=9, memory_budget="1GiB", search_space={"num_workers": (1, 2)},
+        device="cpu", seed=3,
+    )  # fmt: skip
+    loader = AutoLoader(
+        IndexedItems(length=40), multiprocessing_context="spawn", verbose=False, **given
+    )
+    copy = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    assert type(copy) is AutoLoader and copy.tuning is loader.tuning
+    for name, value in given.items():
+        assert getattr(copy, name) == value, name
+    assert copy.multiprocessing_context is loader.multiprocessing_context
+    assert copy.multiprocessing_context.get_start_method() == "spawn"
+    assert copy.verbose is False and copy.dataset is loader.dataset
+    # A copy takes its original's tuned settings; another is refused.
+    with pytest.raises(InvalidInputError, match="copy of an AutoLoader"):
+        AutoLoader(loader.dataset, batch_size=3, num_workers=2, tuning=loader.tuning)
+    with pytest.raises(InvalidInputError, match="starts workers as its original does"):
+        AutoLoader(
+            loader.dataset, batch_size=3, multiprocessing_context="fork", tuning=loader.tuning
+        )
+
+
+CONTEXT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import tests.workloads as workloads
+    from autoloader import AutoLoader
+
+    if __name__ == "__main__":  # not in a spawned worker, which imports this script
+        workloads.PARENT_MARK = 1
+        loader = AutoLoader(
+            workloads.StartMarkedDataset(length=96, latency=0.004), batch_size=4,
+            multiprocessing_context=sys.argv[1], search_space={"num_workers": (1, 2)},
+            time_budget=float(sys.argv[2]), verbose=False,
+        )
+        epochs = range(int(sys.argv[3]))
+        rows = [row.tolist() for _ in epochs for batch in loader for row in batch]
+        loader.close()
+        print(json.dumps({"rows": rows, "trials": [t.params for t in loader.history]}))
+    """
+)
+
+
+def test_a_multiprocessing_context_starts_every_settings_worker_processes(
+    tmp_path: Path,
+) -> None:
+    """DataLoader takes a start method with workers only; AutoLoader, which chooses
+    them, takes it for every setting with worker processes (checked as DataLoader
+    checks it): spawned workers do not inherit what the parent set after its imports.
+    In a process of its own, which its workers and spawn's helpers leave with it."""
+    dataset = IndexedItems(length=16)
+    with pytest.raises(ValueError, match="should specify a valid start method"):
+        AutoLoader(dataset, batch_size=4, multiprocessing_context="bad")
+    with pytest.raises(TypeError, match="should be a valid context"):
+        AutoLoader(dataset, batch_size=4, multiprocessing_context=object())
+    context = multiprocessing.get_context("spawn")
+    # DataLoader's refusal, where a setting without workers may be chosen (nothing would
+    # use the context then): PyTorch's own test of it holds for AutoLoader.
+    with pytest.raises(ValueError, match=r"multi-process loading \(num_workers > 0\), but got"):
+        AutoLoader(dataset, batch_size=4, multiprocessing_context=context)
+    workers = {"num_workers": (1, 2)}
+    loader = AutoLoader(
+        dataset, batch_size=4, multiprocessing_context=context, search_space=workers, verbose=False
+    )
+    assert loader.multiprocessing_context is context
+    with pytest.raises(InvalidInputError, match="at construction"):
+        loader.multiprocessing_context = "fork"
+
+    script = tmp_path / "context.py"
+    script.write_text(CONTEXT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "spawn", "6", "4"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    rows = said["rows"]
+    assert sorted(index for index, _, _ in rows) == sorted(list(range(96)) * 4)
+    by_workers = [mark for _, in_worker, mark in rows if in_worker]
+    assert by_workers, f"no setting with workers loaded a batch: {said['trials']}"
+    assert set(by_workers) == {0}, "a worker was forked, not spawned"
+    assert {mark for _, in_worker, mark in rows if not in_worker} <= {1}
