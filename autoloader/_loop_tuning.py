@@ -48,6 +48,7 @@ from autoloader.loader import (
     normalize_params,
     set_step_threads,
 )
+from autoloader.loader._torch_compat import exiting
 from autoloader.measure import (
     Deadlines,
     LiveTrial,
@@ -80,9 +81,9 @@ class _Loader(Protocol):
 #              first batch                   the search ends (alone: the policy stops;
 #   WAITING ─────────────────► SEARCHING ──── under torchrun: rank 0 says so) ───► TUNED
 #      │                         │   ▲                                             │   ▲
-#      │   a trial fails, giving │   │ those batches loaded            the chosen  │   │ those
-#      │   batches back, or the  │   │ (under torchrun, then           setting     │   │ batches
-#      │   epoch's tail is short ▼   │ the trial's exchange)           fails       ▼   │ loaded
+#      │   a trial fails,        │   │ those batches loaded            the chosen  │   │ those
+#      │   giving batches back   │   │ (under torchrun, then           setting     │   │ batches
+#      │                         ▼   │ the trial's exchange)           fails       ▼   │ loaded
 #      │                       MAKING_UP                                         MAKING_UP
 #      │
 #      └─── first batch: a saved result of this problem (_reuse.py) ───────────────► TUNED
@@ -95,13 +96,15 @@ class _Loader(Protocol):
 #   segments ]).
 # - MAKING_UP: the last good setting (the last that completed; the baseline at first)
 #   loads, unmeasured, the batches a failed setting gave back (under torchrun, the rest
-#   of its segment) or an epoch's tail too short for a trial (NOTE [ An epoch's tail ]);
-#   then the stage it came from goes on. Where the last good setting fails there too,
-#   the baseline takes its place (MAKING_UP again); where the baseline fails, the error
-#   is the dataset's and reaches the loop, as DataLoader would raise it.
+#   of its segment); then the stage it came from goes on. Where the last good setting
+#   fails there too, the baseline takes its place (MAKING_UP again); where the baseline
+#   fails, the error is the dataset's and reaches the loop, as DataLoader would raise it.
 # - TUNED: the chosen setting loads every batch, its loader kept across epochs where
 #   its workers persist. Where it fails, the last good other setting is chosen, the
 #   baseline making up the batches it gave back.
+# A trial of any stage but TUNED that the epoch ends in the middle of goes on in the
+# next epoch (NOTE [ Live trials span epochs ], in measure/_live.py): the stages move
+# where trials start and end, never at an epoch's end.
 
 
 class Stage(enum.Enum):
@@ -151,6 +154,9 @@ class LoopTuning:
         # Trials of epochs the loop dropped, stopped, and the batches they had not
         # delivered: the study is told at the next epoch (NOTE [ Nothing outlives the loop ]).
         self.abandoned: list[tuple[LiveTrial, int]] = []
+        # The trial the last epoch ended in the middle of, for the next epoch to resume
+        # (NOTE [ Live trials span epochs ]).
+        self.carried: LiveTrial | None = None
 
     @property
     def owner(self) -> _Loader:
@@ -170,6 +176,30 @@ class LoopTuning:
             trial, undelivered = self.abandoned.pop(0)
             self.trial_ended(trial, undelivered)
 
+    # A trial across epochs (NOTE [ Live trials span epochs ]) ---------------------------
+
+    def carry(self, trial: LiveTrial) -> None:
+        """The epoch ended in the middle of ``trial``: it waits for the next one."""
+        assert self.carried is None, "one trial at a time"
+        self.carried = trial
+
+    def resume(self, batches: EpochBatches) -> LiveTrial | None:
+        """The trial the last epoch ended in the middle of, now loading ``batches``, the
+        next epoch's; ``None`` where there is none."""
+        trial, self.carried = self.carried, None
+        if trial is not None:
+            trial.resume(batches)
+        return trial
+
+    def end_carried(self) -> None:
+        """The loop is done with the loader: end the trial waiting for the next epoch
+        where it stands, and tell the study how it went."""
+        trial, self.carried = self.carried, None
+        if trial is not None:
+            trial.end()
+            trial.close()
+            self.trial_ended(trial, 0)
+
     # Starting a trial: the stage's own -------------------------------------------------
 
     def start_trial(self, batches: EpochBatches, seed: int) -> LiveTrial:
@@ -178,24 +208,20 @@ class LoopTuning:
         if self.stage is Stage.SEARCHING:
             search = self.search
             assert search is not None
-            if search.too_few_left(self, batches):
-                # NOTE [ An epoch's tail ]: the last good setting loads it, unmeasured.
-                self._make_up(len(self.owner) - batches.taken)
+            plan = search.plan(self)
+            if isinstance(plan, TuneResult):
+                self.take(plan, reused_from=None)
             else:
-                plan = search.plan(self)
-                if isinstance(plan, TuneResult):
-                    self.take(plan, reused_from=None)
-                else:
-                    self.trial_threads = _set_threads(plan.params.get("step_threads"))
-                    return self._trial(
-                        plan.params,
-                        batches,
-                        seed,
-                        limit=plan.batches,
-                        max_seconds=plan.max_seconds,
-                        deadlines=plan.deadlines,
-                        on_window=plan.on_window,
-                    )
+                self.trial_threads = _set_threads(plan.params.get("step_threads"))
+                return self._trial(
+                    plan.params,
+                    batches,
+                    seed,
+                    limit=plan.batches,
+                    max_seconds=plan.max_seconds,
+                    deadlines=plan.deadlines,
+                    on_window=plan.on_window,
+                )
         if self.stage is Stage.MAKING_UP:
             params = self.last_good
             return self._trial(
@@ -227,13 +253,6 @@ class LoopTuning:
         self.search = SoloSearch(session) if ranks is None else JointSearch(session, ranks)
         self.stage = Stage.SEARCHING
 
-    def epoch_length(self) -> int | None:
-        """Batches in an epoch of the AutoLoader, ``None`` where its sampler has no length."""
-        try:
-            return len(self.owner)
-        except TypeError:
-            return None
-
     def ask(self, session: RunSession) -> Proposal | None:
         """The search's next trial; ``None`` once it ended, where every setting with
         workers failed too (the baseline is left: it completed)."""
@@ -258,7 +277,8 @@ class LoopTuning:
         feed = Feed(batches, limit=limit)
         share = 1 if self.search is None else self.search.memory_share
         return LiveTrial(
-            self._loader(params, feed, seed),
+            # Its workers kept at an epoch's edge (NOTE [ Live trials span epochs ]).
+            self._loader(params, feed, seed, keep_workers=True),
             feed,
             params,
             batch_size=self.problem.batch_size,
@@ -277,7 +297,7 @@ class LoopTuning:
             feed.point_at(batches)
         else:
             feed = Feed(batches)
-            loader = self._loader(params, feed, seed)
+            loader = self._loader(params, feed, seed, keep_workers=persistent)
             if persistent:
                 self.kept = (loader, feed)
         return LiveTrial(
@@ -297,13 +317,17 @@ class LoopTuning:
         (settings read from ``path``, or a rank that does not drive it)."""
         return None if self.search is None else self.search.deadlines(params)
 
-    def _loader(self, params: Params, feed: Feed, seed: int) -> DataLoader[Any]:
+    def _loader(
+        self, params: Params, feed: Feed, seed: int, *, keep_workers: bool
+    ) -> DataLoader[Any]:
         """A loader of ``params`` over the batches ``feed`` hands it, its workers seeded
-        from the epoch's base seed."""
+        from the epoch's base seed and, with ``keep_workers``, kept from one iteration
+        to the next (DataLoader's ``persistent_workers``)."""
         options = merge_loader_kwargs(
             {**params, "batched_fetch": False},
             batch_size=self.problem.batch_size,
             fixed=self.problem.fixed,
+            overrides={"persistent_workers": keep_workers},
         )
         kwargs = dataloader_kwargs(self.problem.dataset, options)
         for name in ("batch_size", "shuffle", "sampler", "drop_last"):
@@ -321,7 +345,12 @@ class LoopTuning:
         )
 
     def release(self) -> None:
-        """Stop the kept loader's persistent workers."""
+        """Stop the kept loader's persistent workers, and a trial waiting for the next
+        epoch (unrecorded: the loader is being collected, or ``close()`` recorded it)."""
+        trial, self.carried = self.carried, None
+        if trial is not None:
+            trial.end()
+            trial.close(kill=exiting())
         if self.kept is not None:
             loader, _ = self.kept
             self.kept = None

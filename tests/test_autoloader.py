@@ -153,6 +153,59 @@ def test_an_epoch_left_early_leaves_the_next_one_dataloaders() -> None:
         loader.close()
 
 
+def test_trials_span_epochs_shorter_than_their_start_up_burst() -> None:
+    """12 batches an epoch, fewer than 2 to 4 workers x prefetch 4 hold at once, and a
+    validation after each epoch (NOTE [ Live trials span epochs ]): trials go on across
+    epochs and settings with workers are measured, each epoch still DataLoader's, and
+    no trial has a rate it did not measure. Ended with their epochs, every trial with
+    workers was pruned too short and the defaults were kept."""
+    dataset = SleepDataset(length=48, latency=0.002)
+    kwargs = {"batch_size": 4, "shuffle": True}
+    loader = AutoLoader(
+        dataset,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=6,
+        search_space={"num_workers": (2, 4), "prefetch_factor": 4, "worker_kind": "processes"},
+        verbose=False,
+        **kwargs,
+    )
+    seen: list[list[int]] = []
+    epochs = 0
+    try:
+        while epochs < 400 and not loader.tuned:
+            seen += _epochs(loader, 1)
+            time.sleep(0.05)  # the loop's validation, off the trials' clocks
+            epochs += 1
+    finally:
+        loader.close()
+    expected, _ = _reference(dataset, epochs, **kwargs)
+    assert seen == expected
+    assert loader.result is not None
+    trials = loader.result.trials
+    assert any(t.state == "complete" and t.params["num_workers"] > 0 for t in trials), trials
+    assert all(t.samples_per_second is None or t.samples_per_second < 1e7 for t in trials)
+
+
+def test_a_trial_the_loop_leaves_at_an_epochs_edge_is_recorded_with_what_it_measured() -> None:
+    """The loop ends (``close()``) while a trial waits for the next epoch: the trial is
+    ended and recorded there, with no rate where it delivered nothing, and its workers
+    stopped (the test fails if any is left)."""
+    dataset = SleepDataset(length=48, latency=0.002)
+    loader = AutoLoader(
+        dataset,
+        batch_size=4,
+        time_budget=30,
+        search_space={"num_workers": (2, 4), "prefetch_factor": 4, "worker_kind": "processes"},
+        verbose=False,
+    )
+    _epochs(loader, 3)
+    assert loader._tuning is not None and loader._tuning.carried is not None
+    loader.close()
+    assert loader._tuning.carried is None
+    assert len(loader.history) >= 1
+    assert all(t.samples_per_second is None or t.samples_per_second < 1e7 for t in loader.history)
+
+
 def test_a_distributed_sampler_set_epoch_orders_as_with_dataloader() -> None:
     dataset = SleepDataset(length=96, latency=0.0)
     sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
