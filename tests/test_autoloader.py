@@ -115,7 +115,8 @@ def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -
     assert seen == expected
     assert torch.equal(generator.get_state(), state)
     assert loader.tuned and loader.result is not None
-    assert len(loader.history) >= 3  # the baseline and the search, in the loop
+    # The baseline and the search, in the loop (trials across epochs: as few as two).
+    assert {"baseline", "search"} <= {t.phase for t in loader.history}
     assert loader.num_workers == loader.result.params["num_workers"]
     # Tuned, the report is the tuning run's, as autoloader.report() gives it.
     assert loader.report() == autoloader.report(loader.result)
