@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import autoloader
 from autoloader import AutoLoader, InvalidInputError
 from autoloader.loader._feed import EpochBatches, Feed
+from autoloader.measure import LiveTrial
 from tests.workloads import (
     FailingDataset,
     FaultInWorkersDataset,
@@ -185,6 +186,39 @@ def test_trials_span_epochs_shorter_than_their_start_up_burst() -> None:
     trials = loader.result.trials
     assert any(t.state == "complete" and t.params["num_workers"] > 0 for t in trials), trials
     assert all(t.samples_per_second is None or t.samples_per_second < 1e7 for t in trials)
+
+
+def test_the_loops_work_between_epochs_is_off_a_trials_time() -> None:
+    """A trial of 1 s, an epoch of 12 instant batches, then 1.5 s of the loop's own work
+    (a validation): the trial waits at the epoch's edge and goes on with the next
+    epoch's batches, its time not spent (NOTE [ Live trials span epochs ])."""
+    dataset = SleepDataset(length=48, latency=0.0)
+    first = EpochBatches(iter(torch.arange(48).view(12, 4).tolist()))
+    feed = Feed(first)
+    trial = LiveTrial(
+        DataLoader(dataset, batch_sampler=feed),
+        feed,
+        {"num_workers": 0},
+        batch_size=4,
+        memory_budget=None,
+        max_seconds=1.0,
+        deadlines=None,
+    )
+    try:
+        epoch = []
+        with pytest.raises(StopIteration):
+            while True:
+                epoch.append(_ids(trial.next()))
+        assert len(epoch) == 12 and trial.outcome is None  # at the edge, not ended
+        time.sleep(1.5)
+        trial.resume(EpochBatches(iter(torch.arange(48).view(12, 4).flip(0).tolist())))
+        assert _ids(trial.next()) == [44, 45, 46, 47]  # the next epoch's first batch
+        assert _ids(trial.next()) == [40, 41, 42, 43]  # its 1 s not up: the edge was off it
+        assert trial.outcome is None and feed.delivered_count == 14
+    finally:
+        trial.end()
+        trial.close()
+    assert trial.outcome is not None and trial.outcome.batches >= 1
 
 
 def test_a_trial_the_loop_leaves_at_an_epochs_edge_is_recorded_with_what_it_measured() -> None:
