@@ -7,8 +7,9 @@ the same search (the same :class:`~autoloader._session.RunSession`: the same
 :class:`~autoloader.search.Policy`, Driver and Optuna study, asked and told one trial at
 a time; ``NOTE [ AutoLoader's tuning ]`` in ``_loop_tuning.py`` names its stages)
 inside the training loop: the epoch's batches are loaded by one setting after another,
-each a trial, and a trial's rate is the loop's own, the time between two of its
-``next()`` calls being the real step on the real device
+each a trial (going on into the next epoch where the epoch ends first: ``NOTE [ Live
+trials span epochs ]``), and a trial's rate is the loop's own, the time between two of
+its ``next()`` calls being the real step on the real device
 (:class:`~autoloader.measure._live.LiveTrial`).
 
 - **The same batches.** Each epoch draws from the user's generator, and its sampler,
@@ -369,11 +370,11 @@ class AutoLoader(DataLoader[_T_co]):
         )
 
     def close(self) -> None:
-        """Stop the workers now: those of an epoch left unfinished, and the chosen
-        setting's persistent ones, which its copies share (a later epoch starts new
-        ones; ``NOTE [ A rebuilt AutoLoader ]``). An epoch the loop dropped, the
-        loader's garbage collection and the interpreter's exit stop them too
-        (``NOTE [ Nothing outlives the loop ]``)."""
+        """Stop the workers now: those of an epoch left unfinished, of a trial waiting
+        for the next epoch, and the chosen setting's persistent ones, which its copies
+        share (a later epoch starts new ones; ``NOTE [ A rebuilt AutoLoader ]``). An
+        epoch the loop dropped, the loader's garbage collection and the interpreter's
+        exit stop them too (``NOTE [ Nothing outlives the loop ]``)."""
         if self.tuning is None:
             # As DataLoader's own: its persistent workers, where it keeps them.
             shutdown = getattr(self._iterator, "_shutdown_workers", None)
@@ -388,6 +389,7 @@ class AutoLoader(DataLoader[_T_co]):
             if epoch is not None:
                 stack.callback(epoch.close)
             tuning.settle()
+            tuning.end_carried()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands, for a checkpoint, as torchdata's ``StatefulDataLoader``
@@ -709,13 +711,17 @@ def _pass_on_to_rebuilds(loader: AutoLoader[Any], tuning: LoopTuning) -> None:
 # ``break``, an exception, Ctrl-C), its finalizer ends the trial under way where it
 # stands and stops all it holds (``LiveTrial.close``), at once in CPython; the study is
 # told how the trial went at the loader's next epoch or ``close()``, in the loop's own
-# code, not in a finalizer (under torchrun that takes a collective). The search holds
-# the loader by a weak reference too, so a loader nobody holds is collected at once,
-# and its finalizer stops the chosen setting's persistent workers. Both finalizers run
-# at the interpreter's exit too, where the workers are killed: DataLoader's own
-# shutdown does nothing then. A finalizer the garbage collector runs in another thread
-# stops the threads and the workers; the handlers, which only the main thread can
-# set, are put back by the next trial there (``NOTE [ Handlers put back ]``).
+# code, not in a finalizer (under torchrun that takes a collective). A trial the epoch
+# ended in the middle of (NOTE [ Live trials span epochs ]) is the tuning's until the
+# next epoch resumes it: between epochs it stands as between two steps, its watch and
+# handlers in place; ``close()`` ends it and tells the study. The search holds the
+# loader by a weak reference too, so a loader nobody holds is collected at once, and
+# its finalizer stops the chosen setting's persistent workers and a trial waiting for
+# the next epoch. Both finalizers run at the interpreter's exit too, where the workers
+# are killed: DataLoader's own shutdown does nothing then. A finalizer the garbage
+# collector runs in another thread stops the threads and the workers; the handlers,
+# which only the main thread can set, are put back by the next trial there
+# (``NOTE [ Handlers put back ]``).
 
 
 @dataclass(slots=True)
@@ -742,7 +748,8 @@ class _Epoch(Iterator[Any]):
         self.batches = batches
         self.seed = seed
         self.draws = draws  # the generators' states at its start
-        self.current = _Current()
+        # The trial the last epoch ended in the middle of goes on with this one's batches.
+        self.current = _Current(tuning.carry_on(batches))
         self.done = False
         weakref.finalize(self, _abandon, self.tuning, self.current)
 
@@ -770,7 +777,11 @@ class _Epoch(Iterator[Any]):
             except StopIteration:
                 self.done = True
                 self.batches.exhaust()
-                self._end_trial()
+                if trial.outcome is None:  # NOTE [ Live trials span epochs ]
+                    self.current.trial = None
+                    self.tuning.carry(trial)
+                else:
+                    self._end_trial()
                 raise
 
     def _end_trial(self) -> None:

@@ -21,7 +21,7 @@ from autoloader._exceptions import BaselineError
 from autoloader._problem import Problem
 from autoloader._session import RunSession
 from autoloader.distributed import Ranks, job_outcome
-from autoloader.loader import EpochBatches, Params
+from autoloader.loader import Params
 from autoloader.measure import (
     Deadlines,
     LiveTrial,
@@ -31,7 +31,7 @@ from autoloader.measure import (
     WindowCallback,
 )
 from autoloader.results import TuneResult, in_memory_kwargs
-from autoloader.search import Completed, Proposal, Trial, trial_seconds
+from autoloader.search import Completed, Proposal, Trial
 
 Failure = TrialError | MemoryBudgetExceeded
 
@@ -41,9 +41,6 @@ class Tuning(Protocol):
 
     problem: Problem
     last_good: Params  # what loads a failed trial's batches
-
-    def epoch_length(self) -> int | None:
-        """Batches in an epoch of the loader, ``None`` where it has no length."""
 
     def ask(self, session: RunSession) -> Proposal | None:
         """The session's next trial; ``None`` once the search ended."""
@@ -64,21 +61,12 @@ class Plan:
     on_window: WindowCallback | None = None
 
 
-# NOTE [ An epoch's tail ]
-# A trial ends with its epoch: cut short there, before two timing windows, it is
-# pruned as too short and its time is lost to the search. So where the batches left
-# in the epoch would take less than half a trial's time at the last trial's pace,
-# no trial starts: the last good setting loads them, and the next trial starts with
-# the next epoch. Not where a whole epoch is that short (every trial would wait),
-# nor before the baseline, nor under torchrun, whose trials have a length in batches.
-
-
 class Search(abc.ABC):
     """SEARCHING, alone or under torchrun, chosen once at the first batch: what the next
     trial is, and what a trial's end means. ``session`` is ``None`` on a rank that does
-    not drive the study. The tuning calls :meth:`too_few_left`, then :meth:`plan` at
-    each trial's start; :meth:`keep_pace`, then :meth:`ended` at its end, and
-    :meth:`made_up` once the batches it gave back are loaded."""
+    not drive the study. The tuning calls :meth:`plan` at each trial's start;
+    :meth:`keep_pace`, then :meth:`ended` at its end, and :meth:`made_up` once the
+    batches it gave back are loaded."""
 
     memory_share = 1  # the trial's share of the memory budget's bytes: 1 / memory_share
 
@@ -94,15 +82,11 @@ class Search(abc.ABC):
         return None if self.session is None else self.session.deadlines(params)
 
     def keep_pace(self, trial: LiveTrial) -> None:
-        """The loop's seconds per batch in ``trial``: under torchrun, rank 0's sets the
-        next trial's length (``NOTE [ Joint segments ]``); alone, it tells whether an
-        epoch's tail is worth a trial (``NOTE [ An epoch's tail ]``)."""
+        """The loop's seconds per batch in ``trial``, the loop's own work between epochs
+        left out (``NOTE [ Live trials span epochs ]``): under torchrun, rank 0's sets
+        the next trial's length (``NOTE [ Joint segments ]``)."""
         if trial.feed.delivered_count:
             self.pace = (perf_counter() - trial.started) / trial.feed.delivered_count
-
-    def too_few_left(self, tuning: Tuning, batches: EpochBatches) -> bool:
-        """Whether the epoch's tail is too short for a trial (``NOTE [ An epoch's tail ]``)."""
-        return False
 
     @abc.abstractmethod
     def plan(self, tuning: Tuning) -> Plan | TuneResult:
@@ -130,14 +114,6 @@ class SoloSearch(Search):
     def __init__(self, session: RunSession | None) -> None:
         super().__init__(session)
         self.proposal: Proposal | None = None  # the trial under way
-
-    def too_few_left(self, tuning: Tuning, batches: EpochBatches) -> bool:
-        length = tuning.epoch_length()
-        if self.pace is None or length is None:
-            return False
-        wanted = 0.5 * trial_seconds(tuning.problem.budget)
-        left = length - batches.taken
-        return left > 0 and left * self.pace < wanted <= length * self.pace
 
     def plan(self, tuning: Tuning) -> Plan | TuneResult:
         session = self.session
@@ -172,6 +148,13 @@ class SoloSearch(Search):
                 told = session.judge(proposal, outcome, voted=False)
             except BaselineError:
                 trial.feed.epoch.drop_failed()
+                # The dataset's own error, which every setting raises: the baseline's
+                # rate up to it is the study's. A trial across epochs meets a bad item
+                # in each (NOTE [ Live trials span epochs ]): told nothing, a baseline
+                # would start again after each, and never end.
+                measured = trial.measured()
+                if measured.batches:
+                    session.tell(proposal, session.judge(proposal, measured, voted=False))
                 raise users_error(outcome) from None
             tuning.record_failure(proposal.spec.params, outcome)
         session.tell(proposal, told)
@@ -187,9 +170,11 @@ class SoloSearch(Search):
 # Under torchrun every rank switches settings at the same batch: rank 0 proposes each
 # trial with a length in batches (its time over rank 0's last pace; the first, the
 # baseline, _FIRST_SEGMENT), the same on every rank, which loads exactly that many
-# batches of its epoch in the trial, a failed setting's share by the last good one.
-# At the trial's end (or its epoch's, at the same batch on every rank when their
-# samplers give them epochs of one length, as DistributedSampler does), the ranks
+# batches in the trial, a failed setting's share by the last good one. A segment
+# spans epochs (NOTE [ Live trials span epochs ]): it counts its batches across them,
+# so every rank ends it at the same batch whatever the epochs' length, and an epoch's
+# end takes no exchange (the ranks' samplers must give them epochs of one length, as
+# DistributedSampler does, for their steps to match). At the trial's end the ranks
 # gather how it went, and rank 0 tells the study the job's figures: the slowest
 # rank's, or the failure, as in tune() (job_outcome). Two exchanges a trial, none
 # within one, and none once tuning ended. Both come between the user's steps, where a

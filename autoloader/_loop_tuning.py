@@ -56,6 +56,7 @@ from autoloader.loader import (
     normalize_params,
     set_step_threads,
 )
+from autoloader.loader._torch_compat import exiting
 from autoloader.measure import (
     Deadlines,
     LiveTrial,
@@ -88,9 +89,9 @@ class _Loader(Protocol):
 #              first batch                   the search ends (alone: the policy stops;
 #   WAITING ─────────────────► SEARCHING ──── under torchrun: rank 0 says so) ───► TUNED
 #      │                         │   ▲                                             │   ▲
-#      │   a trial fails, giving │   │ those batches loaded            the chosen  │   │ those
-#      │   batches back, or the  │   │ (under torchrun, then           setting     │   │ batches
-#      │   epoch's tail is short ▼   │ the trial's exchange)           fails       ▼   │ loaded
+#      │   a trial fails,        │   │ those batches loaded            the chosen  │   │ those
+#      │   giving batches back   │   │ (under torchrun, then           setting     │   │ batches
+#      │                         ▼   │ the trial's exchange)           fails       ▼   │ loaded
 #      │                       MAKING_UP                                         MAKING_UP
 #      │
 #      └─── first batch: a saved result of this problem (_reuse.py), or a state
@@ -106,13 +107,15 @@ class _Loader(Protocol):
 #   segments ]).
 # - MAKING_UP: the last good setting (the last that completed; the baseline at first)
 #   loads, unmeasured, the batches a failed setting gave back (under torchrun, the rest
-#   of its segment) or an epoch's tail too short for a trial (NOTE [ An epoch's tail ]);
-#   then the stage it came from goes on. Where the last good setting fails there too,
-#   the baseline takes its place (MAKING_UP again); where the baseline fails, the error
-#   is the dataset's and reaches the loop, as DataLoader would raise it.
+#   of its segment); then the stage it came from goes on. Where the last good setting
+#   fails there too, the baseline takes its place (MAKING_UP again); where the baseline
+#   fails, the error is the dataset's and reaches the loop, as DataLoader would raise it.
 # - TUNED: the chosen setting loads every batch, its loader kept across epochs where
 #   its workers persist. Where it fails, the last good other setting is chosen, the
 #   baseline making up the batches it gave back.
+# A trial of any stage but TUNED that the epoch ends in the middle of goes on in the
+# next epoch (NOTE [ Live trials span epochs ], in measure/_live.py): the stages move
+# where trials start and end, never at an epoch's end.
 
 
 class Stage(enum.Enum):
@@ -171,6 +174,9 @@ class LoopTuning:
         # WAITING: where a checkpoint's state says the tuning stood (NOTE [ An
         # AutoLoader's state ]), taken up at the first batch.
         self.resumed: dict[str, Any] | None = None
+        # The trial the last epoch ended in the middle of, for the next epoch to resume
+        # (NOTE [ Live trials span epochs ]).
+        self.carried: LiveTrial | None = None
 
     @property
     def owner(self) -> _Loader:
@@ -214,6 +220,30 @@ class LoopTuning:
             trial, undelivered = self.abandoned.pop(0)
             self.trial_ended(trial, undelivered)
 
+    # A trial across epochs (NOTE [ Live trials span epochs ]) ---------------------------
+
+    def carry(self, trial: LiveTrial) -> None:
+        """The epoch ended in the middle of ``trial``: it waits for the next one."""
+        assert self.carried is None, "one trial at a time"
+        self.carried = trial
+
+    def carry_on(self, batches: EpochBatches) -> LiveTrial | None:
+        """The trial the last epoch ended in the middle of, now loading ``batches``, the
+        next epoch's; ``None`` where there is none."""
+        trial, self.carried = self.carried, None
+        if trial is not None:
+            trial.resume(batches)
+        return trial
+
+    def end_carried(self) -> None:
+        """The loop is done with the loader: end the trial waiting for the next epoch
+        where it stands, and tell the study how it went."""
+        trial, self.carried = self.carried, None
+        if trial is not None:
+            trial.end()
+            trial.close()
+            self.trial_ended(trial, 0)
+
     # Starting a trial: the stage's own -------------------------------------------------
 
     def start_trial(self, batches: EpochBatches, seed: int) -> LiveTrial:
@@ -222,24 +252,20 @@ class LoopTuning:
         if self.stage is Stage.SEARCHING:
             search = self.search
             assert search is not None
-            if search.too_few_left(self, batches):
-                # NOTE [ An epoch's tail ]: the last good setting loads it, unmeasured.
-                self._make_up(len(self.owner) - batches.taken)
+            plan = search.plan(self)
+            if isinstance(plan, TuneResult):
+                self.take(plan, reused_from=None)
             else:
-                plan = search.plan(self)
-                if isinstance(plan, TuneResult):
-                    self.take(plan, reused_from=None)
-                else:
-                    self.trial_threads = _set_threads(plan.params.get("step_threads"))
-                    return self._trial(
-                        plan.params,
-                        batches,
-                        seed,
-                        limit=plan.batches,
-                        max_seconds=plan.max_seconds,
-                        deadlines=plan.deadlines,
-                        on_window=plan.on_window,
-                    )
+                self.trial_threads = _set_threads(plan.params.get("step_threads"))
+                return self._trial(
+                    plan.params,
+                    batches,
+                    seed,
+                    limit=plan.batches,
+                    max_seconds=plan.max_seconds,
+                    deadlines=plan.deadlines,
+                    on_window=plan.on_window,
+                )
         if self.stage is Stage.MAKING_UP:
             params = self.last_good
             return self._trial(
@@ -415,7 +441,8 @@ class LoopTuning:
         feed = Feed(batches, limit=limit)
         share = 1 if self.search is None else self.search.memory_share
         return LiveTrial(
-            self._loader(params, feed, seed),
+            # Its workers kept at an epoch's edge (NOTE [ Live trials span epochs ]).
+            self._loader(params, feed, seed, keep_workers=True),
             feed,
             params,
             batch_size=self.problem.batch_size,
@@ -434,7 +461,7 @@ class LoopTuning:
             feed.point_at(batches)
         else:
             feed = Feed(batches)
-            loader = self._loader(params, feed, seed)
+            loader = self._loader(params, feed, seed, keep_workers=persistent)
             if persistent:
                 self.kept = (loader, feed)
         return LiveTrial(
@@ -454,13 +481,17 @@ class LoopTuning:
         (settings read from ``path``, or a rank that does not drive it)."""
         return None if self.search is None else self.search.deadlines(params)
 
-    def _loader(self, params: Params, feed: Feed, seed: int) -> DataLoader[Any]:
+    def _loader(
+        self, params: Params, feed: Feed, seed: int, *, keep_workers: bool
+    ) -> DataLoader[Any]:
         """A loader of ``params`` over the batches ``feed`` hands it, its workers seeded
-        from the epoch's base seed."""
+        from the epoch's base seed and, with ``keep_workers``, kept from one iteration
+        to the next (DataLoader's ``persistent_workers``)."""
         options = merge_loader_kwargs(
             {**params, "batched_fetch": False},
             batch_size=self.problem.batch_size,
             fixed=self.problem.fixed,
+            overrides={"persistent_workers": keep_workers},
         )
         kwargs = dataloader_kwargs(self.problem.dataset, options)
         for name in ("batch_size", "shuffle", "sampler", "drop_last"):
@@ -478,7 +509,13 @@ class LoopTuning:
         )
 
     def release(self) -> None:
-        """Stop the kept loader's persistent workers, and give the study's lease back."""
+        """Stop the kept loader's persistent workers and a trial waiting for the next
+        epoch (unrecorded: the loader is being collected, or ``close()`` recorded it),
+        and give the study's lease back."""
+        trial, self.carried = self.carried, None
+        if trial is not None:
+            trial.end()
+            trial.close(kill=exiting())
         self._close_session()
         if self.kept is not None:
             loader, _ = self.kept

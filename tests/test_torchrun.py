@@ -347,6 +347,25 @@ def test_rank_0_alone_between_epochs_waits_as_long_as_the_process_group(tmp_path
     _assert_nothing_left(tmp_path)
 
 
+def test_autoloader_trials_span_epochs_shorter_than_the_workers_hold(tmp_path: Path) -> None:
+    """12 batches a rank per epoch, fewer than up to 8 workers x prefetch 2 hold at once,
+    and a validation after each epoch (NOTE [ Live trials span epochs ]): the segments
+    go on across epochs, every rank ending each at the same batch, and settings with
+    workers are measured. Ended with their epochs, every one was pruned too short and
+    the job kept num_workers=0."""
+    code, output, reports = _job(2, tmp_path, "autoloader-short-epochs")
+    assert code == 0, output[-3000:]
+    result = _same_on_every_rank(reports, 2)
+    assert all(reports[0]["epochs_equal"]) and all(reports[1]["epochs_equal"])
+    assert reports[0]["settings"] == reports[1]["settings"]
+    measured = [
+        t for t in result["trials"] if t["state"] == "complete" and t["params"]["num_workers"] > 0
+    ]
+    assert measured, result["trials"]
+    assert all(t["samples_per_second"] < 1e7 for t in result["trials"]), result["trials"]
+    _assert_nothing_left(tmp_path)
+
+
 def test_a_stopped_rank_ends_the_trial_within_the_process_groups_timeout(tmp_path: Path) -> None:
     """Rank 1 stopped (SIGSTOP) mid-trial, while rank 0's DDP step all-reduces with it:
     rank 0 waits in DDP's C++ (where no alarm reaches) for the process group's timeout

@@ -9,8 +9,9 @@ returned or raised, its host and the call's seconds to ``OUT/rank<r>.json``. Sce
 in ``study.db`` next to ``OUT``, for jobs run in folders side by side); ``long`` (a long
 budget, for the tests that kill a rank or press Ctrl-C); ``stopped-rank`` (a process
 group whose timeout is ``PG_TIMEOUTS``'s, for a test that stops a rank with SIGSTOP);
-``autoloader``, ``autoloader-crash-on-last-rank`` and ``autoloader-evaluates-on-rank-0``,
-an ``AutoLoader`` in place of tune() (see :func:`autoloader_job`). ``BUDGET`` replaces
+``autoloader``, ``autoloader-crash-on-last-rank``, ``autoloader-evaluates-on-rank-0`` and
+``autoloader-short-epochs``, an ``AutoLoader`` in place of tune() (see
+:func:`autoloader_job`). ``BUDGET`` replaces
 the scenario's time budget.
 """
 
@@ -55,6 +56,14 @@ PG_TIMEOUTS = {"stopped-rank": 10.0, "autoloader-evaluates-on-rank-0": 60.0}
 # process group waits.
 EVALUATION = 8.0
 _TRIAL_TIMEOUT = 3.0
+# autoloader-short-epochs: 12 batches a rank per epoch, fewer than the 16 that 8 workers x
+# prefetch 2 hold at once, and a validation between epochs.
+SHORT_EPOCHS_SPACE: dict[str, object] = {
+    "num_workers": (2, 8),
+    "prefetch_factor": 2,
+    "worker_kind": "processes",
+}
+SHORT_EPOCHS_VALIDATION = 0.05
 
 
 def init_process_group(scenario: str) -> None:
@@ -110,12 +119,16 @@ def autoloader_job(out: Path, scenario: str) -> int:
     each epoch's ids against DataLoader's, and the result. With
     ``autoloader-crash-on-last-rank``, that rank's workers from index 1 up die; with
     ``autoloader-evaluates-on-rank-0``, rank 0 spends ``EVALUATION`` seconds alone after
-    its first epoch."""
+    its first epoch; with ``autoloader-short-epochs``, each rank's epoch is 12 batches,
+    fewer than 8 workers x prefetch 2 hold at once, and every rank spends
+    ``SHORT_EPOCHS_VALIDATION`` seconds after each epoch (a validation)."""
     init_process_group(scenario)
     if scenario == "autoloader-evaluates-on-rank-0":
         _ranks.TRIAL_TIMEOUT = _TRIAL_TIMEOUT
     rank, size = dist.get_rank(), dist.get_world_size()
-    dataset: SleepDataset = SleepDataset(length=384, latency=0.002)
+    short = scenario == "autoloader-short-epochs"
+    length = 12 * 8 * size if short else 384
+    dataset: SleepDataset = SleepDataset(length=length, latency=0.002)
     if scenario == "autoloader-crash-on-last-rank" and rank == size - 1:
         dataset = FaultInWorkersDataset("SIGKILL", length=384, from_worker=1, after=3)
     sampler = DistributedSampler(dataset, seed=3)
@@ -127,7 +140,9 @@ def autoloader_job(out: Path, scenario: str) -> int:
         batch_size=8,
         sampler=sampler,
         time_budget=8,
-        search_space={"num_workers": (0, 3), "worker_kind": "processes"},
+        search_space=SHORT_EPOCHS_SPACE
+        if short
+        else {"num_workers": (0, 3), "worker_kind": "processes"},
     )
     step = DDPStep()
     report: dict[str, object] = {"rank": rank, "settings": [], "epochs_equal": []}
@@ -149,6 +164,8 @@ def autoloader_job(out: Path, scenario: str) -> int:
                 batch_number += 1
             expected = [b[:, 0].tolist() for b in reference]
             report["epochs_equal"].append(seen == expected)  # type: ignore[attr-defined]
+            if short:
+                time.sleep(SHORT_EPOCHS_VALIDATION)
             if scenario == "autoloader-evaluates-on-rank-0" and rank == 0 and epoch == 0:
                 report["evaluated_while_tuning"] = not loader.tuned
                 report["evaluation_began"] = time.time()

@@ -157,5 +157,11 @@ class Feed:
 
     def point_at(self, epoch: EpochBatches) -> None:
         """Feed the next epoch's batches (a persistent loader's next epoch)."""
-        self.epoch, self._open, self.delivered_count = epoch, True, 0
+        self.carry_to(epoch)
+        self.delivered_count = 0
+
+    def carry_to(self, epoch: EpochBatches) -> None:
+        """Feed the next epoch's batches to the same trial (``NOTE [ Trials span epochs ]``):
+        its counts, and its ``limit``, go on from where the last epoch left them."""
+        self.epoch, self._open = epoch, True
         self._handed.clear()

@@ -151,6 +151,14 @@ class TrialClock:
         if self.window is not None:
             self.window_start += seconds
 
+    def pause(self, seconds: float) -> None:
+        """The trial stood still for ``seconds``: a live trial at an epoch's edge, while
+        the loop does its own work (NOTE [ Live trials span epochs ], in _live.py). Its
+        warm-up's deadline and its open window move on by as much."""
+        self.warmup_deadline += seconds
+        if self.window is not None:
+            self.window_start += seconds
+
     def add(self, batch: Totals, end: float) -> bool:
         """Count ``batch``, stepped by ``end``, in the open window; whether the window is
         long enough to close."""
@@ -186,13 +194,14 @@ class TrialClock:
 
     def finish(self, now: float, *, first_samples: int, time_to_first_batch: float) -> None:
         """The trial ends at ``now``: a window open before any closed counts (flagged
-        uncertain: no error estimate); with none, the first batch alone."""
+        uncertain: no error estimate); with none, the first batch alone, of
+        ``first_samples`` (none: a trial that delivered nothing, with no rate at all)."""
         window = self.window
         if not self.windows and window is not None and window.batches > 0:
             window.seconds = max(1e-9, now - self.window_start)
             self.windows.append(window)
             self.total = window
-        if not self.windows:
+        if not self.windows and first_samples:
             self.total = Totals(
                 samples=first_samples,
                 batches=1,

@@ -9,8 +9,9 @@ memory horizon), under the same watch (memory budget, worker deaths, per-batch
 deadlines). It ends with a :class:`Measurement` or with the failure, never raising a
 fault into the loop: the caller hands the undelivered batches to the next setting.
 
-Meant differences from the timer: a live trial ends with its epoch (the training loop,
-not the trial, starts the next one), so it times no whole epoch and no restart; it
+Meant differences from the timer: a live trial spans epochs as the timer's do, but the
+training loop, not the trial, starts the next one, and does its own work in between
+(``NOTE [ Live trials span epochs ]``), so it times no whole epoch and no restart; it
 measures alone (a torchrun job's ranks agree on its length beforehand, ``feed.limit``,
 instead of at checkpoints); and each window closes at the first batch it may.
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from autoloader.loader import Feed
+from autoloader.loader import EpochBatches, Feed
 from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._batches import batch_length, tensor_bytes
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon
@@ -51,6 +52,26 @@ Failure = TrialError | MemoryBudgetExceeded
 
 class TrialEnded(Exception):
     """The trial has ended before this batch: the caller starts the next setting."""
+
+
+# NOTE [ Live trials span epochs ]
+# As tune()'s (NOTE [ Trials span epochs ], in _timing_loop.py), a live trial is not
+# bounded by its epoch. Cut there, a trial that had not closed two timing windows was
+# lost as too short: with 12 batches a rank per epoch and 8 workers (16 batches in
+# flight) the warm-up alone outlasted every epoch, no trial with workers was measured,
+# and AutoLoader kept num_workers=0 (1.00x where 8 persistent workers gave 3.08x).
+# So where the epoch's batches run out before the trial's end (its time, its vote, its
+# ``feed.limit`` of batches), the epoch ends (StopIteration) and the trial waits at the
+# epoch's edge, its loader and workers kept (trial loaders keep their workers, as
+# persistent ones do); the loop's next epoch resumes it (:meth:`LiveTrial.resume`), its
+# feed taking that epoch's batches (NOTE [ Every batch once ]) with its counts and
+# limit going on. The edge, from the last batch's step to the new epoch's first batch
+# (the loop's own work between epochs, validation and checkpoints, then the refill),
+# is off the open window's clock (TrialClock.epoch_edge); the loop's own part of it
+# (up to its first next()) is off the trial's time too: its deadline, its start and
+# its warm-up move by that much. The first batch of the epoch counts no wait (it is the
+# edge's), and the warm-up is not repeated. A trial started where an epoch has no batch
+# left waits at the edge the same way.
 
 
 class LiveTrial:
@@ -146,6 +167,9 @@ class LiveTrial:
         self.guard = Guard(self.watch, self.deaths, self.alarm, self.started, loader=loader)
         self.iterator: Iterator[Any] | None = None
         self.closed = False
+        # NOTE [ Live trials span epochs ]: where the trial waits at an epoch's edge, when
+        # the loop's step of the epoch's last batch ended (then its last next()).
+        self.edge_from: float | None = None
 
     # The loop's next() ----------------------------------------------------------------
 
@@ -155,9 +179,11 @@ class LiveTrial:
         Raises:
             TrialEnded: the trial ended (its time, its windows, or a fault): nothing was
                 fetched; :attr:`outcome` says how it ended.
-            StopIteration: the epoch has no batch left (the trial ended with it). A trial
-                given a number of batches (``feed.limit``) that delivered them all ends
-                with TrialEnded instead.
+            StopIteration: the epoch has no batch left. A setting not measured, serving
+                training, ends with it; a trial not over yet waits for the next epoch
+                (:meth:`resume`, ``NOTE [ Live trials span epochs ]``), its
+                :attr:`outcome` still ``None``. A trial given a number of batches
+                (``feed.limit``) that delivered them all ends with TrialEnded instead.
         """
         if self.outcome is not None:
             if self.draining:
@@ -166,18 +192,32 @@ class LiveTrial:
         if not self.measuring:
             return self._serve()
         now, cpu, own = self.cpu.read()
-        if self.returned_at is not None:
-            self._count(now, cpu, own)
-        if self.outcome is None and now >= self.deadline:
-            self.outcome = self._finish()
-        if self.outcome is not None:
-            return self._drain_from_here()
-        batch = self._serve()
+        if self.edge_from is None:
+            if self.returned_at is not None:
+                self._count(now, cpu, own)
+            if self.outcome is None and now >= self.deadline:
+                self.outcome = self._finish()
+            if self.outcome is not None:
+                return self._drain_from_here()
+        else:
+            self._pause(now - self.edge_from)  # the loop's own work, before this next()
+            self.edge_from = now
+        try:
+            batch = self._serve()
+        except StopIteration:
+            if self.outcome is None and self.edge_from is None:
+                self.edge_from = now  # NOTE [ Live trials span epochs ]
+            raise
         got, got_cpu, got_own = self.cpu.read()
         if self.returned_at is None:
             self.time_to_first_batch = got - self.started
             self.clock.first_batch(got, self.deadline)
             self.batch_bytes = tensor_bytes(batch)
+        if self.edge_from is not None:
+            # The refill is the edge's too: off the windows' clock, and no wait of the batch.
+            self.clock.epoch_edge(got - self.edge_from)
+            self.edge_from = None
+            now, cpu, own = got, got_cpu, got_own
         self.last_wait = (got - now, got_cpu - cpu, got_own - own)
         self.last_samples = batch_length(batch, self.batch_size)
         self.returned_at, self.returned_cpu = got, (got_cpu, got_own)
@@ -221,9 +261,12 @@ class LiveTrial:
             self.watch.check()  # a watch not sampling never finds the budget passed
             batch = self._fetch()
         except StopIteration:
-            self.outcome = self._finish()
             if self.feed.limit is not None and self.feed.handed_count >= self.feed.limit:
+                self.outcome = self._finish()
                 raise TrialEnded from None  # the batches it was given are delivered
+            if not self.measuring and self.feed.limit is None:
+                self.outcome = self._finish()  # serving training: it ends with its epoch
+            # Otherwise the trial goes on in the next epoch (NOTE [ Live trials span epochs ]).
             raise
         except (TrialError, MemoryBudgetExceeded) as failure:
             self.outcome = failure
@@ -308,20 +351,43 @@ class LiveTrial:
         self.each_limit = clock.paced(self.each_limit)
         clock.open(now)
 
+    def measured(self) -> Measurement:
+        """What the trial timed up to its end, whatever ended it (a setting that failed
+        on the dataset's own error, which every setting raises, did load until then)."""
+        return self._finish()
+
     def _finish(self) -> Measurement:
-        """The measurement once the trial's time, or the epoch, is up."""
+        """The measurement once the trial's time is up, or the loop left it."""
         self.clock.finish(
-            perf_counter(),
-            first_samples=self.last_samples or self.batch_size,
+            perf_counter() if self.edge_from is None else self.edge_from,
+            # Nothing delivered (a trial the loop left at an epoch's edge): no rate.
+            first_samples=self.last_samples,
             time_to_first_batch=self.time_to_first_batch,
         )
         return self._estimate()
 
+    def _pause(self, seconds: float) -> None:
+        """The loop did its own work for ``seconds`` at an epoch's edge: off the trial's
+        time (``NOTE [ Live trials span epochs ]``)."""
+        self.started += seconds
+        self.deadline += seconds
+        if self.watch.ends_at is not None:
+            self.watch.ends_at += seconds
+        self.clock.pause(seconds)
+
+    def resume(self, batches: EpochBatches) -> None:
+        """Go on with the next epoch's ``batches`` (``NOTE [ Live trials span epochs ]``):
+        the loader is iterated again at the next batch, its workers kept."""
+        assert self.outcome is None and not self.closed, "only a trial at an epoch's edge resumes"
+        self.feed.carry_to(batches)
+        self.iterator = None
+
     def _estimate(self) -> Measurement:
+        end = perf_counter() if self.edge_from is None else self.edge_from
         return self.clock.estimate(
             time_to_first_batch=self.time_to_first_batch,
             restarts=[],
-            duration=perf_counter() - self.started,
+            duration=end - self.started,
             peak_memory=self.watch.peak,
             batch_bytes=self.batch_bytes,
             epochs_samples_per_second=None,
