@@ -253,9 +253,9 @@ def test_a_trial_the_loop_leaves_at_an_epochs_edge_is_recorded_with_what_it_meas
         verbose=False,
     )
     _epochs(loader, 3)
-    assert loader._tuning is not None and loader._tuning.carried is not None
+    assert loader.tuning is not None and loader.tuning.carried is not None
     loader.close()
-    assert loader._tuning.carried is None
+    assert loader.tuning.carried is None
     assert len(loader.history) >= 1
     assert all(t.samples_per_second is None or t.samples_per_second < 1e7 for t in loader.history)
 
