@@ -5,7 +5,9 @@
     check_arguments         the arguments, checked before anything runs, as a Problem
     agree                   under torchrun: every rank was given the same problem
                             (both in _problem.py)
-    reused                  a saved result of the same problem (_reuse.py)
+    reused                  a saved result of the same problem (_reuse.py),
+    checked                 trusted once a short trial of it measures its rate
+                            again (_reuse_check.py)
     _trial_runner           what measures one setting in this process; under torchrun
                             every rank measures each trial, _lead driving the study
                             and follow() on the other ranks
@@ -43,6 +45,7 @@ from autoloader._problem import (
     check_main_thread,
 )
 from autoloader._reuse import reused
+from autoloader._reuse_check import checked
 from autoloader._session import RunSession
 from autoloader._sigterm import Sigterm, sigterm_while_tuning
 from autoloader.checks import Isolation, checks_seconds
@@ -235,8 +238,13 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
     if ranks is not None:
         problem = agree(ranks, problem)
     found = reused(problem, ranks)
+    if found is not None and ranks is not None:
+        return found  # NOTE [ A reused setting checked ]: unchecked under torchrun
     if found is not None:
-        return found
+        assert problem.path is not None
+        found = checked(found, _runner(problem), budget=problem.budget, path=problem.path)
+        if found is not None:
+            return found
     session = RunSession(problem, ranks, started=started, interruption=sigterm.interruption)
     result = _tuned(session)
     sigterm.hold()  # NOTE [ SIGTERM while tuning ]: a SIGTERM now waits for the file
@@ -257,8 +265,7 @@ def _tuned(session: RunSession) -> TuneResult:
     problem, ranks = session.problem, session.ranks
     in_process = _trial_runner(problem, ranks)
     if ranks is None:
-        runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
-        return _search(session, runner)
+        return _search(session, _runner(problem))
     baseline_kwargs = merge_loader_kwargs(
         BASELINE_PARAMS, batch_size=problem.batch_size, fixed=problem.fixed
     )
@@ -274,6 +281,12 @@ def _tuned(session: RunSession) -> TuneResult:
         found: TuneResult = follow(in_process, ranks, spare=spare)
         return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
     return _lead(session, JointRunner(in_process, ranks, spare=spare))
+
+
+def _runner(problem: Problem) -> Runner:
+    """What measures one setting, for this process alone."""
+    in_process = _trial_runner(problem, None)
+    return SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
 
 
 def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:

@@ -1,0 +1,194 @@
+"""A reused setting checked by measurement before it is trusted.
+
+NOTE [ A reused setting checked ]
+A result file is reused where its problem's description matches (``_reuse.py``), and
+the description cannot see everything that sets the speed: the storage (a cold cache,
+a remote disk), a dataset's attribute (a latency, a resolution), code reached through
+objects (``NOTE [ Code fingerprints ]``). So a reused setting is measured first, and
+its rate compared with the rate of the saved trial of the same setting:
+
+- ``tune()`` runs one short trial of it, through the runner its search would use: at
+  most ``_SHARE`` of the time budget, and no less than ``_LEAST_SECONDS`` (a rate needs
+  a few timing windows), stopped at the first window where the verdict is clear;
+- ``AutoLoader`` times the first batches it loads with it (:class:`FirstBatchesCheck`):
+  the training's own batches, at no cost but the timing.
+
+The rate may differ from the saved one by the saved trial's own error (its 95%
+interval) plus the check's, and never less than ``_LEAST_BAND`` (25%): noise alone
+does not tune again. A check too short for an error of its own (fewer than two timing
+windows) is allowed ``_TOO_SHORT_BAND``. Outside the band, the run tunes again, and a
+warning says what moved, loading or the step, by how much (``loading 11x slower than
+when tuned``); a setting that fails its check tunes again too. Inside, the result is
+reused, and its notes say what the check measured. Under torchrun the ranks reuse the
+file unchecked: a trial there is every rank's at once, which the reuse does not start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from autoloader.measure import (
+    Deadlines,
+    Measurement,
+    MemoryBudgetExceeded,
+    Runner,
+    TrialError,
+    format_seconds,
+)
+from autoloader.results import TrialRecord, TuneResult
+
+_logger = logging.getLogger("autoloader")
+
+# tune(): the check's share of the time budget, and its least seconds.
+_SHARE = 0.02
+_LEAST_SECONDS = 1.0
+# The least difference of rate that tunes again, and that of a check too short to tell
+# its own error.
+_LEAST_BAND = 0.25
+_TOO_SHORT_BAND = 0.5
+# A batch of the check may take this many times the saved trial's before it is hung.
+_HUNG = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseCheck:
+    """A reused setting's rate, measured, against its saved trial's.
+
+    Attributes:
+        then: samples per second of the saved trial, and ``now``: of the check.
+        band: the difference of rate allowed, relative to ``then``.
+        load_then, load_now: seconds per batch the loop waited for data.
+        step_then, step_now: seconds per batch in the step.
+        seconds: seconds the check took.
+    """
+
+    then: float
+    now: float
+    band: float
+    load_then: float
+    load_now: float
+    step_then: float
+    step_now: float
+    seconds: float
+
+    @property
+    def holds(self) -> bool:
+        """Whether the rate is within the band: the setting is reused."""
+        return abs(self.now - self.then) <= self.band * self.then
+
+    def moved(self) -> str:
+        """What moved, in words: loading or the step, whichever added or saved more
+        time a batch, by how much."""
+        loading = abs(self.load_now - self.load_then) >= abs(self.step_now - self.step_then)
+        what, then, now = (
+            ("loading", self.load_then, self.load_now)
+            if loading
+            else ("the step", self.step_then, self.step_now)
+        )
+        if then <= 0 or now <= 0:
+            return f"{what} takes {format_seconds(now)} a batch, {format_seconds(then)} when tuned"
+        ratio = now / then
+        faster = ratio < 1
+        factor = 1 / ratio if faster else ratio
+        amount = f"{factor:.0f}x" if factor >= 2 else f"{factor:.1f}x"
+        return f"{what} {amount} {'faster' if faster else 'slower'} than when tuned"
+
+    def note(self) -> str:
+        """The check, for the result's notes."""
+        return (
+            f"checked before reuse: {self.now:,.0f} samples/s in "
+            f"{format_seconds(self.seconds)}, {self.then:,.0f} when tuned (within "
+            f"{self.band:.0%}): reused"
+        )
+
+
+def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> ReuseCheck:
+    """``measured``, the check of ``saved``'s setting, against ``saved``."""
+    assert saved.samples_per_second is not None
+    if measured.too_short:
+        band = _TOO_SHORT_BAND
+    else:
+        band = max(_LEAST_BAND, (saved.relative_error or 0.0) + measured.relative_error)
+    return ReuseCheck(
+        then=saved.samples_per_second,
+        now=measured.samples_per_second,
+        band=band,
+        load_then=saved.load_seconds or 0.0,
+        load_now=measured.load_seconds,
+        step_then=saved.step_seconds or 0.0,
+        step_now=measured.step_seconds,
+        seconds=seconds,
+    )
+
+
+def saved_trial(result: TuneResult) -> TrialRecord | None:
+    """The saved trial of ``result``'s setting that a check compares with: the latest
+    complete one with a rate, or ``None`` (nothing to compare with)."""
+    chosen = result.chosen_trial
+    if chosen is None or not chosen.samples_per_second:
+        return None
+    return chosen
+
+
+def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
+    """Whether the check can stop at this timing window: its rate known well enough
+    to be inside its band, or far enough to be outside it."""
+    if window < 2 or not math.isfinite(measured.relative_error):
+        return False
+    check = compared(saved, measured, seconds=0.0)
+    error = measured.relative_error * check.now
+    off = abs(check.now - check.then)
+    return off + error <= check.band * check.then or off - error > check.band * check.then
+
+
+def check_seconds(budget: float) -> float:
+    """Seconds ``tune()``'s check of a reused setting may take (``NOTE [ A reused setting
+    checked ]``)."""
+    return max(_SHARE * budget, _LEAST_SECONDS)
+
+
+def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) -> TuneResult | None:
+    """``result``, reused from ``path``, once one short trial of its setting measured a
+    rate within its band, its notes saying so; ``None`` where it did not, or failed:
+    then the run tunes again, and a warning says why (``NOTE [ A reused setting
+    checked ]``)."""
+    saved = saved_trial(result)
+    if saved is None:
+        _logger.info("reusing %s unchecked: it keeps no measurement of its setting", path)
+        return result
+    seconds = check_seconds(budget)
+    per_batch = (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
+    workers = int(result.params.get("num_workers") or 0)
+    deadlines = Deadlines.per_batch(max(seconds, _HUNG * per_batch), workers=workers)
+    try:
+        measured = runner.measure(
+            result.params,
+            max_seconds=seconds,
+            on_window=lambda window, estimate: decided(saved, window, estimate),
+            deadlines=deadlines,
+        )
+    except (TrialError, MemoryBudgetExceeded) as error:
+        _logger.warning(
+            "not reusing %s: its setting failed when checked (%s). Tuning again; the file "
+            "will be replaced.",
+            path,
+            error,
+        )
+        return None
+    check = compared(saved, measured, seconds=measured.duration)
+    if not check.holds:
+        _logger.warning(
+            "not reusing %s: %s (%.0f samples/s now, %.0f when tuned): re-tuning; the "
+            "file will be replaced.",
+            path,
+            check.moved(),
+            check.now,
+            check.then,
+        )
+        return None
+    _logger.info("%s: %s", path, check.note())
+    return dataclasses.replace(result, notes=(*result.notes, check.note()))
