@@ -13,10 +13,12 @@ its rate compared with the rate of the saved trial of the same setting:
 - ``AutoLoader`` times the first batches it loads with it (:class:`FirstBatchesCheck`):
   the training's own batches, at no cost but the timing.
 
-The rate may differ from the saved one by the saved trial's own error (its 95%
-interval) plus the check's, and never less than ``_LEAST_BAND`` (25%): noise alone
-does not tune again. A check too short for an error of its own (fewer than two timing
-windows) is allowed ``_TOO_SHORT_BAND``. Outside the band, the run tunes again, and a
+The rate may differ from the saved one, by a factor either way, of 1 plus the saved
+trial's own error (its 95% interval) and the check's: never less than 1.25
+(``_LEAST_BAND``), so noise alone does not tune again, and never more than 2
+(``_MOST_BAND``), so a noisy saved trial still sees a rate halved. A check too short
+for an error of its own (fewer than two timing windows) is allowed 1.5
+(``_TOO_SHORT_BAND``). Outside the band, the run tunes again, and a
 warning says what moved, loading or the step, by how much (``loading 11x slower than
 when tuned``); a setting that fails its check tunes again too. Inside, the result is
 reused, and its notes say what the check measured. Under torchrun the ranks reuse the
@@ -46,9 +48,11 @@ _logger = logging.getLogger("autoloader")
 # tune(): the check's share of the time budget, and its least seconds.
 _SHARE = 0.02
 _LEAST_SECONDS = 1.0
-# The least difference of rate that tunes again, and that of a check too short to tell
+# The band, a factor either way: at least 1.25 (noise never tunes again), at most 2 (a
+# noisy saved trial still sees a rate halved), and 1.5 for a check too short to tell
 # its own error.
 _LEAST_BAND = 0.25
+_MOST_BAND = 1.0
 _TOO_SHORT_BAND = 0.5
 # A batch of the check may take this many times the saved trial's before it is hung.
 _HUNG = 20.0
@@ -60,7 +64,8 @@ class ReuseCheck:
 
     Attributes:
         then: samples per second of the saved trial, and ``now``: of the check.
-        band: the difference of rate allowed, relative to ``then``.
+        band: the change of rate allowed: ``now`` may be ``then`` times or divided by
+            ``1 + band``.
         load_then, load_now: seconds per batch the loop waited for data.
         step_then, step_now: seconds per batch in the step.
         seconds: seconds the check took.
@@ -77,8 +82,9 @@ class ReuseCheck:
 
     @property
     def holds(self) -> bool:
-        """Whether the rate is within the band: the setting is reused."""
-        return abs(self.now - self.then) <= self.band * self.then
+        """Whether the rate is within the band, a factor either way: the setting is
+        reused."""
+        return self.then / (1 + self.band) <= self.now <= self.then * (1 + self.band)
 
     def moved(self) -> str:
         """What moved, in words: loading or the step, whichever added or saved more
@@ -89,8 +95,10 @@ class ReuseCheck:
             if loading
             else ("the step", self.step_then, self.step_now)
         )
-        if then <= 0 or now <= 0:
-            return f"{what} takes {format_seconds(now)} a batch, {format_seconds(then)} when tuned"
+        if then <= 0:
+            return f"{what} takes {format_seconds(now)} a batch, no time when tuned"
+        if now <= 0:
+            return f"{what} takes no time, {format_seconds(then)} a batch when tuned"
         ratio = now / then
         faster = ratio < 1
         factor = 1 / ratio if faster else ratio
@@ -112,7 +120,8 @@ def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> Re
     if measured.too_short:
         band = _TOO_SHORT_BAND
     else:
-        band = max(_LEAST_BAND, (saved.relative_error or 0.0) + measured.relative_error)
+        errors = (saved.relative_error or 0.0) + measured.relative_error
+        band = min(_MOST_BAND, max(_LEAST_BAND, errors))
     return ReuseCheck(
         then=saved.samples_per_second,
         now=measured.samples_per_second,
@@ -140,9 +149,9 @@ def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
     if window < 2 or not math.isfinite(measured.relative_error):
         return False
     check = compared(saved, measured, seconds=0.0)
-    error = measured.relative_error * check.now
-    off = abs(check.now - check.then)
-    return off + error <= check.band * check.then or off - error > check.band * check.then
+    low, high = check.now * (1 - measured.relative_error), check.now * (1 + measured.relative_error)
+    least, most = check.then / (1 + check.band), check.then * (1 + check.band)
+    return (least <= low and high <= most) or high < least or low > most
 
 
 def check_seconds(budget: float) -> float:

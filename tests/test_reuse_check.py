@@ -1,0 +1,108 @@
+"""A reused setting checked by measurement before it is trusted (``NOTE [ A reused
+setting checked ]``, ``_reuse_check.py``): a dataset that slowed down is tuned again,
+saying what moved; an unchanged one is reused, its check in the result's notes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+
+import autoloader
+from autoloader import SearchSpace
+from autoloader._reuse_check import ReuseCheck, checked
+from autoloader.measure import TrialRunner, resolve_memory_budget
+
+from .workloads import FailingDataset, SleepDataset, noop_step
+
+SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+
+
+def _tune(path: Path, latency: float, *, time_budget: float = 4) -> autoloader.TuneResult:
+    # The same class and length: only its latency, which no description sees, differs.
+    return autoloader.tune(
+        SleepDataset(256, latency=latency),
+        noop_step,
+        batch_size=8,
+        time_budget=time_budget,
+        search_space=SPACE,
+        show_progress=False,
+        path=path,
+    )
+
+
+def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    first = _tune(path, 0.002)
+
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        again = _tune(path, 0.002)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert again.params == first.params and again.trials == first.trials  # the file's
+    (note,) = [n for n in again.notes if n.startswith("checked before reuse: ")]
+    assert note.endswith(": reused")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        slowed = _tune(path, 0.02)  # 20 ms a read, where it was 2
+    (warning,) = [r.getMessage() for r in caplog.records if "not reusing" in r.getMessage()]
+    assert warning.startswith(f"not reusing {path}: loading ")
+    assert (
+        "x slower than when tuned" in warning and "re-tuning; the file will be replaced" in warning
+    )
+    assert next(r for r in caplog.records if "not reusing" in r.getMessage()).levelname == "WARNING"
+    assert slowed.trials != first.trials and slowed.trials[0].phase == "baseline"
+    assert autoloader.load(path).trials == slowed.trials  # the file holds the new run
+
+
+def test_a_setting_that_fails_its_check_is_tuned_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.001)
+    runner = TrialRunner(
+        FailingDataset(256, latency=0.001, bad=20),
+        noop_step,
+        batch_size=8,
+        memory_budget=resolve_memory_budget(None),
+    )
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(result, runner, budget=4, path=path) is None
+    assert f"not reusing {path}: its setting failed when checked" in caplog.text
+
+
+def test_a_result_without_a_measurement_of_its_setting_is_reused_unchecked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.001)
+    bare = dataclasses.replace(result, trials=())
+    runner = TrialRunner(FailingDataset(256, bad=0), noop_step, batch_size=8, memory_budget=1)
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(bare, runner, budget=4, path=path) is bare  # the runner never ran
+    assert "unchecked: it keeps no measurement of its setting" in caplog.text
+
+
+def _check(
+    *, now: float = 100.0, load: tuple[float, float] = (0.01, 0.01), step: float = 0.01
+) -> ReuseCheck:
+    return ReuseCheck(
+        then=100.0, now=now, band=0.25, load_then=load[0], load_now=load[1],
+        step_then=0.01, step_now=step, seconds=0.5,
+    )  # fmt: skip
+
+
+def test_the_check_names_what_moved_and_by_how_much() -> None:
+    # The band is a factor either way: 25% means from 1/1.25 to 1.25 times the saved rate.
+    assert _check(now=81).holds and _check(now=124).holds
+    assert not _check(now=79).holds and not _check(now=126).holds
+    assert _check(load=(0.01, 0.11)).moved() == "loading 11x slower than when tuned"
+    assert _check(load=(0.01, 0.015)).moved() == "loading 1.5x slower than when tuned"
+    assert _check(load=(0.03, 0.01)).moved() == "loading 3x faster than when tuned"
+    assert _check(step=0.04).moved() == "the step 4x slower than when tuned"
+    assert _check(load=(0.02, 0.0)).moved() == "loading takes no time, 20.0 ms a batch when tuned"
+    assert _check(load=(0.0, 0.02)).moved() == "loading takes 20.0 ms a batch, no time when tuned"
