@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from autoloader._loop_search import (
 from autoloader._preserve import preserved
 from autoloader._problem import Problem, agree, workers_unpicklable
 from autoloader._reuse import reused, study_beside
+from autoloader._reuse_check import FirstBatchesCheck, first_batches_check
 from autoloader._session import RunSession
 from autoloader.checks import world
 from autoloader.distributed import Ranks
@@ -52,6 +54,7 @@ from autoloader.loader import (
 from autoloader.measure import (
     Deadlines,
     LiveTrial,
+    Measurement,
     MemoryBudgetExceeded,
     TrialError,
     WindowCallback,
@@ -87,6 +90,8 @@ class _Loader(Protocol):
 #      │                       MAKING_UP                                         MAKING_UP
 #      │
 #      └─── first batch: a saved result of this problem (_reuse.py) ───────────────► TUNED
+#                                                                                   │
+#          SEARCHING ◄─── its first batches timed outside its band (_reuse_check.py) ┘
 #
 # - WAITING: nothing measured yet; the first batch starts the run (Ranks.join, the
 #   saved result, the checks before the search, the study).
@@ -102,7 +107,9 @@ class _Loader(Protocol):
 #   is the dataset's and reaches the loop, as DataLoader would raise it.
 # - TUNED: the chosen setting loads every batch, its loader kept across epochs where
 #   its workers persist. Where it fails, the last good other setting is chosen, the
-#   baseline making up the batches it gave back.
+#   baseline making up the batches it gave back. A setting reused from a file has its
+#   first batches timed (NOTE [ A reused setting checked ]): outside their band, the
+#   search starts from there, as at a first batch with no file.
 
 
 class Stage(enum.Enum):
@@ -152,6 +159,8 @@ class LoopTuning:
         # Trials of epochs the loop dropped, stopped, and the batches they had not
         # delivered: the study is told at the next epoch (NOTE [ Nothing outlives the loop ]).
         self.abandoned: list[tuple[LiveTrial, int]] = []
+        # TUNED with a reused setting: the check of its first batches, until it is done.
+        self.check: FirstBatchesCheck | None = None
 
     @property
     def owner(self) -> _Loader:
@@ -219,6 +228,9 @@ class LoopTuning:
             if ranks is not None:
                 ranks.close()
             self.take(found, reused_from=problem.path)
+            if ranks is None:  # NOTE [ A reused setting checked ]: unchecked under torchrun
+                assert problem.path is not None
+                self.check = first_batches_check(found, problem.path)
             return
         session = None
         if ranks is None or ranks.drives:  # rank 0 runs the checks and the search
@@ -306,14 +318,16 @@ class LoopTuning:
             loader = self._loader(params, feed, seed)
             if persistent:
                 self.kept = (loader, feed)
+        check = self.check  # a reused setting's first batches are timed
         return LiveTrial(
             loader,
             feed,
             params,
             batch_size=self.problem.batch_size,
             memory_budget=None,
-            max_seconds=None,
+            max_seconds=None if check is None else math.inf,
             deadlines=self._deadlines(params),
+            on_window=None if check is None else check.on_window,
             keep_workers=persistent,
         )
 
@@ -381,8 +395,33 @@ class LoopTuning:
             return
         assert self.stage is Stage.TUNED
         if failure is not None:
+            self.check = None
             self._chosen_failed(trial, failure)
             self._make_up(undelivered)
+        elif self.check is not None and isinstance(outcome, Measurement):
+            self._checked(self.check.verdict(outcome), undelivered)
+
+    def _checked(self, holds: bool | None, undelivered: int) -> None:
+        """TUNED, a reused setting's first batches timed (``NOTE [ A reused setting
+        checked ]``): it holds (its result noting the check), or it is tuned again,
+        SEARCHING from here as at a first batch with no result to reuse."""
+        check = self.check
+        if holds is None or check is None:
+            return
+        self.check = None
+        if holds:
+            self.result = check.noted()
+            return
+        if self.kept is not None:
+            loader, _ = self.kept
+            self.kept = None
+            release(loader)
+        self.result = self.chosen = None
+        torch.set_num_threads(self.threads)
+        self.started = perf_counter()
+        self.search = SoloSearch(self._session(None))
+        self.stage = Stage.SEARCHING
+        self._make_up(undelivered)
 
     def _make_up(self, batches: int) -> None:
         """MAKING_UP ``batches`` with the last good setting (none: the stage goes on)."""
@@ -467,7 +506,7 @@ class LoopTuning:
             line = (
                 f"AutoLoader: reusing {describe_params(self.chosen)} from {reused_from}, "
                 f"tuned for this problem on this machine ({result.speedup:.2f}x the "
-                "defaults); nothing to tune"
+                "defaults)"
             )
         else:
             assert self.started is not None

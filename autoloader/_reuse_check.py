@@ -201,3 +201,76 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
         return None
     _logger.info("%s: %s", path, check.note())
     return dataclasses.replace(result, notes=(*result.notes, check.note()))
+
+
+# AutoLoader: epochs whose first trial may end too soon for a rate (fewer batches than
+# the warm-up) before the reused setting is left unchecked.
+_EPOCHS = 3
+
+
+class FirstBatchesCheck:
+    """``AutoLoader``'s check of a setting reused from ``path``: the first batches the
+    training loads with it, timed (``NOTE [ A reused setting checked ]``). Its
+    :meth:`on_window` is their trial's: it ends the trial once the rate is clearly
+    outside its band; :meth:`verdict` says, as the trial ends, whether the setting holds.
+    """
+
+    def __init__(self, result: TuneResult, saved: TrialRecord, path: Path) -> None:
+        self.result = result
+        self.saved = saved
+        self.path = path
+        self.check: ReuseCheck | None = None
+        self.epochs = 0
+
+    def on_window(self, window: int, measured: Measurement) -> bool:
+        """At each timing window of the first batches: whether to end their trial, the
+        setting to be tuned again."""
+        if self.check is None and decided(self.saved, window, measured):
+            self.check = compared(self.saved, measured, seconds=measured.duration)
+        return self.check is not None and not self.check.holds
+
+    def verdict(self, measured: Measurement) -> bool | None:
+        """As the trial of the first batches ends: whether the setting holds (``None``:
+        not known yet, the next epoch's first batches are timed too), said in the log."""
+        if self.check is None:
+            self.epochs += 1
+            if measured.batches == 0 or not measured.samples_per_second > 0:
+                if self.epochs < _EPOCHS:
+                    return None
+                _logger.info(
+                    "AutoLoader: reusing %s unchecked: its epochs were too short to time",
+                    self.path,
+                )
+                return True
+            self.check = compared(self.saved, measured, seconds=measured.duration)
+        check = self.check
+        if check.holds:
+            _logger.info("AutoLoader: %s: %s", self.path, check.note())
+            return True
+        _logger.warning(
+            "AutoLoader: not reusing %s: %s (%.0f samples/s now, %.0f when tuned): "
+            "re-tuning; the file will be replaced.",
+            self.path,
+            check.moved(),
+            check.now,
+            check.then,
+        )
+        return False
+
+    def noted(self) -> TuneResult:
+        """The result reused, its notes saying what the check measured."""
+        if self.check is None:
+            return self.result
+        return dataclasses.replace(self.result, notes=(*self.result.notes, self.check.note()))
+
+
+def first_batches_check(result: TuneResult, path: Path) -> FirstBatchesCheck | None:
+    """The check of ``result``'s setting, reused from ``path`` by an ``AutoLoader``;
+    ``None`` where the result keeps no measurement of it to compare with."""
+    saved = saved_trial(result)
+    if saved is None:
+        _logger.info(
+            "AutoLoader: reusing %s unchecked: it keeps no measurement of its setting", path
+        )
+        return None
+    return FirstBatchesCheck(result, saved, path)

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 import autoloader
-from autoloader import SearchSpace
+from autoloader import AutoLoader, SearchSpace
 from autoloader._reuse_check import ReuseCheck, checked
 from autoloader.measure import TrialRunner, resolve_memory_budget
 
@@ -85,6 +89,73 @@ def test_a_result_without_a_measurement_of_its_setting_is_reused_unchecked(
     with caplog.at_level(logging.INFO, logger="autoloader"):
         assert checked(bare, runner, budget=4, path=path) is bare  # the runner never ran
     assert "unchecked: it keeps no measurement of its setting" in caplog.text
+
+
+def _epochs(loader: DataLoader[Any], epochs: int) -> list[list[int]]:
+    """The ids of every batch of ``epochs`` epochs, a 2 ms step after each batch."""
+    seen = []
+    for _ in range(epochs):
+        for batch in loader:
+            time.sleep(0.002)
+            seen.append([int(i) for i in batch[:, 0]])
+    return seen
+
+
+def _loader(path: Path, latency: float) -> AutoLoader[Any]:
+    return AutoLoader(
+        SleepDataset(96, latency=latency),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=3,
+        search_space={"num_workers": (0, 2), "prefetch_factor": 2, "worker_kind": "processes"},
+        path=path,
+        verbose=False,
+    )
+
+
+def test_an_autoloader_times_its_first_batches_and_tunes_again_where_loading_slowed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    first = _loader(path, 0.002)
+    try:
+        while not first.tuned:
+            _epochs(first, 1)
+    finally:
+        first.close()
+
+    caplog.set_level(logging.INFO, logger="autoloader")
+    caplog.clear()
+    again = _loader(path, 0.002)
+    try:
+        _epochs(again, 2)
+    finally:
+        again.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert again.result is not None and again.result.trials == first.result.trials  # type: ignore[union-attr]
+    assert again.result.notes[-1].startswith("checked before reuse: ")
+
+    caplog.clear()
+    slowed = _loader(path, 0.02)  # 20 ms a read, where it was 2
+    try:
+        seen = _epochs(slowed, 3)
+    finally:
+        slowed.close()
+    (warning,) = [r for r in caplog.records if "not reusing" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage().startswith(f"AutoLoader: not reusing {path}: loading ")
+    assert "x slower than when tuned" in warning.getMessage()
+    assert slowed.result is not None and slowed.result.trials != first.result.trials  # type: ignore[union-attr]
+    assert autoloader.load(path).trials == slowed.result.trials  # tuned again, and saved
+    # Exactly DataLoader's batches, through the check, the switch and the search.
+    reference = DataLoader(
+        SleepDataset(96, latency=0.0),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+    )
+    assert seen == _epochs(reference, 3)
 
 
 def _check(
