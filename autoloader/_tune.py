@@ -134,11 +134,13 @@ def tune(
             model trains on during tuning. (default: ``None``)
         path (str or path, optional): a JSON file that keeps the result. If it holds
             the result of the same problem (the dataset's type and length, the step,
-            the batch size, the search space, the fixed loader options, the device)
-            measured on this machine, that result is returned and nothing is tuned;
-            otherwise the run tunes, logs why it could not reuse the file, and saves
-            the result there (under torchrun, global rank 0 reads and writes it).
-            (default: ``None``)
+            the batch size, the search space, the fixed loader options, the device,
+            the fingerprints of the dataset's and the step's code) measured on this
+            machine, one short trial of its setting checks its rate (``NOTE [ A
+            reused setting checked ]``), and where it holds that result is returned,
+            nothing searched; otherwise the run tunes, logs why it could not reuse the
+            file, and saves the result there (under torchrun, global rank 0 reads and
+            writes it). (default: ``None``)
 
     The global random number generators (torch's, NumPy's, Python's) are always
     restored: training after ``tune()`` draws the same numbers as without it. So is
