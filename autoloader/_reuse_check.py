@@ -5,24 +5,29 @@ A result file is reused where its problem's description matches (``_reuse.py``),
 the description cannot see everything that sets the speed: the storage (a cold cache,
 a remote disk), a dataset's attribute (a latency, a resolution), code reached through
 objects (``NOTE [ Code fingerprints ]``). So a reused setting is measured first, and
-its rate compared with the rate of the saved trial of the same setting:
+compared with the saved trial of the same setting:
 
 - ``tune()`` runs one short trial of it, through the runner its search would use: at
   most ``_SHARE`` of the time budget, and no less than ``_LEAST_SECONDS`` (a rate needs
-  a few timing windows), stopped at the first window where the verdict is clear;
+  a few timing windows; a setting with workers, their start-up), stopped at the first
+  window where the verdict is clear;
 - ``AutoLoader`` times the first batches it loads with it (:class:`FirstBatchesCheck`):
   the training's own batches, at no cost but the timing.
 
-The rate may differ from the saved one, by a factor either way, of 1 plus the saved
-trial's own error (its 95% interval) and the check's: never less than 1.25
-(``_LEAST_BAND``), so noise alone does not tune again, and never more than 2
-(``_MOST_BAND``), so a noisy saved trial still sees a rate halved. A check too short
-for an error of its own (fewer than two timing windows) is allowed 1.5
-(``_TOO_SHORT_BAND``). Outside the band, the run tunes again, and a
-warning says what moved, loading or the step, by how much (``loading 11x slower than
-when tuned``); a setting that fails its check tunes again too. Inside, the result is
-reused, and its notes say what the check measured. Under torchrun the ranks reuse the
-file unchecked: a trial there is every rank's at once, which the reuse does not start.
+What counts is the loop's wait for data, a batch: it may grow by the saved trial's
+own error (its 95% interval) plus the check's, as a share of a batch's time when
+tuned, never less than 25% (``_LEAST_BAND``: noise alone does not tune again) and never
+more than 100% (``_MOST_BAND``: a noisy saved trial still sees the loop's rate
+halved); a check too short for an error of its own (fewer than two timing windows) is
+allowed 50% (``_TOO_SHORT_BAND``). Beyond that, the run tunes again, and a warning
+says what moved (``loading 11x slower than when tuned``); a setting that fails its
+check tunes again too. Within it, the result is reused, and its notes say what the
+check measured. The step's own time is not the setting's to fix: a step slower than
+when tuned (a model warming up, a busy machine: a fresh Trainer's first steps ran 1.5x
+slower in a test) leaves the setting, which still feeds it, reused; a step faster, for
+which loading now keeps the loop waiting, is tuned again, by its wait. Under torchrun
+the ranks reuse the file unchecked: a trial there is every rank's at once, which the
+reuse does not start.
 """
 
 from __future__ import annotations
@@ -48,9 +53,8 @@ _logger = logging.getLogger("autoloader")
 # tune(): the check's share of the time budget, and its least seconds.
 _SHARE = 0.02
 _LEAST_SECONDS = 1.0
-# The band, a factor either way: at least 1.25 (noise never tunes again), at most 2 (a
-# noisy saved trial still sees a rate halved), and 1.5 for a check too short to tell
-# its own error.
+# The band: the loop's wait for data may grow by this share of a batch's time when
+# tuned (NOTE [ A reused setting checked ]).
 _LEAST_BAND = 0.25
 _MOST_BAND = 1.0
 _TOO_SHORT_BAND = 0.5
@@ -60,12 +64,12 @@ _HUNG = 20.0
 
 @dataclass(frozen=True, slots=True)
 class ReuseCheck:
-    """A reused setting's rate, measured, against its saved trial's.
+    """A reused setting's loop, measured, against its saved trial's.
 
     Attributes:
         then: samples per second of the saved trial, and ``now``: of the check.
-        band: the change of rate allowed: ``now`` may be ``then`` times or divided by
-            ``1 + band``.
+        band: how much longer the loop may wait for data a batch, as a share of a
+            batch's time when tuned.
         load_then, load_now: seconds per batch the loop waited for data.
         step_then, step_now: seconds per batch in the step.
         seconds: seconds the check took.
@@ -82,36 +86,42 @@ class ReuseCheck:
 
     @property
     def holds(self) -> bool:
-        """Whether the rate is within the band, a factor either way: the setting is
-        reused."""
-        return self.then / (1 + self.band) <= self.now <= self.then * (1 + self.band)
+        """Whether the setting still feeds the loop as it did: its wait for data grew
+        by no more than the band's share of a batch's time when tuned."""
+        return self.load_now - self.load_then <= self.band * (self.load_then + self.step_then)
 
     def moved(self) -> str:
         """What moved, in words: loading or the step, whichever added or saved more
         time a batch, by how much."""
-        loading = abs(self.load_now - self.load_then) >= abs(self.step_now - self.step_then)
-        what, then, now = (
-            ("loading", self.load_then, self.load_now)
-            if loading
-            else ("the step", self.step_then, self.step_now)
+        if abs(self.load_now - self.load_then) < abs(self.step_now - self.step_then):
+            return f"the step {_factor(self.step_then, self.step_now)} than when tuned"
+        if self.load_then > 0 and self.load_then >= self.step_then:
+            # Loading was the loop's bottleneck: its wait was its whole cost.
+            return f"loading {_factor(self.load_then, self.load_now)} than when tuned"
+        return (
+            f"the loop waits {format_seconds(self.load_now)} a batch for data, "
+            f"{format_seconds(self.load_then)} when tuned"
         )
-        if then <= 0:
-            return f"{what} takes {format_seconds(now)} a batch, no time when tuned"
-        if now <= 0:
-            return f"{what} takes no time, {format_seconds(then)} a batch when tuned"
-        ratio = now / then
-        faster = ratio < 1
-        factor = 1 / ratio if faster else ratio
-        amount = f"{factor:.0f}x" if factor >= 2 else f"{factor:.1f}x"
-        return f"{what} {amount} {'faster' if faster else 'slower'} than when tuned"
 
     def note(self) -> str:
         """The check, for the result's notes."""
         return (
             f"checked before reuse: {self.now:,.0f} samples/s in "
-            f"{format_seconds(self.seconds)}, {self.then:,.0f} when tuned (within "
-            f"{self.band:.0%}): reused"
+            f"{format_seconds(self.seconds)}, {self.then:,.0f} when tuned; the loop waits "
+            f"{format_seconds(self.load_now)} a batch for data, "
+            f"{format_seconds(self.load_then)} when tuned (up to {self.band:.0%} of a "
+            "batch's time more allowed): reused"
         )
+
+
+def _factor(then: float, now: float) -> str:
+    """``now`` against ``then`` in words: ``11x slower``, ``1.5x faster``."""
+    if then <= 0 or now <= 0:
+        return f"{format_seconds(now)} a batch, {format_seconds(then)}"
+    ratio = now / then
+    factor = max(ratio, 1 / ratio)
+    amount = f"{factor:.0f}x" if factor >= 2 else f"{factor:.1f}x"
+    return f"{amount} {'faster' if ratio < 1 else 'slower'}"
 
 
 def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> ReuseCheck:
@@ -144,14 +154,13 @@ def saved_trial(result: TuneResult) -> TrialRecord | None:
 
 
 def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
-    """Whether the check can stop at this timing window: its rate known well enough
-    to be inside its band, or far enough to be outside it."""
+    """Whether the check can stop at this timing window: its wait for data known well
+    enough to be within its band, or beyond it."""
     if window < 2 or not math.isfinite(measured.relative_error):
         return False
     check = compared(saved, measured, seconds=0.0)
-    low, high = check.now * (1 - measured.relative_error), check.now * (1 + measured.relative_error)
-    least, most = check.then / (1 + check.band), check.then * (1 + check.band)
-    return (least <= low and high <= most) or high < least or low > most
+    margin = check.band * (check.load_then + check.step_then) - (check.load_now - check.load_then)
+    return abs(margin) > measured.relative_error * (check.load_now + check.step_now)
 
 
 def check_seconds(budget: float) -> float:
