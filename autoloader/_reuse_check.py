@@ -170,10 +170,10 @@ def check_seconds(budget: float) -> float:
 
 
 def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) -> TuneResult | None:
-    """``result``, reused from ``path``, once one short trial of its setting measured a
-    rate within its band, its notes saying so; ``None`` where it did not, or failed:
-    then the run tunes again, and a warning says why (``NOTE [ A reused setting
-    checked ]``)."""
+    """``result``, reused from ``path``, once one short trial of its setting found the
+    loop waiting for data within its band, its notes saying so; ``None`` where it did
+    not, or failed: then the run tunes again, and a warning says why (``NOTE [ A
+    reused setting checked ]``)."""
     saved = saved_trial(result)
     if saved is None:
         _logger.info("reusing %s unchecked: it keeps no measurement of its setting", path)
@@ -198,18 +198,27 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
         )
         return None
     check = compared(saved, measured, seconds=measured.duration)
-    if not check.holds:
-        _logger.warning(
-            "not reusing %s: %s (%.0f samples/s now, %.0f when tuned): re-tuning; the "
-            "file will be replaced.",
-            path,
-            check.moved(),
-            check.now,
-            check.then,
-        )
+    if not _told(check, path, who=""):
         return None
-    _logger.info("%s: %s", path, check.note())
     return dataclasses.replace(result, notes=(*result.notes, check.note()))
+
+
+def _told(check: ReuseCheck, path: Path, *, who: str) -> bool:
+    """Whether the setting reused from ``path`` holds, said in the log (``who``: the
+    log line's opening)."""
+    if check.holds:
+        _logger.info("%s%s: %s", who, path, check.note())
+        return True
+    _logger.warning(
+        "%snot reusing %s: %s (%.0f samples/s now, %.0f when tuned): re-tuning; the file "
+        "will be replaced.",
+        who,
+        path,
+        check.moved(),
+        check.now,
+        check.then,
+    )
+    return False
 
 
 # AutoLoader: epochs whose first trial may end too soon for a rate (fewer batches than
@@ -220,8 +229,9 @@ _EPOCHS = 3
 class FirstBatchesCheck:
     """``AutoLoader``'s check of a setting reused from ``path``: the first batches the
     training loads with it, timed (``NOTE [ A reused setting checked ]``). Its
-    :meth:`on_window` is their trial's: it ends the trial once the rate is clearly
-    outside its band; :meth:`verdict` says, as the trial ends, whether the setting holds.
+    :meth:`on_window` is their trial's: it ends the trial once the wait for data is
+    clearly beyond its band; :meth:`verdict` says, as the trial ends, whether the
+    setting holds.
     """
 
     def __init__(self, result: TuneResult, saved: TrialRecord, path: Path) -> None:
@@ -252,19 +262,7 @@ class FirstBatchesCheck:
                 )
                 return True
             self.check = compared(self.saved, measured, seconds=measured.duration)
-        check = self.check
-        if check.holds:
-            _logger.info("AutoLoader: %s: %s", self.path, check.note())
-            return True
-        _logger.warning(
-            "AutoLoader: not reusing %s: %s (%.0f samples/s now, %.0f when tuned): "
-            "re-tuning; the file will be replaced.",
-            self.path,
-            check.moved(),
-            check.now,
-            check.then,
-        )
-        return False
+        return _told(self.check, self.path, who="AutoLoader: ")
 
     def noted(self) -> TuneResult:
         """The result reused, its notes saying what the check measured."""

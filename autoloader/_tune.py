@@ -6,8 +6,8 @@
     agree                   under torchrun: every rank was given the same problem
                             (both in _problem.py)
     reused                  a saved result of the same problem (_reuse.py),
-    checked                 trusted once a short trial of it measures its rate
-                            again (_reuse_check.py)
+    checked                 trusted once a short trial of its setting finds the
+                            loop waiting for data as when tuned (_reuse_check.py)
     _trial_runner           what measures one setting in this process; under torchrun
                             every rank measures each trial, _lead driving the study
                             and follow() on the other ranks
@@ -265,9 +265,9 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
 def _tuned(session: RunSession) -> TuneResult:
     """The search, in this process alone or as one of the ranks."""
     problem, ranks = session.problem, session.ranks
-    in_process = _trial_runner(problem, ranks)
     if ranks is None:
         return _search(session, _runner(problem))
+    in_process = _trial_runner(problem, ranks)
     baseline_kwargs = merge_loader_kwargs(
         BASELINE_PARAMS, batch_size=problem.batch_size, fixed=problem.fixed
     )
