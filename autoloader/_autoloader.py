@@ -120,8 +120,10 @@ class AutoLoader(DataLoader[_T_co]):
         path (str or path, optional): a JSON file that keeps the tuned settings. A run
             that finds there the result of the same problem (dataset type and length,
             batch size, search space, loader options, device, the training script) on
-            this machine starts with it and tunes nothing; otherwise it tunes and saves
-            the result there, saying why it could not reuse it. (default: ``None``)
+            this machine starts with it, and times its first batches: outside the
+            saved trial's band it tunes from there (``NOTE [ A reused setting
+            checked ]``); otherwise it tunes and saves the result there, saying why it
+            could not reuse it. (default: ``None``)
         time_budget (float, optional): seconds of training the search may take, from the
             first batch; ``None`` means 60. (default: ``None``)
         n_trials, memory_budget, search_space, seed: as :func:`autoloader.tune`'s.

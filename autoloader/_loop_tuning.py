@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -42,6 +43,7 @@ from autoloader._loop_search import (
 from autoloader._preserve import preserved
 from autoloader._problem import Problem, agree, workers_unpicklable
 from autoloader._reuse import reused, study_beside
+from autoloader._reuse_check import FirstBatchesCheck, first_batches_check
 from autoloader._session import RunSession
 from autoloader.checks import world
 from autoloader.distributed import Ranks
@@ -60,6 +62,7 @@ from autoloader.loader._torch_compat import exiting
 from autoloader.measure import (
     Deadlines,
     LiveTrial,
+    Measurement,
     MemoryBudgetExceeded,
     TrialError,
     WindowCallback,
@@ -96,6 +99,8 @@ class _Loader(Protocol):
 #      │
 #      └─── first batch: a saved result of this problem (_reuse.py), or a state
 #           loaded from a checkpoint taken once tuned ────────────────────────────► TUNED
+#                                                                                   │
+#          SEARCHING ◄─── its first batches timed outside its band (_reuse_check.py) ┘
 #
 # - WAITING: nothing measured yet; the first batch starts the run (Ranks.join, the
 #   saved result, the checks before the search, the study); a state loaded from a
@@ -112,7 +117,9 @@ class _Loader(Protocol):
 #   fails, the error is the dataset's and reaches the loop, as DataLoader would raise it.
 # - TUNED: the chosen setting loads every batch, its loader kept across epochs where
 #   its workers persist. Where it fails, the last good other setting is chosen, the
-#   baseline making up the batches it gave back.
+#   baseline making up the batches it gave back. A setting reused from a file has its
+#   first batches timed (NOTE [ A reused setting checked ]): outside their band, the
+#   search starts from there, as at a first batch with no file.
 # A trial of any stage but TUNED that the epoch ends in the middle of goes on in the
 # next epoch (NOTE [ Live trials span epochs ], in measure/_live.py): the stages move
 # where trials start and end, never at an epoch's end.
@@ -177,6 +184,8 @@ class LoopTuning:
         # The trial the last epoch ended in the middle of, for the next epoch to resume
         # (NOTE [ Live trials span epochs ]).
         self.carried: LiveTrial | None = None
+        # TUNED with a reused setting: the check of its first batches, until it is done.
+        self.check: FirstBatchesCheck | None = None
 
     @property
     def owner(self) -> _Loader:
@@ -297,6 +306,9 @@ class LoopTuning:
             if ranks is not None:
                 ranks.close()
             self.take(found, reused_from=problem.path)
+            if ranks is None:  # NOTE [ A reused setting checked ]: unchecked under torchrun
+                assert problem.path is not None
+                self.check = first_batches_check(found, problem.path)
             return
         session = None
         if ranks is None or ranks.drives:  # rank 0 runs the checks and the search
@@ -464,14 +476,16 @@ class LoopTuning:
             loader = self._loader(params, feed, seed, keep_workers=persistent)
             if persistent:
                 self.kept = (loader, feed)
+        check = self.check  # a reused setting's first batches are timed
         return LiveTrial(
             loader,
             feed,
             params,
             batch_size=self.problem.batch_size,
             memory_budget=None,
-            max_seconds=None,
+            max_seconds=None if check is None else math.inf,
             deadlines=self._deadlines(params),
+            on_window=None if check is None else check.on_window,
             keep_workers=persistent,
         )
 
@@ -549,8 +563,33 @@ class LoopTuning:
             return
         assert self.stage is Stage.TUNED
         if failure is not None:
+            self.check = None
             self._chosen_failed(trial, failure)
             self._make_up(undelivered)
+        elif self.check is not None and isinstance(outcome, Measurement):
+            self._checked(self.check.verdict(outcome), undelivered)
+
+    def _checked(self, holds: bool | None, undelivered: int) -> None:
+        """TUNED, a reused setting's first batches timed (``NOTE [ A reused setting
+        checked ]``): it holds (its result noting the check), or it is tuned again,
+        SEARCHING from here as at a first batch with no result to reuse."""
+        check = self.check
+        if holds is None or check is None:
+            return
+        self.check = None
+        if holds:
+            self.result = check.noted()
+            return
+        if self.kept is not None:
+            loader, _ = self.kept
+            self.kept = None
+            release(loader)
+        self.result = self.chosen = None
+        torch.set_num_threads(self.threads)
+        self.started = perf_counter()
+        self.search = SoloSearch(self._session(None, None))
+        self.stage = Stage.SEARCHING
+        self._make_up(undelivered)
 
     def _make_up(self, batches: int) -> None:
         """MAKING_UP ``batches`` with the last good setting (none: the stage goes on)."""
@@ -643,7 +682,7 @@ class LoopTuning:
             line = (
                 f"AutoLoader: reusing {describe_params(self.chosen)} from {reused_from}, "
                 f"tuned for this problem on this machine ({result.speedup:.2f}x the "
-                "defaults); nothing to tune"
+                "defaults)"
             )
         else:
             assert self.started is not None

@@ -38,7 +38,14 @@ from autoloader.checks import (
 from autoloader.distributed import Ranks, agree_on_arguments, node_memory_budget
 from autoloader.measure import resolve_device, resolve_memory_budget
 from autoloader.results import SCHEMA_VERSION, check_writable, read_result_json
-from autoloader.search import ProblemIdentity, SearchSpace, check_search_space, open_storage
+from autoloader.search import (
+    ProblemIdentity,
+    SearchSpace,
+    check_search_space,
+    dataset_code,
+    open_storage,
+    step_code,
+)
 
 # Seconds a run may take where time_budget is not given: tune() and AutoLoader (None),
 # the CLI and the Lightning and Transformers adapters all default to this one number.
@@ -118,6 +125,8 @@ class Problem:
             ),
             fixed_loader_kwargs=self.fixed,
             device=self.device,
+            dataset_code=dataset_code(self.dataset),
+            step_code=step_code(self.step_fn),
         )
 
     def key(self) -> dict[str, str]:
@@ -265,10 +274,13 @@ def _checked_isolation(isolation: object, ranks: Ranks | None) -> Isolation:
 
 
 # The parts of a problem's identity that each rank of a job may give its own: its
-# dataset object (a rank's shard, a fault injected on one rank in a test), its step, and
+# dataset object (a rank's shard, a fault injected on one rank in a test), its step (and
+# so their code's fingerprints), and
 # the fixed loader options that hold objects (each rank's DistributedSampler). The job
 # tunes one problem of one shape: the rest of the identity must be alike.
-RANK_OWN_PARTS = frozenset({"dataset", "step_fn", "fixed loader options"})
+RANK_OWN_PARTS = frozenset(
+    {"dataset", "step_fn", "fixed loader options", "dataset code", "step code"}
+)
 
 
 def shared_arguments(problem: Problem) -> tuple[Any, ...]:

@@ -3,11 +3,14 @@ on the same machine, searches nothing.
 
 A result file names its problem part by part (:attr:`TuneResult.problem`: the dataset's
 type and length, the step, the batch size, the search space asked, the fixed loader
-options, the device) and the machine it was measured on (its environment). A later run
-reuses the file only where both are the same; where not, it says which part differs,
-tunes again and replaces the file. A file that cannot be read, or whose run was
-interrupted, is tuned again too. Under torchrun, global rank 0 reads the file (it is the
-one that writes it) and every rank takes its decision.
+options, the device, the fingerprints of the dataset's and the step's code) and the
+machine it was measured on (its environment). A later run reuses the file only where
+both are the same, and once a measurement of its setting agrees
+(``NOTE [ A reused setting checked ]``, in ``_reuse_check.py``); where not, it says
+which part differs, or what moved, tunes again and replaces the file. A file that
+cannot be read, or whose run was interrupted, is tuned again too. Under torchrun,
+global rank 0 reads the file (it is the one that writes it) and every rank takes its
+decision.
 
 NOTE [ An unfinished search kept ]
 A training run can end before ``AutoLoader``'s search does (a first run of a few
@@ -82,7 +85,7 @@ def _saved(problem: Problem) -> TuneResult | None:
         return None
     _logger.info(
         "reusing the settings in %s, tuned for this problem on this machine: %s "
-        "(%.2fx the defaults); nothing to tune",
+        "(%.2fx the defaults)",
         path,
         result.params,
         result.speedup,
@@ -92,15 +95,41 @@ def _saved(problem: Problem) -> TuneResult | None:
 
 def differences_from(result: TuneResult, problem: Problem) -> list[str]:
     """How ``problem`` differs from the one ``result`` was tuned for, one phrase per
-    difference; empty when ``result`` can be reused for it."""
+    difference; empty when ``result`` can be reused for it.
+
+    A file saved before the problem carried its code's fingerprints (``NOTE [ Code
+    fingerprints ]``) is not refused for that: its code is not compared, and the check
+    by measurement (``NOTE [ A reused setting checked ]``) tells whether it still holds."""
     if result.partial:
         return ["its tuning run was interrupted before it ended"]
     if not result.problem:
         return ["it was saved by an earlier autoloader, which did not record the problem"]
     now = problem.key()
+    parts = sorted(set(now) | set(result.problem))
+    differ = {part for part in parts if result.problem.get(part) != now.get(part)}
     found = [
-        f"{part}: {result.problem.get(part)} then, {now.get(part)} now"
-        for part in sorted(set(now) | set(result.problem))
-        if result.problem.get(part) != now.get(part)
+        _difference(part, result.problem.get(part), now.get(part))
+        for part in parts
+        if part in differ
+        # A file without fingerprints; or another type: its code differs too.
+        and not (
+            part in _CODE_PARTS and (part not in result.problem or _CODE_PARTS[part][1] in differ)
+        )
     ]
     return found + result.environment.differences(problem.environment)
+
+
+# The parts that fingerprint code (NOTE [ Code fingerprints ]): whose code, and the part
+# that names its type.
+_CODE_PARTS = {"dataset code": ("the dataset's", "dataset"), "step code": ("the step's", "step_fn")}
+
+
+def _difference(part: str, then: str | None, now: str | None) -> str:
+    """One part that differs, in words: a code fingerprint as the code that changed."""
+    if part not in _CODE_PARTS:
+        return f"{part}: {then} then, {now} now"
+    whose = _CODE_PARTS[part][0]
+    compiled = [value.split(":")[0] for value in (then, now) if value and ":" in value]
+    if len(compiled) == 2 and compiled[0] != compiled[1]:
+        return f"{whose} code cannot be compared ({compiled[0]} then, {compiled[1]} now)"
+    return f"{whose} code changed"

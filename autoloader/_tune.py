@@ -5,7 +5,9 @@
     check_arguments         the arguments, checked before anything runs, as a Problem
     agree                   under torchrun: every rank was given the same problem
                             (both in _problem.py)
-    reused                  a saved result of the same problem (_reuse.py)
+    reused                  a saved result of the same problem (_reuse.py),
+    checked                 trusted once a short trial of its setting finds the
+                            loop waiting for data as when tuned (_reuse_check.py)
     _trial_runner           what measures one setting in this process; under torchrun
                             every rank measures each trial, _lead driving the study
                             and follow() on the other ranks
@@ -43,6 +45,7 @@ from autoloader._problem import (
     check_main_thread,
 )
 from autoloader._reuse import reused
+from autoloader._reuse_check import checked
 from autoloader._session import RunSession
 from autoloader._sigterm import Sigterm, sigterm_while_tuning
 from autoloader.checks import Isolation, checks_seconds
@@ -131,11 +134,13 @@ def tune(
             model trains on during tuning. (default: ``None``)
         path (str or path, optional): a JSON file that keeps the result. If it holds
             the result of the same problem (the dataset's type and length, the step,
-            the batch size, the search space, the fixed loader options, the device)
-            measured on this machine, that result is returned and nothing is tuned;
-            otherwise the run tunes, logs why it could not reuse the file, and saves
-            the result there (under torchrun, global rank 0 reads and writes it).
-            (default: ``None``)
+            the batch size, the search space, the fixed loader options, the device,
+            the fingerprints of the dataset's and the step's code) measured on this
+            machine, one short trial of its setting checks its rate (``NOTE [ A
+            reused setting checked ]``), and where it holds that result is returned,
+            nothing searched; otherwise the run tunes, logs why it could not reuse the
+            file, and saves the result there (under torchrun, global rank 0 reads and
+            writes it). (default: ``None``)
 
     The global random number generators (torch's, NumPy's, Python's) are always
     restored: training after ``tune()`` draws the same numbers as without it. So is
@@ -235,8 +240,13 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
     if ranks is not None:
         problem = agree(ranks, problem)
     found = reused(problem, ranks)
+    if found is not None and ranks is not None:
+        return found  # NOTE [ A reused setting checked ]: unchecked under torchrun
     if found is not None:
-        return found
+        assert problem.path is not None
+        found = checked(found, _runner(problem), budget=problem.budget, path=problem.path)
+        if found is not None:
+            return found
     session = RunSession(problem, ranks, started=started, interruption=sigterm.interruption)
     result = _tuned(session)
     sigterm.hold()  # NOTE [ SIGTERM while tuning ]: a SIGTERM now waits for the file
@@ -255,10 +265,9 @@ def _tune(ranks: Ranks | None, started: float, problem: Problem, sigterm: Sigter
 def _tuned(session: RunSession) -> TuneResult:
     """The search, in this process alone or as one of the ranks."""
     problem, ranks = session.problem, session.ranks
-    in_process = _trial_runner(problem, ranks)
     if ranks is None:
-        runner = SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
-        return _search(session, runner)
+        return _search(session, _runner(problem))
+    in_process = _trial_runner(problem, ranks)
     baseline_kwargs = merge_loader_kwargs(
         BASELINE_PARAMS, batch_size=problem.batch_size, fixed=problem.fixed
     )
@@ -274,6 +283,12 @@ def _tuned(session: RunSession) -> TuneResult:
         found: TuneResult = follow(in_process, ranks, spare=spare)
         return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
     return _lead(session, JointRunner(in_process, ranks, spare=spare))
+
+
+def _runner(problem: Problem) -> Runner:
+    """What measures one setting, for this process alone."""
+    in_process = _trial_runner(problem, None)
+    return SubprocessRunner(in_process) if problem.isolation == "subprocess" else in_process
 
 
 def _trial_runner(problem: Problem, ranks: Ranks | None) -> TrialRunner:

@@ -88,9 +88,10 @@ class LoaderTuner(pl.Callback):
 
     Args:
         time_budget (float, optional): seconds tuning may take. (default: ``60``)
-        path (str or path, optional): a JSON file that keeps the result: reused without
-            tuning when it holds this problem's result on this machine, else written
-            after tuning (see ``tune(path=...)``). (default: ``None``)
+        path (str or path, optional): a JSON file that keeps the result: reused,
+            once a short trial of its setting agrees, when it holds this problem's
+            result on this machine, else written after tuning (see
+            ``tune(path=...)``). (default: ``None``)
         **tune_kwargs: other :func:`autoloader.tune` arguments (``search_space``,
             ``memory_budget``, ``n_trials``, ``storage``, ``show_progress``...). Not
             ``dataset``, ``step_fn``, ``batch_size``, ``loader_kwargs`` or ``restore``,

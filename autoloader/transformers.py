@@ -85,8 +85,9 @@ def tune_trainer(
         time_budget (float, optional): seconds for the whole tuning run. (default: ``60``)
         path (str or path, optional): a JSON file that keeps the result: where it holds
             the result of the same problem, measured on this machine, that result is
-            applied and nothing is tuned; else the run tunes and saves its result there
-            (see :func:`autoloader.tune`). (default: ``None``)
+            applied once a short trial of it agrees (nothing searched); else the run
+            tunes and saves its result there (see :func:`autoloader.tune`).
+            (default: ``None``)
         **tune_kwargs: other arguments of :func:`autoloader.tune`: ``search_space``,
             ``n_trials``, ``memory_budget``, ``storage``, ``show_progress``... The
             dataset, step, batch size, loader options, device and what to restore come

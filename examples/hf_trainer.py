@@ -4,8 +4,8 @@ The dataset reads token ids that each wait 3 ms (a read from remote storage), an
 TrainingArguments say nothing of workers, as most do. ``tune_trainer`` tunes the
 Trainer's own loader (its dataset, collator, batch size and sampler) with the Trainer's
 real training step, then ``train()`` trains with the tuned settings. A second run with
-the same ``--out`` file reuses them and tunes nothing. The model is a 2-layer GPT-2
-built from a config: nothing is downloaded.
+the same ``--out`` file reuses them, once a short trial agrees, and searches nothing.
+The model is a 2-layer GPT-2 built from a config: nothing is downloaded.
 
     python examples/hf_trainer.py [--time-budget 10] [--steps 60] [--out hf_trainer.json]
 

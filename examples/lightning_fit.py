@@ -3,8 +3,8 @@
 The datamodule reads items that each wait 3 ms (a read from remote storage) and its
 ``train_dataloader()`` says nothing of workers, as most do. The callback tunes that
 loader with the model's real training step when the fit starts, then the fit trains
-with the tuned loader. A second run with the same ``--out`` file reuses the settings
-and tunes nothing.
+with the tuned loader. A second run with the same ``--out`` file reuses the settings,
+once a short trial agrees, and searches nothing.
 
     python examples/lightning_fit.py [--time-budget 30] [--epochs 2] [--out lightning.json]
 

@@ -55,7 +55,8 @@ def test_the_same_problem_reuses_the_file_and_another_tunes_again_saying_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "loader.json"
-    first = _tune(path, CountingStep())
+    tuning = CountingStep()
+    first = _tune(path, tuning)
     saved = json.loads(path.read_text())
     assert saved["problem"]["batch size"] == "8"
     assert saved["problem"]["dataset"].endswith("SleepDataset")
@@ -63,8 +64,10 @@ def test_the_same_problem_reuses_the_file_and_another_tunes_again_saying_why(
     step = CountingStep()
     with caplog.at_level(logging.INFO, logger="autoloader"):
         again = _tune(path, step)
-    assert step.calls == 0, "a reused result runs no step"
+    # NOTE [ A reused setting checked ]: one short trial of it, nothing searched.
+    assert 0 < step.calls < tuning.calls
     assert again.params == first.params
+    assert again.notes[-1].startswith("checked before reuse: ")
     assert again.tuning_seconds == first.tuning_seconds  # the file's run, not a new one
     assert f"reusing the settings in {path}" in caplog.text
 
@@ -86,12 +89,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
-def _problem(path: Path) -> Problem:
-    """``_tune``'s problem, as tune() checks it."""
+def _problem(path: Path, *, dataset: Any = None, step: Any = None) -> Problem:
+    """``_tune``'s problem, as tune() checks it (or of another ``dataset`` or ``step``)."""
     return check_arguments(
         None,
-        SleepDataset(256, latency=0.001),
-        CountingStep(),
+        SleepDataset(256, latency=0.001) if dataset is None else dataset,
+        CountingStep() if step is None else step,
         TuneArguments(
             batch_size=8, time_budget=4, search_space=SPACE, show_progress=False, path=path
         ),
@@ -114,8 +117,23 @@ def test_the_file_of_the_same_problem_is_reused(tmp_path: Path, saved: dict[str,
         (lambda data: data["environment"].update(cpu_count=999), "CPUs"),
         (lambda data: data["problem"].update(device="cuda"), "device: cuda then, None now"),
         (lambda data: data.update(params={"num_workers": "many"}), "not reusing"),
+        (lambda data: data["problem"].update({"dataset code": "x"}), "the dataset's code changed"),
+        (lambda data: data["problem"].update({"step code": "x"}), "the step's code changed"),
+        (
+            lambda data: data["problem"].update({"step code": "python 3.1: 0"}),
+            "the step's code cannot be compared (python 3.1 then, python 3.",
+        ),
     ],
-    ids=["older-file", "interrupted", "other-machine", "other-device", "malformed"],
+    ids=[
+        "older-file",
+        "interrupted",
+        "other-machine",
+        "other-device",
+        "malformed",
+        "dataset-code",
+        "step-code",
+        "other-python",
+    ],
 )
 def test_a_file_that_does_not_fit_is_not_reused_and_says_why(
     tmp_path: Path,
@@ -132,6 +150,66 @@ def test_a_file_that_does_not_fit_is_not_reused_and_says_why(
         assert reused(_problem(path), None) is None
     assert reason in caplog.text
     assert "Tuning again; the file will be replaced" in caplog.text
+
+
+def test_a_file_saved_before_code_was_fingerprinted_is_reused(
+    tmp_path: Path, saved: dict[str, Any]
+) -> None:
+    """Its code is not compared: the check by measurement tells whether it still holds."""
+    data = copy.deepcopy(saved)
+    del data["problem"]["dataset code"], data["problem"]["step code"]
+    path = tmp_path / "loader.json"
+    path.write_text(json.dumps(data))
+    assert reused(_problem(path), None) is not None
+
+
+# The same names as SleepDataset's and CountingStep's, and other bodies: their code changed.
+_CHANGED = """
+import time
+import torch
+from torch.utils.data import Dataset
+
+
+class SleepDataset(Dataset):
+    def __init__(self, length=512, latency=0.002, width=8):
+        self.length, self.latency, self.width = length, latency, width
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        time.sleep(self.latency)
+        return torch.full((self.width,), float(index) * 2)
+
+
+class CountingStep:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, batch):
+        self.calls += 2
+"""
+
+
+@pytest.mark.parametrize("part", ["dataset", "step"])
+def test_a_changed_body_of_the_same_class_is_named_as_its_code_changed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, saved: dict[str, Any], part: str
+) -> None:
+    made: dict[str, Any] = {"__name__": __name__}
+    exec(_CHANGED, made)
+    made["SleepDataset"].__module__ = SleepDataset.__module__
+    path = tmp_path / "loader.json"
+    path.write_text(json.dumps(saved))
+    dataset = made["SleepDataset"](256, latency=0.001) if part == "dataset" else None
+    problem = _problem(
+        path, dataset=dataset, step=made["CountingStep"]() if part == "step" else None
+    )
+    assert problem.key()["dataset"] == saved["problem"]["dataset"]  # type: ignore[index]
+    assert problem.key()["step_fn"] == saved["problem"]["step_fn"]  # type: ignore[index]
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert reused(problem, None) is None
+    whose = "the dataset's" if part == "dataset" else "the step's"
+    assert f"for another problem or machine ({whose} code changed)" in caplog.text
 
 
 def test_a_path_that_is_not_a_file_path_fails_before_any_step(tmp_path: Path) -> None:

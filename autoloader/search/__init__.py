@@ -16,9 +16,11 @@ Layers, each importing only those below it::
     _setting_rules   what each tuned setting may hold (SETTING_RULES), one definition
     _outcome         TrialSpec, Trial and the typed outcomes Completed | Pruned | Failed
     _reasons         why the search stopped, and notes for the user, typed; render()
+    _code            the fingerprint of the dataset's and the step's code
 """
 
 from autoloader.search._choice import Choice
+from autoloader.search._code import NOT_FINGERPRINTED, dataset_code, step_code
 from autoloader.search._cost_model import (
     CPU_BOUND_SHARE,
     STEP_BOUND_WAIT,
@@ -70,6 +72,7 @@ from autoloader.search._study import ProblemIdentity, open_storage, study_name
 
 __all__ = [
     "CPU_BOUND_SHARE",
+    "NOT_FINGERPRINTED",
     "SETTING_RULES",
     "STEP_BOUND_WAIT",
     "STEP_ON_CPU",
@@ -102,6 +105,7 @@ __all__ = [
     "TunedJointly",
     "check_search_space",
     "cpu_bound_seconds",
+    "dataset_code",
     "default_max_workers",
     "open_storage",
     "quiet_optuna",
@@ -109,6 +113,7 @@ __all__ = [
     "render",
     "resolve_space",
     "state_of",
+    "step_code",
     "step_competes_with_workers",
     "study_name",
     "trial_seconds",

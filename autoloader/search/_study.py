@@ -24,6 +24,7 @@ from torch.utils.data import (
 
 from autoloader._exceptions import InvalidInputError, StorageError
 from autoloader.checks import Environment
+from autoloader.search._code import dataset_code, step_code
 from autoloader.search._lease import HEARTBEAT_GRACE, HEARTBEAT_SECONDS
 from autoloader.search._space import SearchSpace
 
@@ -49,6 +50,9 @@ class ProblemIdentity:
         fixed_loader_kwargs: the DataLoader options not tuned, objects among them named
             by their type or function.
         device: where the step runs.
+        dataset_code: the fingerprint of the code that reads the dataset, and
+        step_code: of the step's (``NOTE [ Code fingerprints ]``, in ``_code.py``): its
+            type stays the same when its code changes.
     """
 
     dataset: Dataset[Any]
@@ -59,6 +63,8 @@ class ProblemIdentity:
     memory_budget: int | str | None
     fixed_loader_kwargs: Mapping[str, Any]
     device: torch.device | None
+    dataset_code: str
+    step_code: str
 
     def parts(self, *, device_index: bool = False) -> dict[str, str]:
         """The problem by name, part by part, as a result file keeps it: a later run
@@ -79,6 +85,8 @@ class ProblemIdentity:
             "memory budget": str(self.memory_budget),
             "fixed loader options": str(fixed),
             "device": str(device),
+            "dataset code": self.dataset_code,
+            "step code": self.step_code,
         }
 
 
@@ -105,6 +113,8 @@ def study_name(
         memory_budget=memory_budget,
         fixed_loader_kwargs=fixed_loader_kwargs,
         device=device,
+        dataset_code=dataset_code(dataset),
+        step_code=step_code(step_fn),
     )
     return name_of(identity, environment)
 

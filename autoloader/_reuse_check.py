@@ -1,0 +1,283 @@
+"""A reused setting checked by measurement before it is trusted.
+
+NOTE [ A reused setting checked ]
+A result file is reused where its problem's description matches (``_reuse.py``), and
+the description cannot see everything that sets the speed: the storage (a cold cache,
+a remote disk), a dataset's attribute (a latency, a resolution), code reached through
+objects (``NOTE [ Code fingerprints ]``). So a reused setting is measured first, and
+compared with the saved trial of the same setting:
+
+- ``tune()`` runs one short trial of it, through the runner its search would use: at
+  most ``_SHARE`` of the time budget, and no less than ``_LEAST_SECONDS`` (a rate needs
+  a few timing windows; a setting with workers, their start-up), stopped at the first
+  window where the verdict is clear;
+- ``AutoLoader`` times the first batches it loads with it (:class:`FirstBatchesCheck`):
+  the training's own batches, at no cost but the timing.
+
+What counts is the loop's wait for data, a batch: it may grow by the saved trial's
+own error (its 95% interval) plus the check's, as a share of a batch's time when
+tuned, never less than 25% (``_LEAST_BAND``: noise alone does not tune again) and never
+more than 100% (``_MOST_BAND``: a noisy saved trial still sees the loop's rate
+halved); a check too short for an error of its own (fewer than two timing windows) is
+allowed 50% (``_TOO_SHORT_BAND``). Beyond that, the run tunes again, and a warning
+says what moved (``loading 11x slower than when tuned``); a setting that fails its
+check tunes again too. Within it, the result is reused, and its notes say what the
+check measured. The step's own time is not the setting's to fix: a step slower than
+when tuned (a model warming up, a busy machine: a fresh Trainer's first steps ran 1.5x
+slower in a test) leaves the setting, which still feeds it, reused; a step faster, for
+which loading now keeps the loop waiting, is tuned again, by its wait. Under torchrun
+the ranks reuse the file unchecked: a trial there is every rank's at once, which the
+reuse does not start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from autoloader.measure import (
+    Deadlines,
+    Measurement,
+    MemoryBudgetExceeded,
+    Runner,
+    TrialError,
+    format_seconds,
+)
+from autoloader.results import TrialRecord, TuneResult
+
+_logger = logging.getLogger("autoloader")
+
+# tune(): the check's share of the time budget, and its least seconds.
+_SHARE = 0.02
+_LEAST_SECONDS = 1.0
+# The band: the loop's wait for data may grow by this share of a batch's time when
+# tuned (NOTE [ A reused setting checked ]).
+_LEAST_BAND = 0.25
+_MOST_BAND = 1.0
+_TOO_SHORT_BAND = 0.5
+# A batch of the check may take this many times the saved trial's before it is hung.
+_HUNG = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseCheck:
+    """A reused setting's loop, measured, against its saved trial's.
+
+    Attributes:
+        then: samples per second of the saved trial, and ``now``: of the check.
+        band: how much longer the loop may wait for data a batch, as a share of a
+            batch's time when tuned.
+        load_then, load_now: seconds per batch the loop waited for data.
+        step_then, step_now: seconds per batch in the step.
+        seconds: seconds the check took.
+    """
+
+    then: float
+    now: float
+    band: float
+    load_then: float
+    load_now: float
+    step_then: float
+    step_now: float
+    seconds: float
+
+    @property
+    def holds(self) -> bool:
+        """Whether the setting still feeds the loop as it did: its wait for data grew
+        by no more than the band's share of a batch's time when tuned."""
+        return self.load_now - self.load_then <= self.band * (self.load_then + self.step_then)
+
+    def moved(self) -> str:
+        """What moved, in words: loading or the step, whichever added or saved more
+        time a batch, by how much."""
+        if abs(self.load_now - self.load_then) < abs(self.step_now - self.step_then):
+            return f"the step {_factor(self.step_then, self.step_now)} than when tuned"
+        if self.load_then > 0 and self.load_then >= self.step_then:
+            # Loading was the loop's bottleneck: its wait was its whole cost.
+            return f"loading {_factor(self.load_then, self.load_now)} than when tuned"
+        return (
+            f"the loop waits {format_seconds(self.load_now)} a batch for data, "
+            f"{format_seconds(self.load_then)} when tuned"
+        )
+
+    def note(self) -> str:
+        """The check, for the result's notes."""
+        return (
+            f"checked before reuse: {self.now:,.0f} samples/s in "
+            f"{format_seconds(self.seconds)}, {self.then:,.0f} when tuned; the loop waits "
+            f"{format_seconds(self.load_now)} a batch for data, "
+            f"{format_seconds(self.load_then)} when tuned (up to {self.band:.0%} of a "
+            "batch's time more allowed): reused"
+        )
+
+
+def _factor(then: float, now: float) -> str:
+    """``now`` against ``then`` in words: ``11x slower``, ``1.5x faster``."""
+    if then <= 0 or now <= 0:
+        return f"{format_seconds(now)} a batch, {format_seconds(then)}"
+    ratio = now / then
+    factor = max(ratio, 1 / ratio)
+    amount = f"{factor:.0f}x" if factor >= 2 else f"{factor:.1f}x"
+    return f"{amount} {'faster' if ratio < 1 else 'slower'}"
+
+
+def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> ReuseCheck:
+    """``measured``, the check of ``saved``'s setting, against ``saved``."""
+    assert saved.samples_per_second is not None
+    if measured.too_short:
+        band = _TOO_SHORT_BAND
+    else:
+        errors = (saved.relative_error or 0.0) + measured.relative_error
+        band = min(_MOST_BAND, max(_LEAST_BAND, errors))
+    return ReuseCheck(
+        then=saved.samples_per_second,
+        now=measured.samples_per_second,
+        band=band,
+        load_then=saved.load_seconds or 0.0,
+        load_now=measured.load_seconds,
+        step_then=saved.step_seconds or 0.0,
+        step_now=measured.step_seconds,
+        seconds=seconds,
+    )
+
+
+def saved_trial(result: TuneResult) -> TrialRecord | None:
+    """The saved trial of ``result``'s setting that a check compares with: the latest
+    complete one with a rate, or ``None`` (nothing to compare with)."""
+    chosen = result.chosen_trial
+    if chosen is None or not chosen.samples_per_second:
+        return None
+    return chosen
+
+
+def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
+    """Whether the check can stop at this timing window: its wait for data known well
+    enough to be within its band, or beyond it."""
+    if window < 2 or not math.isfinite(measured.relative_error):
+        return False
+    check = compared(saved, measured, seconds=0.0)
+    margin = check.band * (check.load_then + check.step_then) - (check.load_now - check.load_then)
+    return abs(margin) > measured.relative_error * (check.load_now + check.step_now)
+
+
+def check_seconds(budget: float) -> float:
+    """Seconds ``tune()``'s check of a reused setting may take (``NOTE [ A reused setting
+    checked ]``)."""
+    return max(_SHARE * budget, _LEAST_SECONDS)
+
+
+def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) -> TuneResult | None:
+    """``result``, reused from ``path``, once one short trial of its setting found the
+    loop waiting for data within its band, its notes saying so; ``None`` where it did
+    not, or failed: then the run tunes again, and a warning says why (``NOTE [ A
+    reused setting checked ]``)."""
+    saved = saved_trial(result)
+    if saved is None:
+        _logger.info("reusing %s unchecked: it keeps no measurement of its setting", path)
+        return result
+    seconds = check_seconds(budget)
+    per_batch = (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
+    workers = int(result.params.get("num_workers") or 0)
+    deadlines = Deadlines.per_batch(max(seconds, _HUNG * per_batch), workers=workers)
+    try:
+        measured = runner.measure(
+            result.params,
+            max_seconds=seconds,
+            on_window=lambda window, estimate: decided(saved, window, estimate),
+            deadlines=deadlines,
+        )
+    except (TrialError, MemoryBudgetExceeded) as error:
+        _logger.warning(
+            "not reusing %s: its setting failed when checked (%s). Tuning again; the file "
+            "will be replaced.",
+            path,
+            error,
+        )
+        return None
+    check = compared(saved, measured, seconds=measured.duration)
+    if not _told(check, path, who=""):
+        return None
+    return dataclasses.replace(result, notes=(*result.notes, check.note()))
+
+
+def _told(check: ReuseCheck, path: Path, *, who: str) -> bool:
+    """Whether the setting reused from ``path`` holds, said in the log (``who``: the
+    log line's opening)."""
+    if check.holds:
+        _logger.info("%s%s: %s", who, path, check.note())
+        return True
+    _logger.warning(
+        "%snot reusing %s: %s (%.0f samples/s now, %.0f when tuned): re-tuning; the file "
+        "will be replaced.",
+        who,
+        path,
+        check.moved(),
+        check.now,
+        check.then,
+    )
+    return False
+
+
+# AutoLoader: epochs whose first trial may end too soon for a rate (fewer batches than
+# the warm-up) before the reused setting is left unchecked.
+_EPOCHS = 3
+
+
+class FirstBatchesCheck:
+    """``AutoLoader``'s check of a setting reused from ``path``: the first batches the
+    training loads with it, timed (``NOTE [ A reused setting checked ]``). Its
+    :meth:`on_window` is their trial's: it ends the trial once the wait for data is
+    clearly beyond its band; :meth:`verdict` says, as the trial ends, whether the
+    setting holds.
+    """
+
+    def __init__(self, result: TuneResult, saved: TrialRecord, path: Path) -> None:
+        self.result = result
+        self.saved = saved
+        self.path = path
+        self.check: ReuseCheck | None = None
+        self.epochs = 0
+
+    def on_window(self, window: int, measured: Measurement) -> bool:
+        """At each timing window of the first batches: whether to end their trial, the
+        setting to be tuned again."""
+        if self.check is None and decided(self.saved, window, measured):
+            self.check = compared(self.saved, measured, seconds=measured.duration)
+        return self.check is not None and not self.check.holds
+
+    def verdict(self, measured: Measurement) -> bool | None:
+        """As the trial of the first batches ends: whether the setting holds (``None``:
+        not known yet, the next epoch's first batches are timed too), said in the log."""
+        if self.check is None:
+            self.epochs += 1
+            if measured.batches == 0 or not measured.samples_per_second > 0:
+                if self.epochs < _EPOCHS:
+                    return None
+                _logger.info(
+                    "AutoLoader: reusing %s unchecked: its epochs were too short to time",
+                    self.path,
+                )
+                return True
+            self.check = compared(self.saved, measured, seconds=measured.duration)
+        return _told(self.check, self.path, who="AutoLoader: ")
+
+    def noted(self) -> TuneResult:
+        """The result reused, its notes saying what the check measured."""
+        if self.check is None:
+            return self.result
+        return dataclasses.replace(self.result, notes=(*self.result.notes, self.check.note()))
+
+
+def first_batches_check(result: TuneResult, path: Path) -> FirstBatchesCheck | None:
+    """The check of ``result``'s setting, reused from ``path`` by an ``AutoLoader``;
+    ``None`` where the result keeps no measurement of it to compare with."""
+    saved = saved_trial(result)
+    if saved is None:
+        _logger.info(
+            "AutoLoader: reusing %s unchecked: it keeps no measurement of its setting", path
+        )
+        return None
+    return FirstBatchesCheck(result, saved, path)

@@ -1,0 +1,181 @@
+"""A reused setting checked by measurement before it is trusted (``NOTE [ A reused
+setting checked ]``, ``_reuse_check.py``): a dataset that slowed down is tuned again,
+saying what moved; an unchanged one is reused, its check in the result's notes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import autoloader
+from autoloader import AutoLoader, SearchSpace
+from autoloader._reuse_check import ReuseCheck, checked
+from autoloader.measure import TrialRunner, resolve_memory_budget
+
+from .workloads import FailingDataset, SleepDataset, noop_step
+
+SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+
+
+def _tune(path: Path, latency: float, *, time_budget: float = 4) -> autoloader.TuneResult:
+    # The same class and length: only its latency, which no description sees, differs.
+    return autoloader.tune(
+        SleepDataset(256, latency=latency),
+        noop_step,
+        batch_size=8,
+        time_budget=time_budget,
+        search_space=SPACE,
+        show_progress=False,
+        path=path,
+    )
+
+
+def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    first = _tune(path, 0.002)
+
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        again = _tune(path, 0.002)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert again.params == first.params and again.trials == first.trials  # the file's
+    (note,) = [n for n in again.notes if n.startswith("checked before reuse: ")]
+    assert note.endswith(": reused")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        slowed = _tune(path, 0.02)  # 20 ms a read, where it was 2
+    (warning,) = [r.getMessage() for r in caplog.records if "not reusing" in r.getMessage()]
+    assert warning.startswith(f"not reusing {path}: loading ")
+    assert (
+        "x slower than when tuned" in warning and "re-tuning; the file will be replaced" in warning
+    )
+    assert next(r for r in caplog.records if "not reusing" in r.getMessage()).levelname == "WARNING"
+    assert slowed.trials != first.trials and slowed.trials[0].phase == "baseline"
+    assert autoloader.load(path).trials == slowed.trials  # the file holds the new run
+
+
+def test_a_setting_that_fails_its_check_is_tuned_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.001)
+    runner = TrialRunner(
+        FailingDataset(256, latency=0.001, bad=20),
+        noop_step,
+        batch_size=8,
+        memory_budget=resolve_memory_budget(None),
+    )
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(result, runner, budget=4, path=path) is None
+    assert f"not reusing {path}: its setting failed when checked" in caplog.text
+
+
+def test_a_result_without_a_measurement_of_its_setting_is_reused_unchecked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.001)
+    bare = dataclasses.replace(result, trials=())
+    runner = TrialRunner(FailingDataset(256, bad=0), noop_step, batch_size=8, memory_budget=1)
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(bare, runner, budget=4, path=path) is bare  # the runner never ran
+    assert "unchecked: it keeps no measurement of its setting" in caplog.text
+
+
+def _epochs(loader: DataLoader[Any], epochs: int) -> list[list[int]]:
+    """The ids of every batch of ``epochs`` epochs, a 2 ms step after each batch."""
+    seen = []
+    for _ in range(epochs):
+        for batch in loader:
+            time.sleep(0.002)
+            seen.append([int(i) for i in batch[:, 0]])
+    return seen
+
+
+def _loader(path: Path, latency: float) -> AutoLoader[Any]:
+    return AutoLoader(
+        SleepDataset(96, latency=latency),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=3,
+        search_space={"num_workers": (0, 2), "prefetch_factor": 2, "worker_kind": "processes"},
+        path=path,
+        verbose=False,
+    )
+
+
+def test_an_autoloader_times_its_first_batches_and_tunes_again_where_loading_slowed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loader.json"
+    first = _loader(path, 0.002)
+    try:
+        while not first.tuned:
+            _epochs(first, 1)
+    finally:
+        first.close()
+
+    caplog.set_level(logging.INFO, logger="autoloader")
+    caplog.clear()
+    again = _loader(path, 0.002)
+    try:
+        _epochs(again, 2)
+    finally:
+        again.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert again.result is not None and again.result.trials == first.result.trials  # type: ignore[union-attr]
+    assert again.result.notes[-1].startswith("checked before reuse: ")
+
+    caplog.clear()
+    slowed = _loader(path, 0.02)  # 20 ms a read, where it was 2
+    try:
+        seen = _epochs(slowed, 3)
+    finally:
+        slowed.close()
+    (warning,) = [r for r in caplog.records if "not reusing" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage().startswith(f"AutoLoader: not reusing {path}: loading ")
+    assert "x slower than when tuned" in warning.getMessage()
+    assert slowed.result is not None and slowed.result.trials != first.result.trials  # type: ignore[union-attr]
+    assert autoloader.load(path).trials == slowed.result.trials  # tuned again, and saved
+    # Exactly DataLoader's batches, through the check, the switch and the search.
+    reference = DataLoader(
+        SleepDataset(96, latency=0.0),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+    )
+    assert seen == _epochs(reference, 3)
+
+
+def _check(*, load: tuple[float, float] = (0.01, 0.01), step: float = 0.01) -> ReuseCheck:
+    return ReuseCheck(
+        then=400.0, now=400.0, band=0.25, load_then=load[0], load_now=load[1],
+        step_then=0.01, step_now=step, seconds=0.5,
+    )  # fmt: skip
+
+
+def test_the_check_counts_the_wait_for_data_and_names_what_moved() -> None:
+    # The wait may grow by a quarter of a batch's 20 ms when tuned: 5 ms.
+    assert _check(load=(0.01, 0.0149)).holds and not _check(load=(0.01, 0.0151)).holds
+    assert _check(load=(0.01, 0.11)).moved() == "loading 11x slower than when tuned"
+    assert _check(load=(0.01, 0.015)).moved() == "loading 1.5x slower than when tuned"
+    # Where workers kept up, the wait is no loading time: it is told as a wait.
+    waits = _check(load=(0.001, 0.02))
+    assert not waits.holds
+    assert waits.moved() == "the loop waits 20.0 ms a batch for data, 1.0 ms when tuned"
+    # Loading faster, or the step alone slower: no loader setting to fix, reused.
+    assert _check(load=(0.03, 0.01)).holds
+    assert _check(load=(0.03, 0.01)).moved() == "loading 3x faster than when tuned"
+    assert _check(step=0.04).holds
+    assert _check(step=0.04).moved() == "the step 4x slower than when tuned"
