@@ -106,10 +106,12 @@ class AutoLoader(DataLoader[_T_co]):
     ``DataLoader`` of those arguments, tuned ones included, untuned: :attr:`untuned`
     says why, and it is logged (``autoloader`` logger, WARNING).
 
+    ``dataset``, ``batch_size``, ``shuffle``, ``sampler``, ``collate_fn``,
+    ``drop_last``, ``timeout``, ``worker_init_fn``, ``generator`` and
+    ``pin_memory_device`` are DataLoader's, kept in every setting; ``n_trials``,
+    ``memory_budget``, ``search_space`` and ``seed`` are :func:`autoloader.tune`'s.
+
     Args:
-        dataset, batch_size, shuffle, sampler, collate_fn, drop_last, timeout,
-            worker_init_fn, generator, pin_memory_device: as DataLoader's, kept in
-            every setting.
         multiprocessing_context: as DataLoader's, which takes it with workers only:
             AutoLoader chooses them, so it takes none (set the process's start method,
             ``torch.multiprocessing.set_start_method``, instead); passed through to a
@@ -121,7 +123,6 @@ class AutoLoader(DataLoader[_T_co]):
             the result there, saying why it could not reuse it. (default: ``None``)
         time_budget (float, optional): seconds of training the search may take, from the
             first batch; ``None`` means 60. (default: ``None``)
-        n_trials, memory_budget, search_space, seed: as :func:`autoloader.tune`'s.
         device (str or torch.device, optional): the device the loop moves batches to;
             it tells the search whether ``pin_memory`` can help and whether the step
             trains on the CPU (then the process's torch threads are searched too).
