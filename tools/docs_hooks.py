@@ -1,5 +1,9 @@
 """MkDocs hooks for the documentation site (``mkdocs.yml``, ``hooks:``).
 
+The site is made from the checkout it is built in, wherever ``mkdocs`` runs from: the
+pages that include files outside ``docs/`` (``benchmarks/README.md``, ``CHANGELOG.md``)
+find them beside ``mkdocs.yml``, and the command line's help is this checkout's.
+
 The command-line reference (``docs/reference/cli.md``) is the parser's own ``--help``,
 made at build time, so that the page says what ``autoloader --help`` says and never
 falls behind it: the page holds a marker line, ``<!-- autoloader help -->``, that this
@@ -12,6 +16,8 @@ import argparse
 import contextlib
 import io
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 _MARKER = "<!-- autoloader help -->"
@@ -53,6 +59,14 @@ def cli_help() -> str:
         else:
             os.environ["COLUMNS"] = columns
     return "\n\n".join(f"## `{title}`\n\n```text\n{text}\n```" for title, text in sections)
+
+
+def on_config(config: Any) -> Any:
+    root = str(Path(config.config_file_path).resolve().parent)
+    config.mdx_configs.setdefault("pymdownx.snippets", {})["base_path"] = [root]
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return config
 
 
 def on_page_markdown(markdown: str, *, page: Any, **kwargs: Any) -> str:
