@@ -108,10 +108,12 @@ class AutoLoader(DataLoader[_T_co]):
     ``DataLoader`` of those arguments, tuned ones included, untuned: :attr:`untuned`
     says why, and it is logged (``autoloader`` logger, WARNING).
 
+    ``dataset``, ``batch_size``, ``shuffle``, ``sampler``, ``collate_fn``,
+    ``drop_last``, ``timeout``, ``worker_init_fn``, ``generator`` and
+    ``pin_memory_device`` are DataLoader's, kept in every setting; ``n_trials``,
+    ``memory_budget``, ``search_space`` and ``seed`` are :func:`autoloader.tune`'s.
+
     Args:
-        dataset, batch_size, shuffle, sampler, collate_fn, drop_last, timeout,
-            worker_init_fn, generator, pin_memory_device: as DataLoader's, kept in
-            every setting.
         multiprocessing_context: the start method of the workers of every setting with
             worker processes, as DataLoader's (threads are then not searched). As
             DataLoader takes it with workers only, AutoLoader takes it with a
@@ -126,7 +128,6 @@ class AutoLoader(DataLoader[_T_co]):
             could not reuse it. (default: ``None``)
         time_budget (float, optional): seconds of training the search may take, from the
             first batch; ``None`` means 60. (default: ``None``)
-        n_trials, memory_budget, search_space, seed: as :func:`autoloader.tune`'s.
         device (str or torch.device, optional): the device the loop moves batches to;
             it tells the search whether ``pin_memory`` can help and whether the step
             trains on the CPU (then the process's torch threads are searched too).

@@ -1,6 +1,7 @@
-"""Every wait on user code ends within the bounds the README states, and says where the
-user's code was stuck (NOTE [ Hang deadlines ], NOTE [ Main thread only ], NOTE [ Checks
-that can be abandoned ], NOTE [ Where user code was stuck ])."""
+"""Every wait on user code ends within the bounds the docs state (docs/guides/safety.md),
+and says where the user's code was stuck (NOTE [ Hang deadlines ],
+NOTE [ Main thread only ], NOTE [ Checks that can be abandoned ],
+NOTE [ Where user code was stuck ])."""
 
 from __future__ import annotations
 

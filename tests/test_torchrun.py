@@ -370,8 +370,8 @@ def test_a_stopped_rank_ends_the_trial_within_the_process_groups_timeout(tmp_pat
     """Rank 1 stopped (SIGSTOP) mid-trial, while rank 0's DDP step all-reduces with it:
     rank 0 waits in DDP's C++ (where no alarm reaches) for the process group's timeout
     (10 s here), then at most as long at the trial's next exchange, and fails with a
-    RankError: README, "Multi-GPU / torchrun". (When every exchange waited 120 s, rank 0
-    was still waiting 80 s after the stop.)"""
+    RankError: docs/guides/torchrun.md, "How long a rank waits". (When every exchange
+    waited 120 s, rank 0 was still waiting 80 s after the stop.)"""
     from tests.torchrun_job import PG_TIMEOUTS
 
     timeout = PG_TIMEOUTS["stopped-rank"]

@@ -44,7 +44,7 @@ _logger = logging.getLogger(__name__)
 # them has stopped answering; or after the group's timeout, if that is shorter. Neither
 # bounds a stopped rank while another waits in the step's own collectives (DDP's
 # all-reduce, in C++, where no alarm reaches): that wait is the process group's, and the
-# trial's exchange comes after it (README, "Multi-GPU / torchrun").
+# trial's exchange comes after it (docs/guides/torchrun.md, "How long a rank waits").
 TRIAL_TIMEOUT = 120.0
 # All-reduces timed when the ranks meet (the first makes the connections: it is slower).
 _EXCHANGES_TIMED = 7

@@ -66,6 +66,9 @@ class ThreadLoader(DataLoader[_T_co]):
 
     Takes DataLoader's arguments and gives its interface (see ``NOTE [ Thread
     workers ]``). ``num_workers=0`` loads in the main thread, as DataLoader does.
+    DataLoader's other options (``batch_size``, ``shuffle``, ``sampler``,
+    ``batch_sampler``, ``collate_fn``, ``pin_memory``, ``drop_last``, ``generator``,
+    ``pin_memory_device``) mean what they mean there.
 
     Args:
         dataset (Dataset): a map-style dataset that may be read from several threads.
@@ -78,9 +81,6 @@ class ThreadLoader(DataLoader[_T_co]):
             hands over each as soon as it is loaded. (default: ``True``)
         timeout (float, optional): seconds to wait for a batch before raising;
             ``0`` waits as long as it takes. (default: ``0``)
-        **kwargs: DataLoader's other options (``batch_size``, ``shuffle``, ``sampler``,
-            ``batch_sampler``, ``collate_fn``, ``pin_memory``, ``drop_last``,
-            ``generator``, ``pin_memory_device``).
 
     Raises:
         InvalidInputError: (a ``ValueError``) an option that only worker processes
