@@ -33,7 +33,7 @@ from autoloader import AutoLoader, InvalidInputError  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 # Items of 3 ms, batches of 4: 24 batches an epoch in one process, 12 in each of two.
 ITEMS, BATCH, LATENCY = 96, 4, 0.003
-BUDGET = 2.0
+BUDGET = 4.0
 # Training stops once tuned (an epoch more) or after this many epochs.
 MAX_EPOCHS = 60
 
