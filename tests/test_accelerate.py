@@ -166,6 +166,7 @@ def test_an_autoloader_told_of_another_device_than_accelerates_is_refused(
     assert prepared.base_dataloader is loader and prepared.device is None
 
 
+@pytest.mark.slow
 def test_two_processes_tune_together_and_load_every_item_once_an_epoch(tmp_path: Path) -> None:
     """A 2-process torchrun job, DDP on gloo: each process loads its share of every
     epoch, the shares together every item once, and both ranks tune as one."""

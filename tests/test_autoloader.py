@@ -279,6 +279,7 @@ def test_a_distributed_sampler_set_epoch_orders_as_with_dataloader() -> None:
 # Faults stay out of the loop -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGKILL"])
 def test_workers_that_die_above_one_worker_lose_no_batch(fault: str) -> None:
     """Workers with an id of 1 and above die after loading 5 items, mid-trial: the loop

@@ -27,6 +27,8 @@ from lightning.pytorch.utilities.data import _update_dataloader  # noqa: E402
 from autoloader import AutoLoader, InvalidInputError  # noqa: E402
 from tests.test_lightning import ROOT, SlowItems  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Lightning DDP fits
+
 LENGTH = 1024  # items to train on
 VALIDATION = 64  # items to validate on
 

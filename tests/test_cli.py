@@ -93,6 +93,7 @@ def test_demo_tunes_prints_the_report_and_saves(tmp_path: Path) -> None:
     assert any(t.params["num_workers"] > 0 for t in result.trials if t.phase == "search")
 
 
+@pytest.mark.slow
 def test_tune_show_and_plot_a_user_pipeline(tmp_path: Path) -> None:
     (tmp_path / "pipe.py").write_text(PIPELINE)
     out = tmp_path / "runs" / "best.json"

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the examples, run as scripts
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

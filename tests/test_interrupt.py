@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+pytestmark = pytest.mark.slow  # Ctrl-C in real runs
 
 SCRIPT = textwrap.dedent(
     """

@@ -37,6 +37,8 @@ from .workloads import (
     sleep_step,
 )
 
+pytestmark = pytest.mark.slow  # trials in processes of their own, killed and hung
+
 GENEROUS = Deadlines(first=20, each=20)
 
 

@@ -298,6 +298,7 @@ DDP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_ddp_fit_tunes_every_rank_together(tmp_path: Path) -> None:
     script = tmp_path / "ddp_fit.py"
     script.write_text(DDP_SCRIPT)

@@ -279,6 +279,7 @@ def _fit(
     return model
 
 
+@pytest.mark.slow
 def test_a_lightning_fit_resumed_from_a_mid_epoch_checkpoint_goes_on_as_uninterrupted(
     tmp_path: Path,
 ) -> None:

@@ -11,6 +11,8 @@ import nbclient
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # the tutorial, executed
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "tutorial.ipynb"
 # Injected after the cell tagged "parameters", as papermill does: shorter measurements.
 _SHORTER = "TIME_BUDGET = 6\nDIAGNOSE_SECONDS = 3"

@@ -25,6 +25,8 @@ from autoloader.measure._runner import TrialRunner
 from autoloader.results._report import advise
 from benchmarks.pipelines import NAMES, SMALL, Pipeline, build, epoch_ids
 
+pytestmark = pytest.mark.slow  # real pipelines tuned
+
 GiB = 1024**3
 
 

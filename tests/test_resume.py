@@ -26,6 +26,8 @@ from autoloader.search._space import trial_params
 
 from .workloads import SleepDataset, sleep_step
 
+pytestmark = pytest.mark.slow  # a killed run resumed
+
 SPACE = SearchSpace(num_workers=(0, 4), prefetch_factor=2, persistent_workers=True)
 
 SCRIPT = textwrap.dedent(

@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 import autoloader
+
+pytestmark = pytest.mark.slow  # SIGTERM in real runs
 
 ROOT = Path(__file__).resolve().parents[1]
 

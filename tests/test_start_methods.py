@@ -18,6 +18,8 @@ from autoloader.checks._facts import Checks
 from .test_facts import OwnGeneratorDataset
 from .workloads import FaultInWorkersDataset, sleep_step
 
+pytestmark = pytest.mark.slow  # spawn and forkserver workers
+
 METHODS = ["spawn", "forkserver"]
 
 

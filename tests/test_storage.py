@@ -27,6 +27,8 @@ from autoloader import SearchSpace
 
 from .workloads import SleepDataset, sleep_step
 
+pytestmark = pytest.mark.slow  # studies shared by processes
+
 ROOT = Path(__file__).resolve().parents[1]
 SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
 FAST = SearchSpace(num_workers=(0, 0))  # two short trials: where only the storage matters

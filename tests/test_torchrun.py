@@ -26,6 +26,8 @@ import pytest
 
 from tests import nodes
 
+pytestmark = pytest.mark.slow  # torchrun jobs of 2-4 ranks, and two nodes
+
 ROOT = Path(__file__).resolve().parents[1]
 # A job that outlives this has hung: the tests would rather fail than wait.
 _JOB_TIMEOUT = 150

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.test_torchrun import _assert_nothing_left, _finish, _reports, _start, _torchrun
+
+pytestmark = pytest.mark.slow  # a torchrun job of 2 ranks
 
 
 def test_ranks_save_once_and_the_next_run_reuses_the_file_on_every_rank(tmp_path: Path) -> None:

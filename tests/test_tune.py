@@ -296,6 +296,7 @@ def test_a_loop_bound_by_its_step_is_not_searched() -> None:
     assert "of the 30 s budget, the rest given back: no setting can beat the step" in given_back
 
 
+@pytest.mark.slow
 def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its_step() -> None:
     # Items of 5 ms, batches of 4, a 200 ms step: loading (20 ms) shows at num_workers=0,
     # and vanishes with one worker, the first setting tried (a busy machine can make
@@ -308,6 +309,7 @@ def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its
     assert [t.phase for t in result.trials].count("runoff") == 2  # the setting, the baseline
 
 
+@pytest.mark.slow
 def test_n_trials_caps_the_search() -> None:
     result = _tune(time_budget=12.0, n_trials=2)
     assert sum(t.phase == "search" for t in result.trials) == 2
@@ -334,6 +336,7 @@ def test_fixed_options_are_kept_in_every_trial_and_in_the_loader() -> None:
     assert len(list(loader)) == 2
 
 
+@pytest.mark.slow
 def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
     # Each worker holds 300 MiB: one fits the budget, two or more do not.
     budget = tree_memory() + 450 * 1024**2
@@ -463,6 +466,7 @@ def test_a_probe_that_hangs_costs_its_share_and_the_run_still_searches() -> None
     assert 0.45 <= float(found[1]) <= 1.0
 
 
+@pytest.mark.slow
 def test_a_journal_file_keeps_the_study_and_a_stale_lock_does_not_hang(tmp_path: Path) -> None:
     path = tmp_path / "tuning.log"
     space = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
