@@ -91,6 +91,7 @@ def _trials(loader: AutoLoader[Any]) -> list[tuple[Any, ...]]:
 _KWARGS: dict[str, Any] = {"batch_size": 8, "shuffle": True, "drop_last": True}
 
 
+@pytest.mark.slow
 def test_a_loop_stopped_while_tuning_resumes_batch_for_batch_and_tunes_on() -> None:
     """Stopped mid-epoch with trials finished and tuning under way: the resumed loader
     goes on at the next batch with DataLoader's batches and generator state through

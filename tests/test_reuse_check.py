@@ -114,6 +114,7 @@ def _loader(path: Path, latency: float) -> AutoLoader[Any]:
     )
 
 
+@pytest.mark.slow
 def test_an_autoloader_times_its_first_batches_and_tunes_again_where_loading_slowed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
