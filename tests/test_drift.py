@@ -172,3 +172,11 @@ def test_the_watch_wants_a_sustained_stretch_of_loading_grown_beyond_when_tuned(
 def test_the_watch_counts_nothing_before_its_gap() -> None:
     watch = DriftWatch(0.001, 0.009, gap=3600.0)
     assert not _windows(watch, 10, 0.05, 0.009)
+
+
+def test_a_copy_takes_its_originals_retune() -> None:
+    original = _loader(SleepDataset(LENGTH, latency=0.0), None, retune=False)
+    # As Lightning rebuilds it: its attributes, retune among them, passed back.
+    copy = AutoLoader(original.dataset, batch_size=8, tuning=original.tuning, retune=True)
+    assert original.retune is False and copy.retune is False
+    assert copy.tuning is original.tuning and not copy.tuning.retune  # type: ignore[union-attr]
