@@ -22,6 +22,10 @@ loading has become the bottleneck for a sustained stretch it searches again.
 - Hysteresis: ``_WINDOWS`` drifted windows in a row start a search; any other window
   starts the count again, so a blip (a checkpoint's disk write, a burst of the
   neighbour's) never does.
+- Never worse: the search it starts measures other settings in the new world, not the
+  one chosen, which the drifted windows measured; where the best found is no faster
+  than those windows' rate, the chosen setting is kept (its result saved back at
+  ``path``), and the watch takes those windows as its reference.
 - Bounds: nothing is counted until ``_GAP`` times the re-search's budget has passed
   since the last search ended (the first included); a re-search has
   ``_BUDGET_SHARE`` of ``time_budget`` and the same ``search_space``; a run searches
@@ -96,6 +100,7 @@ class DriftWatch:
         self.wait = self.step = 0.0
         self.batches = 0
         self.share = 0.0  # the last window's share of time waiting for data
+        self.load_now = self.step_now = 0.0  # and its seconds a batch
 
     @classmethod
     def of(cls, result: TuneResult, *, gap: float) -> DriftWatch | None:
@@ -120,7 +125,8 @@ class DriftWatch:
         seconds = self.wait + self.step
         if seconds < _WINDOW_SECONDS or self.batches < _WINDOW_BATCHES:
             return False
-        wait_per_batch = self.wait / self.batches
+        wait_per_batch = self.load_now = self.wait / self.batches
+        self.step_now = self.step / self.batches
         self.share = self.wait / seconds
         self.wait = self.step = 0.0
         self.batches = 0
@@ -129,6 +135,15 @@ class DriftWatch:
         grown = wait_per_batch - self.load_then > _GROWTH * (self.load_then + self.step_then)
         self.drifted = self.drifted + 1 if grown and self.share >= _SHARE else 0
         return self.drifted >= _WINDOWS
+
+    def rate(self, batch_size: int) -> float:
+        """Samples per second of the loop in the last window, of ``batch_size``."""
+        return batch_size / (self.load_now + self.step_now)
+
+    def now(self, *, time_budget: float) -> DriftWatch:
+        """A watch of the setting as it loads now, in the last window (the search it
+        started found none faster): drift from here on, after the gap."""
+        return DriftWatch(self.load_now, self.step_now, gap=_GAP * research_budget(time_budget))
 
     def why(self) -> str:
         """What drifted, in words."""

@@ -198,6 +198,9 @@ class LoopTuning:
         self.drift: DriftWatch | None = None
         self.researches = 0
         self.home: Problem | None = None
+        # While a search drift started runs: the watch that started it, and the result
+        # it may keep.
+        self.drifted: tuple[DriftWatch, TuneResult] | None = None
         self.joint = False  # under torchrun
 
     @property
@@ -609,7 +612,8 @@ class LoopTuning:
         """TUNED, the chosen setting's wait for data drifted (``NOTE [ Drift ]``): a
         search of a share of the budget, in a study of its own, SEARCHING from here."""
         drift, self.drift = self.drift, None
-        assert drift is not None and self.chosen is not None
+        assert drift is not None and self.chosen is not None and self.result is not None
+        self.drifted = (drift, self.result)
         self.researches += 1
         home = self.problem
         budget = research_budget(home.budget)
@@ -628,6 +632,30 @@ class LoopTuning:
         self.problem = dataclasses.replace(home, budget=budget, storage=None)
         self.last_good = self.chosen  # it loads well, if slowly: it makes up faults
         self._search_again(undelivered)
+
+    def _faster_of(self, found: TuneResult, drift: DriftWatch, kept: TuneResult) -> TuneResult:
+        """``found`` by the search ``drift`` started, or ``kept``, the result it chose
+        before, where its setting loads as fast now as the best found (``NOTE [ Drift
+        ]``): then saved back at ``path``, and said."""
+        rate = drift.rate(self.problem.batch_size)
+        best = found.chosen_trial
+        if best is None or best.samples_per_second is None or best.samples_per_second > rate:
+            return found
+        _logger.warning(
+            "AutoLoader: searched again: the best found, %s at %.0f samples/s, is no faster "
+            "than %s now (%.0f samples/s): kept",
+            describe_params(normalize_params(found.params)),
+            best.samples_per_second,
+            describe_params(normalize_params(kept.params)),
+            rate,
+        )
+        path = self.problem.path
+        if path is not None:
+            try:
+                kept.save(path)
+            except OSError as error:
+                _logger.warning("AutoLoader: could not save the result kept to %s: %s", path, error)
+        return kept
 
     def _search_again(self, undelivered: int) -> None:
         """SEARCHING from here, TUNED no more, as at a first batch with no result."""
@@ -710,8 +738,11 @@ class LoopTuning:
         """TUNED: train with ``result``'s settings from here on (``chosen``: another, a
         checkpoint's, the chosen one having failed before it), and say so."""
         self._close_session()
+        drifted, self.drifted = self.drifted, None
         if self.home is not None:  # a search drift started ended (NOTE [ Drift ])
             self.problem, self.home = self.home, None
+            if drifted is not None:
+                result = self._faster_of(result, *drifted)
         path = self.problem.path
         searched = reused_from is None and chosen is None
         if searched and path is not None and path.exists() and not result.partial:
@@ -725,11 +756,13 @@ class LoopTuning:
             torch.set_num_threads(int(threads))
         for view in list(self._views):
             _show_setting(view, self.chosen)
-        self.drift = (
-            watch(result, time_budget=self.problem.budget, researches=self.researches)
-            if self.retune and not self.joint
-            else None
-        )
+        if not self.retune or self.joint:
+            self.drift = None
+        elif drifted is not None and result is drifted[1]:  # kept: drift from here on
+            more = self.researches < drifted[0].most
+            self.drift = drifted[0].now(time_budget=self.problem.budget) if more else None
+        else:
+            self.drift = watch(result, time_budget=self.problem.budget, researches=self.researches)
         owner = self.owner
         if chosen is not None:
             line = (
