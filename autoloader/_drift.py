@@ -22,8 +22,9 @@ loading has become the bottleneck for a sustained stretch it searches again.
 - Hysteresis: ``_WINDOWS`` drifted windows in a row start a search; any other window
   starts the count again, so a blip (a checkpoint's disk write, a burst of the
   neighbour's) never does.
-- Never worse: the search it starts measures other settings in the new world, not the
-  one chosen, which the drifted windows measured; where the best found is no faster
+- Never worse: the search, short and started from the baseline, may not reach the
+  chosen setting; the drifted windows measured it in the new world: where the best
+  found is no faster
   than those windows' rate, the chosen setting is kept (its result saved back at
   ``path``), and the watch takes those windows as its reference.
 - Bounds: nothing is counted until ``_GAP`` times the re-search's budget has passed
@@ -34,18 +35,17 @@ loading has become the bottleneck for a sustained stretch it searches again.
 - The search is the one a reused setting that failed its check starts: SEARCHING, its
   batches exactly DataLoader's, faults absorbed (``NOTE [ AutoLoader's tuning ]``);
   a WARNING says why, and the result is saved at ``path`` as the first search's.
+- A checkpoint taken while such a search runs resumes it as a search of the whole
+  budget (``NOTE [ An AutoLoader's state ]`` keeps no drift), its count starting again.
 - ``retune=False`` turns it off. Under torchrun it is off (an INFO line says so): a
   search there is every rank's at once, and a rank's own wait is not the job's.
 """
 
 from __future__ import annotations
 
-import logging
 from time import perf_counter
 
 from autoloader.results import TuneResult
-
-_logger = logging.getLogger("autoloader")
 
 # A window: at least this many seconds of the loop, and this many batches.
 _WINDOW_SECONDS = 2.0
