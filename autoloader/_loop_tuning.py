@@ -201,7 +201,7 @@ class LoopTuning:
         # While a search drift started runs: the watch that started it, and the result
         # it may keep.
         self.drifted: tuple[DriftWatch, TuneResult] | None = None
-        self.joint = False  # under torchrun
+        self.drift_off_said = False  # under torchrun, that it is not watched
 
     @property
     def owner(self) -> _Loader:
@@ -310,12 +310,6 @@ class LoopTuning:
         self.started = perf_counter()
         ranks = Ranks.join()
         if ranks is not None:
-            self.joint = True
-            if self.retune:
-                _logger.info(
-                    "AutoLoader: under torchrun, loading is not watched for drift once "
-                    "tuned: the setting chosen stays for the run"
-                )
             # The machine as this rank's job sees it, and the same problem on every rank.
             self.problem = agree(ranks, self.problem_of(ranks))
         problem = _workers_only_where_picklable(self.problem)
@@ -633,6 +627,29 @@ class LoopTuning:
         self.last_good = self.chosen  # it loads well, if slowly: it makes up faults
         self._search_again(undelivered)
 
+    def _watch(
+        self, result: TuneResult, drifted: tuple[DriftWatch, TuneResult] | None
+    ) -> DriftWatch | None:
+        """The watch of ``result``'s setting, just taken (``NOTE [ Drift ]``): from its
+        trial, or where a search drift started kept it, from the windows that started
+        it; ``None`` with ``retune=False``, under torchrun (said once), or where no more
+        searches may start."""
+        if not self.retune:
+            return None
+        if world()[1] > 1:
+            if not self.drift_off_said:
+                self.drift_off_said = True
+                _logger.info(
+                    "AutoLoader: under torchrun, loading is not watched for drift once "
+                    "tuned: the setting chosen stays for the run"
+                )
+            return None
+        budget = self.problem.budget
+        if drifted is not None and result is drifted[1]:  # kept: drift from here on
+            more = self.researches < DriftWatch.most
+            return drifted[0].now(time_budget=budget) if more else None
+        return watch(result, time_budget=budget, researches=self.researches)
+
     def _faster_of(self, found: TuneResult, drift: DriftWatch, kept: TuneResult) -> TuneResult:
         """``found`` by the search ``drift`` started, or ``kept``, the result it chose
         before, where its setting loads as fast now as the best found (``NOTE [ Drift
@@ -756,13 +773,7 @@ class LoopTuning:
             torch.set_num_threads(int(threads))
         for view in list(self._views):
             _show_setting(view, self.chosen)
-        if not self.retune or self.joint:
-            self.drift = None
-        elif drifted is not None and result is drifted[1]:  # kept: drift from here on
-            more = self.researches < drifted[0].most
-            self.drift = drifted[0].now(time_budget=self.problem.budget) if more else None
-        else:
-            self.drift = watch(result, time_budget=self.problem.budget, researches=self.researches)
+        self.drift = self._watch(result, drifted)
         owner = self.owner
         if chosen is not None:
             line = (
