@@ -135,6 +135,12 @@ class AutoLoader(DataLoader[_T_co]):
         verbose (bool, optional): print one line to stderr when tuning ends, with what
             it chose. It is logged (``autoloader`` logger, INFO) either way.
             (default: ``True``)
+        retune (bool, optional): once tuned, watch the loop's wait for data, and where
+            loading became the bottleneck for a sustained stretch (a slower disk, a
+            costlier item, a busy node), search again with half the ``time_budget``,
+            say why (WARNING) and save the new result at ``path``; at most 3 times a
+            run, never twice within 10 such searches' time (``NOTE [ Drift ]``). Off
+            under torchrun. (default: ``True``)
         tuning (optional): another AutoLoader's :attr:`tuning`: this one is a copy of it
             that loads through the same tuning, one search whose result both show, as
             Lightning's rebuilds of an AutoLoader with a sampler of its own are (its
@@ -183,6 +189,7 @@ class AutoLoader(DataLoader[_T_co]):
         device: str | torch.device | None = None,
         seed: int = 0,
         verbose: bool = True,
+        retune: bool = True,
         tuning: LoopTuning | None = None,
     ) -> None:
         options = {
@@ -208,6 +215,7 @@ class AutoLoader(DataLoader[_T_co]):
         self._epoch: weakref.ref[_Epoch] | None = None
         self.untuned = _untuned_because(dataset, batch_size, options, tuning)
         self.verbose = verbose
+        self.retune = retune
         # NOTE [ An AutoLoader's state ]: a state loaded for the next iter(), and, for a
         # loader passed through, the iterator of the epoch under way (the loop holds it).
         self._resume: dict[str, Any] | None = None
@@ -275,7 +283,9 @@ class AutoLoader(DataLoader[_T_co]):
             )
         self._context = context
         self._problem_key = problem.key()  # what a state loaded must be of
-        self.tuning = LoopTuning(self, problem, problem_of, threads=torch.get_num_threads())
+        self.tuning = LoopTuning(
+            self, problem, problem_of, threads=torch.get_num_threads(), retune=retune
+        )
         weakref.finalize(self, self.tuning.gone)
         _pass_on_to_rebuilds(self, self.tuning)
 
@@ -293,7 +303,8 @@ class AutoLoader(DataLoader[_T_co]):
         self._context = _checked_context(options["multiprocessing_context"])
         self.path = tuning.problem.path
         self._problem_key = tuning.problem.key()
-        self.time_budget = tuning.problem.budget
+        self.time_budget = (tuning.problem if tuning.home is None else tuning.home).budget
+        self.retune = tuning.retune  # the original's, as its tuning is
         self.tuning = tuning
         tuning.share(self)
         weakref.finalize(self, tuning.gone)

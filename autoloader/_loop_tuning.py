@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
+from autoloader._drift import DriftWatch, research_budget, watch
 from autoloader._exceptions import (
     AllSettingsFailedError,
     AutoloaderError,
@@ -101,6 +102,7 @@ class _Loader(Protocol):
 #           loaded from a checkpoint taken once tuned ────────────────────────────► TUNED
 #                                                                                   │
 #          SEARCHING ◄─── its first batches timed outside its band (_reuse_check.py) ┘
+#          SEARCHING ◄─── loading drifted for a sustained stretch (_drift.py) ──────┘
 #
 # - WAITING: nothing measured yet; the first batch starts the run (Ranks.join, the
 #   saved result, the checks before the search, the study); a state loaded from a
@@ -119,7 +121,9 @@ class _Loader(Protocol):
 #   its workers persist. Where it fails, the last good other setting is chosen, the
 #   baseline making up the batches it gave back. A setting reused from a file has its
 #   first batches timed (NOTE [ A reused setting checked ]): outside their band, the
-#   search starts from there, as at a first batch with no file.
+#   search starts from there, as at a first batch with no file. Once the chosen
+#   setting serves, its wait for data is watched (NOTE [ Drift ]): where loading
+#   drifted, a search of a share of the budget starts from there too.
 # A trial of any stage but TUNED that the epoch ends in the middle of goes on in the
 # next epoch (NOTE [ Live trials span epochs ], in measure/_live.py): the stages move
 # where trials start and end, never at an epoch's end.
@@ -144,6 +148,7 @@ class LoopTuning:
         problem: its arguments, checked.
         problem_of: the problem again, as one rank of a torchrun job.
         threads: the process's torch threads before tuning set them.
+        retune: search again where loading drifted once tuned (``NOTE [ Drift ]``).
     """
 
     def __init__(
@@ -153,6 +158,7 @@ class LoopTuning:
         problem_of: Callable[[Ranks], Problem],
         *,
         threads: int,
+        retune: bool = True,
     ) -> None:
         self._owner = weakref.ref(owner)
         # Every AutoLoader that loads through this tuning: its own and its copies
@@ -186,6 +192,16 @@ class LoopTuning:
         self.carried: LiveTrial | None = None
         # TUNED with a reused setting: the check of its first batches, until it is done.
         self.check: FirstBatchesCheck | None = None
+        # NOTE [ Drift ]: TUNED, the watch of the chosen setting's wait for data; the
+        # searches it started; the problem as given while one runs (its budget a share).
+        self.retune = retune
+        self.drift: DriftWatch | None = None
+        self.researches = 0
+        self.home: Problem | None = None
+        # While a search drift started runs: the watch that started it, and the result
+        # it may keep.
+        self.drifted: tuple[DriftWatch, TuneResult] | None = None
+        self.drift_off_said = False  # under torchrun, that it is not watched
 
     @property
     def owner(self) -> _Loader:
@@ -477,6 +493,7 @@ class LoopTuning:
             if persistent:
                 self.kept = (loader, feed)
         check = self.check  # a reused setting's first batches are timed
+        drift = self.drift if check is None else None  # NOTE [ Drift ]
         return LiveTrial(
             loader,
             feed,
@@ -487,6 +504,7 @@ class LoopTuning:
             deadlines=self._deadlines(params),
             on_window=None if check is None else check.on_window,
             keep_workers=persistent,
+            on_batch=None if drift is None else drift.batch,
         )
 
     def _deadlines(self, params: Params) -> Deadlines | None:
@@ -568,6 +586,8 @@ class LoopTuning:
             self._make_up(undelivered)
         elif self.check is not None and isinstance(outcome, Measurement):
             self._checked(self.check.verdict(outcome), undelivered)
+        elif trial.drifted:
+            self._drifted(undelivered)
 
     def _checked(self, holds: bool | None, undelivered: int) -> None:
         """TUNED, a reused setting's first batches timed (``NOTE [ A reused setting
@@ -580,6 +600,82 @@ class LoopTuning:
         if holds:
             self.result = check.noted()
             return
+        self._search_again(undelivered)
+
+    def _drifted(self, undelivered: int) -> None:
+        """TUNED, the chosen setting's wait for data drifted (``NOTE [ Drift ]``): a
+        search of a share of the budget, in a study of its own, SEARCHING from here."""
+        drift, self.drift = self.drift, None
+        assert drift is not None and self.chosen is not None and self.result is not None
+        self.drifted = (drift, self.result)
+        self.researches += 1
+        home = self.problem
+        budget = research_budget(home.budget)
+        _logger.warning(
+            "AutoLoader: loading drifted: %s: searching again for up to %s (%s was chosen; "
+            "search %d of at most %d)",
+            drift.why(),
+            f"{budget:g} s",
+            describe_params(self.chosen),
+            self.researches,
+            drift.most,
+        )
+        if home.path is not None:
+            study_beside(home.path).unlink(missing_ok=True)  # the old world's trials
+        self.home = home
+        self.problem = dataclasses.replace(home, budget=budget, storage=None)
+        self.last_good = self.chosen  # it loads well, if slowly: it makes up faults
+        self._search_again(undelivered)
+
+    def _watch(
+        self, result: TuneResult, drifted: tuple[DriftWatch, TuneResult] | None
+    ) -> DriftWatch | None:
+        """The watch of ``result``'s setting, just taken (``NOTE [ Drift ]``): from its
+        trial, or where a search drift started kept it, from the windows that started
+        it; ``None`` with ``retune=False``, under torchrun (said once), or where no more
+        searches may start."""
+        if not self.retune:
+            return None
+        if world()[1] > 1:
+            if not self.drift_off_said:
+                self.drift_off_said = True
+                _logger.info(
+                    "AutoLoader: under torchrun, loading is not watched for drift once "
+                    "tuned: the setting chosen stays for the run"
+                )
+            return None
+        budget = self.problem.budget
+        if drifted is not None and result is drifted[1]:  # kept: drift from here on
+            more = self.researches < DriftWatch.most
+            return drifted[0].now(time_budget=budget) if more else None
+        return watch(result, time_budget=budget, researches=self.researches)
+
+    def _faster_of(self, found: TuneResult, drift: DriftWatch, kept: TuneResult) -> TuneResult:
+        """``found`` by the search ``drift`` started, or ``kept``, the result it chose
+        before, where its setting loads as fast now as the best found (``NOTE [ Drift
+        ]``): then saved back at ``path``, and said."""
+        rate = drift.rate(self.problem.batch_size)
+        best = found.chosen_trial
+        if best is None or best.samples_per_second is None or best.samples_per_second > rate:
+            return found
+        _logger.warning(
+            "AutoLoader: searched again: the best found, %s at %.0f samples/s, is no faster "
+            "than %s now (%.0f samples/s): kept",
+            describe_params(normalize_params(found.params)),
+            best.samples_per_second,
+            describe_params(normalize_params(kept.params)),
+            rate,
+        )
+        path = self.problem.path
+        if path is not None:
+            try:
+                kept.save(path)
+            except OSError as error:
+                _logger.warning("AutoLoader: could not save the result kept to %s: %s", path, error)
+        return kept
+
+    def _search_again(self, undelivered: int) -> None:
+        """SEARCHING from here, TUNED no more, as at a first batch with no result."""
         if self.kept is not None:
             loader, _ = self.kept
             self.kept = None
@@ -659,6 +755,11 @@ class LoopTuning:
         """TUNED: train with ``result``'s settings from here on (``chosen``: another, a
         checkpoint's, the chosen one having failed before it), and say so."""
         self._close_session()
+        drifted, self.drifted = self.drifted, None
+        if self.home is not None:  # a search drift started ended (NOTE [ Drift ])
+            self.problem, self.home = self.home, None
+            if drifted is not None:
+                result = self._faster_of(result, *drifted)
         path = self.problem.path
         searched = reused_from is None and chosen is None
         if searched and path is not None and path.exists() and not result.partial:
@@ -672,6 +773,7 @@ class LoopTuning:
             torch.set_num_threads(int(threads))
         for view in list(self._views):
             _show_setting(view, self.chosen)
+        self.drift = self._watch(result, drifted)
         owner = self.owner
         if chosen is not None:
             line = (

@@ -30,6 +30,21 @@ class SleepDataset(Dataset[torch.Tensor]):
         return torch.full((self.width,), float(index))
 
 
+class SlowsDownDataset(SleepDataset):
+    """Each item waits ``latency`` seconds, ``slowed`` once the file ``switch`` exists:
+    storage that slows down mid-training, seen by the workers too (persistent ones
+    included)."""
+
+    def __init__(self, length: int, latency: float, slowed: float, switch: str) -> None:
+        super().__init__(length, latency=latency)
+        self.slowed = slowed
+        self.switch = switch
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.slowed if os.path.exists(self.switch) else self.latency)
+        return torch.full((self.width,), float(index))
+
+
 class BusyDataset(SleepDataset):
     """Each item keeps a CPU busy for ``cpu_seconds`` in Python, like a decode."""
 

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any
 
@@ -48,6 +48,8 @@ from autoloader.measure._supervision import (
 )
 
 Failure = TrialError | MemoryBudgetExceeded
+# A trial's on_batch: told a batch's wait for data and the step before it.
+BatchCallback = Callable[[float, float], bool]
 
 
 class TrialEnded(Exception):
@@ -94,6 +96,10 @@ class LiveTrial:
             returns True.
         keep_workers: the loader is persistent and outlives the trial (its workers are
             not stopped by :meth:`close`, unless the trial failed).
+        on_batch: for a trial not measured, told each batch's wait for data and the
+            step before it (the epoch's first batch: nothing); where it returns True,
+            the trial ends after the batches already handed out (``NOTE [ Drift ]``,
+            in ``_drift.py``), :attr:`drifted` saying so.
 
     After the trial ends, :attr:`outcome` holds its :class:`Measurement` or failure.
     """
@@ -110,6 +116,7 @@ class LiveTrial:
         deadlines: Deadlines | None,
         on_window: WindowCallback | None = None,
         keep_workers: bool = False,
+        on_batch: BatchCallback | None = None,
         min_windows: int = 4,
         min_window_seconds: float = 0.1,
         target_relative_error: float = 0.05,
@@ -122,6 +129,8 @@ class LiveTrial:
         self.stop_early = max_seconds is not None and math.isfinite(max_seconds)
         self.on_window = on_window
         self.keep_workers = keep_workers
+        self.on_batch = on_batch
+        self.drifted = False
         self.started = perf_counter()
         self.deadline = math.inf if max_seconds is None else self.started + max_seconds
         self.first_limit = deadlines.first if deadlines else None
@@ -190,7 +199,7 @@ class LiveTrial:
                 return self._drain()
             raise TrialEnded
         if not self.measuring:
-            return self._serve()
+            return self._serve() if self.on_batch is None else self._watched()
         now, cpu, own = self.cpu.read()
         if self.edge_from is None:
             if self.returned_at is not None:
@@ -221,6 +230,21 @@ class LiveTrial:
         self.last_wait = (got - now, got_cpu - cpu, got_own - own)
         self.last_samples = batch_length(batch, self.batch_size)
         self.returned_at, self.returned_cpu = got, (got_cpu, got_own)
+        return batch
+
+    def _watched(self) -> Any:
+        """The next batch of a setting serving training, its wait told to
+        :attr:`on_batch` (``NOTE [ Drift ]``, in ``_drift.py``)."""
+        assert self.on_batch is not None
+        if self.drifted:
+            self.outcome = self._finish()
+            return self._drain_from_here()
+        before = perf_counter()
+        batch = self._serve()
+        got = perf_counter()
+        if self.returned_at is not None:
+            self.drifted = self.on_batch(got - before, before - self.returned_at)
+        self.returned_at = got
         return batch
 
     # NOTE [ Draining a trial ]

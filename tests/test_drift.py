@@ -1,0 +1,190 @@
+"""Loading watched once tuned (``NOTE [ Drift ]``, ``_drift.py``): a dataset that slows
+down mid-training is searched again, every batch still DataLoader's; one that does not
+change, or an AutoLoader with ``retune=False``, is never searched again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import autoloader
+from autoloader import AutoLoader
+from autoloader._drift import DriftWatch
+
+from .workloads import SleepDataset, SlowsDownDataset
+
+LENGTH = 96
+SPACE = {"num_workers": (0, 4), "prefetch_factor": 2, "worker_kind": "processes"}
+TIME_BUDGET = 4  # a search started by drift: 2 s; the gap before one 20 s
+# Epochs a test may train for before it gives up on what it waits for.
+MOST_EPOCHS = 600
+
+
+def _loader(dataset: Dataset[Any], path: Path | None, *, retune: bool = True) -> AutoLoader[Any]:
+    return AutoLoader(
+        dataset,
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=TIME_BUDGET,
+        search_space=SPACE,
+        path=path,
+        verbose=False,
+        retune=retune,
+    )
+
+
+def _epoch(loader: DataLoader[Any], step: float = 0.004) -> list[list[int]]:
+    """The ids of one epoch's batches, a ``step`` of sleep after each."""
+    seen = []
+    for batch in loader:
+        time.sleep(step)
+        seen.append([int(i) for i in batch[:, 0]])
+    return seen
+
+
+def _reference(epochs: int) -> list[list[list[int]]]:
+    """DataLoader's batches of the same arguments, epoch by epoch."""
+    loader = DataLoader(
+        SleepDataset(LENGTH, latency=0.0),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+    )
+    return [_epoch(loader, step=0.0) for _ in range(epochs)]
+
+
+def _watched_past(loader: AutoLoader[Any], windows: int) -> bool:
+    """Whether the watch has counted for ``windows`` windows' time."""
+    watch = loader.tuning.drift  # type: ignore[union-attr]
+    return watch is not None and time.perf_counter() > watch.counts_from + 2.0 * windows
+
+
+@pytest.mark.slow
+def test_loading_that_slows_down_mid_training_is_searched_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    switch = tmp_path / "slow"
+    path = tmp_path / "loader.json"
+    loader = _loader(SlowsDownDataset(LENGTH, 0.001, 0.008, str(switch)), path)
+    caplog.set_level(logging.INFO, logger="autoloader")
+    seen = []
+    try:
+        while not loader.tuned:
+            seen.append(_epoch(loader))
+        first = loader.result
+        assert first is not None and loader.tuning is not None
+        assert loader.tuning.drift is not None, "a tuned setting is watched"
+        switch.touch()  # 8 ms a read from here, where it was 1
+        while not (loader.tuning.researches and loader.tuned) and len(seen) < MOST_EPOCHS:
+            seen.append(_epoch(loader))
+    finally:
+        loader.close()
+    (warning,) = [r for r in caplog.records if "loading drifted" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage().startswith("AutoLoader: loading drifted: the loop now waits ")
+    assert "when tuned: searching again for up to 2 s" in warning.getMessage()
+    assert loader.tuning.researches == 1
+    assert loader.result is not None
+    if loader.result is first:  # the search found nothing faster than it, now
+        (kept,) = [r for r in caplog.records if "searched again: the best found" in r.getMessage()]
+        assert kept.getMessage().endswith(": kept")
+    else:
+        assert loader.result.trials != first.trials  # a search of its own
+    assert autoloader.load(path).trials == loader.result.trials  # and saved
+    # Exactly DataLoader's batches, through the watch, the switch and the search.
+    assert seen == _reference(len(seen))
+
+
+@pytest.mark.slow
+def test_loading_that_does_not_change_is_never_searched_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loader = _loader(SleepDataset(LENGTH, latency=0.0), None)
+    caplog.set_level(logging.INFO, logger="autoloader")
+    epochs = 0
+    try:
+        while not loader.tuned:
+            _epoch(loader)
+        first = loader.result
+        # Past the gap, for five of the watch's windows.
+        while not _watched_past(loader, 5) and epochs < MOST_EPOCHS:
+            _epoch(loader)
+            epochs += 1
+        assert _watched_past(loader, 5), "watched for five windows"
+    finally:
+        loader.close()
+    assert loader.tuning is not None and loader.tuning.researches == 0
+    assert "loading drifted" not in caplog.text
+    assert loader.result is first
+
+
+@pytest.mark.slow
+def test_retune_false_never_searches_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    switch = tmp_path / "slow"
+    loader = _loader(SlowsDownDataset(LENGTH, 0.001, 0.008, str(switch)), None, retune=False)
+    caplog.set_level(logging.INFO, logger="autoloader")
+    try:
+        while not loader.tuned:
+            _epoch(loader)
+        first = loader.result
+        assert loader.tuning is not None and loader.tuning.drift is None, "nothing watched"
+        switch.touch()
+        # Past where the first test's loader searches again: the gap, three windows.
+        ends = time.perf_counter() + 10 * TIME_BUDGET / 2 + 3 * 2.0 + 5
+        while time.perf_counter() < ends:
+            _epoch(loader)
+    finally:
+        loader.close()
+    assert loader.tuning.researches == 0
+    assert "loading drifted" not in caplog.text
+    assert loader.result is first
+
+
+def _windows(watch: DriftWatch, windows: int, wait: float, step: float) -> bool:
+    """Feed ``windows`` whole windows of batches of ``wait`` and ``step``: whether the
+    watch said to search again at the last one's end."""
+    said = False
+    for _ in range(windows):
+        said = watch.batch(wait, step)
+        while watch.batches:
+            said = watch.batch(wait, step)
+    return said
+
+
+def test_the_watch_wants_a_sustained_stretch_of_loading_grown_beyond_when_tuned() -> None:
+    # Tuned: 1 ms of wait and 9 ms of step a batch (10% of the loop's time).
+    watch = DriftWatch(0.001, 0.009, gap=0.0)
+    assert not _windows(watch, 10, 0.001, 0.009)  # as tuned
+    assert not _windows(watch, 10, 0.001, 0.050)  # the step slowed: not loading's
+    # Blips: two windows of loading 9 ms a batch (50%), then one as tuned, twice.
+    for _ in range(2):
+        assert not _windows(watch, 2, 0.009, 0.009)
+        assert not _windows(watch, 1, 0.001, 0.009)
+    # Grown, but by less than half a batch's time when tuned: not enough.
+    assert not _windows(watch, 10, 0.0055, 0.009)
+    # Sustained: three windows in a row.
+    assert not _windows(watch, 2, 0.009, 0.009)
+    assert _windows(watch, 1, 0.009, 0.009)
+    assert watch.why() == "the loop now waits 50% of its time for data, 10% when tuned"
+
+
+def test_the_watch_counts_nothing_before_its_gap() -> None:
+    watch = DriftWatch(0.001, 0.009, gap=3600.0)
+    assert not _windows(watch, 10, 0.05, 0.009)
+
+
+def test_a_copy_takes_its_originals_retune() -> None:
+    original = _loader(SleepDataset(LENGTH, latency=0.0), None, retune=False)
+    # As Lightning rebuilds it: its attributes, retune among them, passed back.
+    copy = AutoLoader(original.dataset, batch_size=8, tuning=original.tuning, retune=True)
+    assert original.retune is False and copy.retune is False
+    assert copy.tuning is original.tuning and not copy.tuning.retune  # type: ignore[union-attr]
