@@ -261,6 +261,7 @@ def _trainer(tmp_path: Path, route: str, epochs: int) -> Any:
     )
 
 
+@pytest.mark.slow
 def test_a_trainers_autoloader_prepared_by_the_route_tunes_in_train(tmp_path: Path) -> None:
     """get_train_dataloader() gives an AutoLoader through autoloader.accelerate.prepare():
     train() steps through its batches, every item once an epoch, and it tunes (training

@@ -309,6 +309,7 @@ def test_workers_that_die_above_one_worker_lose_no_batch(fault: str) -> None:
     assert loader.result is not None and loader.result.params["num_workers"] <= 1
 
 
+@pytest.mark.slow
 def test_a_hanging_worker_is_stopped_and_its_batches_loaded_by_the_last_good_setting() -> None:
     dataset = FaultInWorkersDataset("hang", length=160, from_worker=1, after=3)
     kwargs = {"batch_size": 8}
@@ -336,6 +337,7 @@ def test_a_hanging_worker_is_stopped_and_its_batches_loaded_by_the_last_good_set
     assert any("TrialTimeout: no progress for" in f for f in loader.failures), loader.failures
 
 
+@pytest.mark.slow
 def test_a_setting_over_the_memory_budget_is_stopped_without_losing_a_batch() -> None:
     """Each worker holds 400 MiB: two pass a budget of 500 MiB over the tree."""
     import psutil

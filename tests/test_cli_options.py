@@ -19,6 +19,8 @@ import pytest
 import autoloader
 from tests.test_cli import _main, _run
 
+pytestmark = pytest.mark.slow  # real CLI runs, each option's effect
+
 # A pipeline that leaves traces: the factory writes the pid of the process that called
 # it (the command's own), each step call appends its batch's item ids to a file named
 # after the process it runs in.

@@ -169,6 +169,7 @@ def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
     assert result.params["num_workers"] <= 1
 
 
+@pytest.mark.slow
 def test_hung_settings_fail_with_a_timeout_derived_from_the_baseline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,6 +18,8 @@ from autoloader._problem import Problem, TuneArguments, check_arguments
 from autoloader._reuse import differences_from
 from tests.workloads import SleepDataset, noop_step
 
+pytestmark = pytest.mark.slow  # real AutoLoader and tune() runs, each option's effect
+
 # Fixed, so that a few trials decide the search.
 SPACE = {"num_workers": (0, 2), "prefetch_factor": 2, "worker_kind": "processes"}
 

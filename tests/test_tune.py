@@ -400,6 +400,7 @@ def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:
     assert result.params["num_workers"] <= 1
 
 
+@pytest.mark.slow
 def test_a_setting_that_failed_is_not_run_again() -> None:
     # Two settings only, six trials: the sampler has to propose the failing one again.
     space = SearchSpace(num_workers=(1, 2), prefetch_factor=2, persistent_workers=True)
@@ -582,6 +583,7 @@ def test_a_job_of_several_nodes_names_its_study_by_its_shape_not_its_host(
 # Thread workers ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_thread_workers_are_measured_and_a_tuned_thread_loader_holds_every_sample_once(
     tmp_path: Path,
 ) -> None:
