@@ -549,6 +549,10 @@ class LoopTuning:
             trial.end()
             trial.close(kill=exiting())
         self._close_session()
+        self._release_kept()
+
+    def _release_kept(self) -> None:
+        """Stop the kept loader's persistent workers; the next loader starts its own."""
         if self.kept is not None:
             loader, _ = self.kept
             self.kept = None
@@ -676,10 +680,7 @@ class LoopTuning:
 
     def _search_again(self, undelivered: int) -> None:
         """SEARCHING from here, TUNED no more, as at a first batch with no result."""
-        if self.kept is not None:
-            loader, _ = self.kept
-            self.kept = None
-            release(loader)
+        self._release_kept()
         self.result = self.chosen = None
         torch.set_num_threads(self.threads)
         self.started = perf_counter()
