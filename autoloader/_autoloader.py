@@ -332,7 +332,8 @@ class AutoLoader(DataLoader[_T_co]):
 
     @property
     def history(self) -> list[TrialRecord]:
-        """Every trial so far, as :attr:`TuneResult.trials` records them."""
+        """Every trial so far, as :attr:`TuneResult.trials` records them. Under
+        torchrun the study runs on rank 0: other ranks see the trials once tuned."""
         if self.tuning is None:
             return []
         if self.tuning.result is not None:
