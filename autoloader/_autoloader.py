@@ -46,35 +46,39 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import multiprocessing.context
 import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from autoloader._exceptions import InvalidInputError
+from autoloader._loader_arguments import (
+    check_copied_settings,
+    checked_batch_size,
+    checked_context,
+    kept,
+    pass_tuning_to_rebuilds,
+    untuned_because,
+    workers_only,
+)
 from autoloader._loader_state import Draws, between_epochs, checked, in_epoch, position_of
-from autoloader._loop_tuning import LoopTuning, shown_setting
+from autoloader._loop_epoch import Epoch
+from autoloader._loop_tuning import LoopTuning
 from autoloader._problem import TuneArguments, check_arguments
 from autoloader.checks import world
-from autoloader.loader import DATALOADER_DEFAULTS, EpochBatches, Params, changed_options
-from autoloader.loader._torch_compat import batches_yielded, exiting
-from autoloader.measure import LiveTrial, TrialEnded
+from autoloader.loader import EpochBatches, Params, changed_options
+from autoloader.loader._torch_compat import batches_yielded
 from autoloader.results import TrialRecord, TuneResult, record_of, report
 from autoloader.search import SearchSpace
 
 _logger = logging.getLogger("autoloader")
 
 _T_co = TypeVar("_T_co", covariant=True)
-
-# DataLoader's arguments that AutoLoader chooses: given, each must have DataLoader's default.
-_TUNED_ARGUMENTS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 
 
 class TrainingLoop:
@@ -212,40 +216,32 @@ class AutoLoader(DataLoader[_T_co]):
         self.tuning: LoopTuning | None = None
         self._context: Any = None
         # NOTE [ Nothing outlives the loop ]: the epoch under way, held by the loop alone.
-        self._epoch: weakref.ref[_Epoch] | None = None
-        self.untuned = _untuned_because(dataset, batch_size, options, tuning)
+        self._epoch: weakref.ref[Epoch] | None = None
+        self.untuned = untuned_because(dataset, batch_size, options, tuning)
         self.verbose = verbose
         self.retune = retune
         # NOTE [ An AutoLoader's state ]: a state loaded for the next iter(), and, for a
         # loader passed through, the iterator of the epoch under way (the loop holds it).
         self._resume: dict[str, Any] | None = None
         self._passed: tuple[weakref.ref[Any], Draws] | None = None
-        if self.untuned is not None:
-            # The rest kept as given, unused: the loader is DataLoader's.
-            self.path = None if path is None else Path(path)
-            self.time_budget: float | None = time_budget
-            self.n_trials = n_trials
-            self.memory_budget = memory_budget
-            self.search_space = search_space
-            self.device = device
-            self.seed = seed
-            self._pass_through(dataset, batch_size, options)
-            return
         self.n_trials = n_trials
         self.memory_budget = memory_budget
         self.search_space = search_space
         self.device = device
         self.seed = seed
+        if self.untuned is not None:
+            self._pass_through(dataset, batch_size, options, path=path, time_budget=time_budget)
+            return
         if tuning is not None:
             self._copy(tuning, dataset, batch_size, options)
             return
-        checked_batch_size = _checked_batch_size(batch_size, options)
+        checked_size = checked_batch_size(batch_size, options)
         # DataLoader's own checks first, in its words. Without workers: each setting's
         # loader has its own (the multiprocessing_context theirs).
-        super().__init__(dataset, batch_size=checked_batch_size, **_kept(options))
-        context = _checked_context(multiprocessing_context)
+        super().__init__(dataset, batch_size=checked_size, **kept(options))
+        context = checked_context(multiprocessing_context)
         arguments = TuneArguments(
-            batch_size=checked_batch_size,
+            batch_size=checked_size,
             time_budget=time_budget,
             n_trials=n_trials,
             memory_budget=memory_budget,
@@ -259,12 +255,18 @@ class AutoLoader(DataLoader[_T_co]):
             show_progress=False,
             path=path,
         )
+        self._tune(dataset, arguments, context)
+
+    def _tune(self, dataset: Dataset[_T_co], arguments: TuneArguments, context: Any) -> None:
+        """Tune these arguments (``context``: the workers' start method, checked): the
+        problem checked, and the tuning that loads through this loader from its first
+        batch."""
         step = TrainingLoop()
         # Whether workers can be sent the dataset is asked where the search starts
         # (LoopTuning): none is needed before, nor at all where it cannot be.
         problem = check_arguments(None, dataset, step, arguments, check_pickling=False)
         self.path = problem.path
-        self.time_budget = problem.budget
+        self.time_budget: float | None = problem.budget
         # Under torchrun, checked again as one rank of the job once the ranks have joined.
         problem_of = functools.partial(
             check_arguments,
@@ -273,7 +275,7 @@ class AutoLoader(DataLoader[_T_co]):
             arguments=arguments,
             check_pickling=False,
         )
-        if context is not None and not _workers_only(problem.space):
+        if context is not None and not workers_only(problem.space):
             raise ValueError(
                 "multiprocessing_context can only be used with multi-process loading "
                 "(num_workers > 0), but got num_workers=0 among the settings AutoLoader may "
@@ -284,10 +286,10 @@ class AutoLoader(DataLoader[_T_co]):
         self._context = context
         self._problem_key = problem.key()  # what a state loaded must be of
         self.tuning = LoopTuning(
-            self, problem, problem_of, threads=torch.get_num_threads(), retune=retune
+            self, problem, problem_of, threads=torch.get_num_threads(), retune=self.retune
         )
         weakref.finalize(self, self.tuning.gone)
-        _pass_on_to_rebuilds(self, self.tuning)
+        pass_tuning_to_rebuilds(self, self.tuning)
 
     def _copy(
         self,
@@ -298,22 +300,32 @@ class AutoLoader(DataLoader[_T_co]):
     ) -> None:
         """Be a copy of the AutoLoader of ``tuning``, loading through it
         (``NOTE [ A rebuilt AutoLoader ]``)."""
-        _check_copied_settings(tuning, options)
-        super().__init__(dataset, batch_size=batch_size, **_kept(options))
-        self._context = _checked_context(options["multiprocessing_context"])
+        check_copied_settings(tuning, options)
+        super().__init__(dataset, batch_size=batch_size, **kept(options))
+        self._context = checked_context(options["multiprocessing_context"])
         self.path = tuning.problem.path
         self._problem_key = tuning.problem.key()
-        self.time_budget = (tuning.problem if tuning.home is None else tuning.home).budget
+        home = tuning.retuning.home  # NOTE [ Drift ]: the problem as given
+        self.time_budget = (tuning.problem if home is None else home).budget
         self.retune = tuning.retune  # the original's, as its tuning is
         self.tuning = tuning
         tuning.share(self)
         weakref.finalize(self, tuning.gone)
-        _pass_on_to_rebuilds(self, tuning)
+        pass_tuning_to_rebuilds(self, tuning)
 
     def _pass_through(
-        self, dataset: Dataset[_T_co], batch_size: int | None, options: Mapping[str, Any]
+        self,
+        dataset: Dataset[_T_co],
+        batch_size: int | None,
+        options: Mapping[str, Any],
+        *,
+        path: str | os.PathLike[str] | None,
+        time_budget: float | None,
     ) -> None:
-        """Be the DataLoader of these arguments, untuned, and say why once."""
+        """Be the DataLoader of these arguments, untuned, and say why once (``path`` and
+        ``time_budget`` kept as given, unused: the loader is DataLoader's)."""
+        self.path = None if path is None else Path(path)
+        self.time_budget = time_budget
         super().__init__(dataset, batch_size, **options)
         line = f"AutoLoader: not tuning, {self.untuned}; it loads as DataLoader would"
         _logger.warning("%s", line)
@@ -498,11 +510,11 @@ class AutoLoader(DataLoader[_T_co]):
             seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
             batches = EpochBatches(indices, length=_length(self._index_sampler))
             batches.fast_forward(skip)
-        epoch = _Epoch(self, tuning, batches, seed, draws)
+        epoch = Epoch(self, tuning, batches, seed, draws)
         self._epoch = weakref.ref(epoch)
         return epoch
 
-    def _current_epoch(self) -> _Epoch | None:
+    def _current_epoch(self) -> Epoch | None:
         return None if self._epoch is None else self._epoch()
 
     # NOTE [ AutoLoader under accelerate ] (autoloader/accelerate.py): accelerate asks
@@ -544,287 +556,3 @@ def _length(sampler: object) -> int | None:
         return len(sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
-
-
-def _untuned_because(
-    dataset: object, batch_size: int | None, options: Mapping[str, Any], tuning: LoopTuning | None
-) -> str | None:
-    """Why AutoLoader cannot tune these arguments (``options``: its other DataLoader
-    arguments after ``dataset`` and ``batch_size``, by name; ``tuning``: that of the
-    AutoLoader this one copies), or ``None`` where it can. Each setting takes turns at
-    the epoch's batches of indices, in the sampler's order (``NOTE [ Every batch once ]``):
-    a copy's batch_sampler too, where its batches are the size its tuning measures
-    (``NOTE [ A rebuilt AutoLoader ]``)."""
-    if isinstance(dataset, IterableDataset):
-        return (
-            "an IterableDataset has no batches of indices for the settings to take turns "
-            "at (autoloader.tune() and result.make_loader() tune one)"
-        )
-    batch_sampler = options["batch_sampler"]
-    if batch_sampler is not None:
-        measured = None if tuning is None else tuning.problem.batch_size
-        if measured is None or getattr(batch_sampler, "batch_size", None) != measured:
-            return "it takes batch_size and a per-item sampler, not a batch_sampler"
-    elif batch_size is None:
-        return "it times the loop in batches, and batch_size=None loads items one at a time"
-    if options["in_order"] is not True:
-        return (
-            "out of order (in_order=False), a setting that fails could not say which "
-            "batches it had delivered"
-        )
-    return None
-
-
-def _checked_batch_size(batch_size: int | None, options: Mapping[str, Any]) -> int:
-    """``batch_size``, once AutoLoader takes its arguments to tune (``options``: its
-    other DataLoader arguments after ``dataset``, by name).
-
-    Raises:
-        InvalidInputError: for a tuned argument given.
-    """
-    for name in _TUNED_ARGUMENTS:
-        value = options[name]
-        if value != DATALOADER_DEFAULTS[name]:
-            raise InvalidInputError(
-                f"AutoLoader chooses {name} itself, but got {name}={value!r}. Remove it; to "
-                f"search only some values pass search_space={{{name!r}: ...}}, or use a "
-                "DataLoader with your own setting."
-            )
-    assert batch_size is not None, "batch_size=None is passed through"
-    return batch_size
-
-
-def _kept(options: Mapping[str, Any]) -> dict[str, Any]:
-    """What of ``options`` AutoLoader gives DataLoader's own ``__init__``, which it calls
-    without workers: all but the tuned arguments and the workers' start method."""
-    return {
-        name: value
-        for name, value in options.items()
-        if name not in _TUNED_ARGUMENTS and name != "multiprocessing_context"
-    }
-
-
-def _checked_context(context: Any) -> Any:
-    """``multiprocessing_context`` as DataLoader checks and keeps it with workers (a start
-    method's name becomes its context): AutoLoader takes it without them, for the
-    settings with worker processes (``NOTE [ A rebuilt AutoLoader ]`` says why).
-
-    Raises:
-        ValueError, TypeError: DataLoader's own, for a context DataLoader refuses.
-    """
-    if context is None:
-        return None
-    if isinstance(context, str):
-        methods = torch.multiprocessing.get_all_start_methods()
-        if context not in methods:
-            raise ValueError(
-                "multiprocessing_context option should specify a valid start method in "
-                f"{methods!r}, but got multiprocessing_context={context!r}"
-            )
-        return torch.multiprocessing.get_context(context)
-    if not isinstance(context, multiprocessing.context.BaseContext):
-        raise TypeError(
-            "multiprocessing_context option should be a valid context object or a string "
-            f"specifying the start method, but got multiprocessing_context={context!r}"
-        )
-    return context
-
-
-def _workers_only(space: SearchSpace) -> bool:
-    """Whether every setting ``space`` lets AutoLoader choose loads with workers: only
-    then does a ``multiprocessing_context`` have a use, as DataLoader asks of it."""
-    workers = space.num_workers
-    low = workers[0] if isinstance(workers, tuple) else workers
-    return low is not None and low > 0
-
-
-def _check_copied_settings(tuning: LoopTuning, options: Mapping[str, Any]) -> None:
-    """A copy of an AutoLoader (``NOTE [ A rebuilt AutoLoader ]``) is given the tuned
-    arguments its original shows (DataLoader's defaults, or once tuned the chosen
-    setting's, which the copy shows too) and its original's start method, if any.
-
-    Raises:
-        InvalidInputError: for another value.
-    """
-    shown = {} if tuning.chosen is None else shown_setting(tuning.chosen)
-    for name in _TUNED_ARGUMENTS:
-        value, default = options[name], DATALOADER_DEFAULTS[name]
-        if value == default or (name in shown and value == shown[name]):
-            continue
-        raise InvalidInputError(
-            f"AutoLoader chooses {name} itself, but got {name}={value!r} for a copy of an "
-            f"AutoLoader (tuning=...), whose tuning chose {shown.get(name, default)!r}. "
-            f"Leave {name} out: the copy takes its original's setting."
-        )
-    context = options["multiprocessing_context"]
-    original = tuning.problem.fixed.get("multiprocessing_context")
-    if context is not None and _start_method(context) != _start_method(original):
-        raise InvalidInputError(
-            f"a copy of an AutoLoader (tuning=...) starts workers as its original does "
-            f"({_start_method(original) or 'the default start method'}), but got "
-            f"multiprocessing_context={context!r}. Leave it out, or make a new AutoLoader."
-        )
-
-
-def _start_method(context: Any) -> str | None:
-    """The start method of a ``multiprocessing_context`` as DataLoader takes it."""
-    if context is None or isinstance(context, str):
-        return context
-    return str(context.get_start_method())
-
-
-def _pass_on_to_rebuilds(loader: AutoLoader[Any], tuning: LoopTuning) -> None:
-    """Make Lightning's rebuild of ``loader``, where Lightning recorded its arguments to
-    rebuild it from (it was made in a ``*_dataloader`` hook), a copy that shares
-    ``tuning`` (``NOTE [ A rebuilt AutoLoader ]``). Elsewhere it is rebuilt from the
-    loader's attributes, ``loader.tuning`` among them."""
-    if "lightning" not in sys.modules:
-        return  # nothing recorded its arguments
-    try:
-        from autoloader._lightning_compat import pass_on_to_rebuilds
-    except ImportError:  # a Lightning autoloader.lightning does not support
-        return
-    pass_on_to_rebuilds(loader, tuning=tuning)
-
-
-# NOTE [ A rebuilt AutoLoader ]
-# Lightning (and Fabric) rebuild a DataLoader subclass to put in a sampler of their own:
-# a DistributedSampler in a distributed fit (training and validation), and, to predict,
-# a batch sampler that records the indices it hands out. They call the class again,
-# ``type(loader)(**arguments)``, with the arguments Lightning recorded where the loader
-# was made in a ``*_dataloader`` hook, else with its public attributes named as
-# ``__init__``'s parameters; the user keeps the original, the loop gets the copy. A
-# fresh AutoLoader would tune again from nothing while the user's object says "0
-# trials", and an attribute showing the tuned setting (``num_workers=2``) would be
-# refused as an argument AutoLoader chooses itself. So an AutoLoader passes on its
-# tuning (the LoopTuning: one search, its result, its kept workers) as its attribute
-# ``tuning`` and, where its class takes that argument, in the arguments Lightning
-# recorded (``_lightning_compat.py``). The copy, given ``tuning=``, loads through it:
-# one search per process (under DDP each rank's copy through its rank's tuning, the
-# ranks searching together as under torchrun), seen alike from original and copy
-# (``result``, ``history``, ``report()``, the chosen ``num_workers``). The epoch is
-# the iterated loader's (its sampler's order and length: a rank's share), the problem
-# planned for it at the first batch. A copy takes the tuned arguments its original
-# shows and refuses others; its batch_sampler, where its batches are the size the
-# tuning measures (Lightning's predict wrapper around the original's), is tuned as a
-# sampler's batches are. The kept loader's persistent workers stop when the last of
-# original and copies goes.
-# The workers' ``multiprocessing_context`` is read back as an attribute too, and kept.
-# DataLoader takes one with workers only, where something uses it; AutoLoader, which
-# chooses the workers, takes one where every setting it may choose has worker
-# processes (a search space of ``num_workers`` from 1): a start method is the one option
-# a loader of the user's cannot be converted without (the process's own start method,
-# the alternative, changes it for all else the process starts), and DataLoader's
-# refusal of one that nothing would use holds (PyTorch's conformance test of it passes).
-
-# NOTE [ Nothing outlives the loop ]
-# A trial holds a thread (the memory watch), the SIGCHLD and SIGALRM handlers, and its
-# loader's workers. Left running after the loop stopped using them, the watch would
-# kill processes of the user's long after (it acts only on the trial's workers, but a
-# stale trial is nobody's to judge). So the loop alone holds the epoch: the loader keeps
-# a weak reference to it, and the epoch holds the loader. When the loop drops it (a
-# ``break``, an exception, Ctrl-C), its finalizer ends the trial under way where it
-# stands and stops all it holds (``LiveTrial.close``), at once in CPython; the study is
-# told how the trial went at the loader's next epoch or ``close()``, in the loop's own
-# code, not in a finalizer (under torchrun that takes a collective). A trial the epoch
-# ended in the middle of (NOTE [ Live trials span epochs ]) is the tuning's until the
-# next epoch resumes it: between epochs it stands as between two steps, its watch and
-# handlers in place; ``close()`` ends it and tells the study. The search holds the
-# loader by a weak reference too, so a loader nobody holds is collected at once, and
-# its finalizer stops the chosen setting's persistent workers and a trial waiting for
-# the next epoch. Both finalizers run at the interpreter's exit too, where the workers
-# are killed: DataLoader's own shutdown does nothing then. A finalizer the garbage
-# collector runs in another thread stops the threads and the workers; the handlers,
-# which only the main thread can set, are put back by the next trial there
-# (``NOTE [ Handlers put back ]``).
-
-
-@dataclass(slots=True)
-class _Current:
-    """The trial under way in an epoch: what its finalizer stops."""
-
-    trial: LiveTrial | None = None
-
-
-class _Epoch(Iterator[Any]):
-    """One pass over an AutoLoader: each batch from the trial under way, the next trial
-    started where one ends."""
-
-    def __init__(
-        self,
-        owner: AutoLoader[Any],
-        tuning: LoopTuning,
-        batches: EpochBatches,
-        seed: int,
-        draws: Draws,
-    ) -> None:
-        self.owner = owner  # NOTE [ Nothing outlives the loop ]
-        self.tuning = tuning
-        self.batches = batches
-        self.seed = seed
-        self.draws = draws  # the generators' states at its start
-        # The trial the last epoch ended in the middle of goes on with this one's batches.
-        self.current = _Current(tuning.carry_on(batches))
-        self.done = False
-        weakref.finalize(self, _abandon, self.tuning, self.current)
-
-    @property
-    def trial(self) -> LiveTrial | None:
-        return self.current.trial
-
-    def __iter__(self) -> _Epoch:
-        return self
-
-    def __len__(self) -> int:
-        return len(self.owner)
-
-    def __next__(self) -> Any:
-        if self.done:
-            raise StopIteration
-        while True:
-            trial = self.current.trial
-            if trial is None:
-                trial = self.current.trial = self.tuning.start_trial(self.batches, self.seed)
-            try:
-                return trial.next()
-            except TrialEnded:
-                self._end_trial()
-            except StopIteration:
-                self.done = True
-                self.batches.exhaust()
-                if trial.outcome is None:  # NOTE [ Live trials span epochs ]
-                    self.current.trial = None
-                    self.tuning.carry(trial)
-                else:
-                    self._end_trial()
-                raise
-
-    def _end_trial(self) -> None:
-        trial, self.current.trial = self.current.trial, None
-        assert trial is not None
-        trial.end()
-        undelivered = trial.feed.in_flight
-        trial.close()
-        self.tuning.trial_ended(trial, undelivered)
-
-    def close(self) -> None:
-        """The loop left this epoch: end its trial where it stands."""
-        self.done = True
-        if self.current.trial is not None:
-            self._end_trial()
-
-
-def _abandon(tuning: LoopTuning, current: _Current) -> None:
-    """The loop dropped an epoch: end its trial where it stands and stop all it holds;
-    the study is told at the loader's next epoch (``NOTE [ Nothing outlives the loop ]``)."""
-    trial, current.trial = current.trial, None
-    if trial is None:
-        return
-    try:
-        trial.end()
-        undelivered = trial.feed.in_flight
-        trial.close(kill=exiting())
-    except Exception:
-        _logger.warning("AutoLoader: stopping an abandoned epoch's trial failed", exc_info=True)
-        return
-    tuning.abandoned.append((trial, undelivered))

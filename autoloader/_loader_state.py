@@ -1,6 +1,7 @@
 """An AutoLoader's state for checkpoints taken mid-epoch, in the protocol of torchdata's
 ``StatefulDataLoader``: where the epoch stands (:func:`in_epoch`, :func:`between_epochs`,
-replayed by :class:`Draws`), and how a state is checked (:func:`checked`).
+replayed by :class:`Draws`), and how a state is checked (:func:`checked`); the tuning's part of it,
+written (:func:`tuned_state`, :func:`searching_state`) and read (:func:`checked_tuning`).
 
 NOTE [ An AutoLoader's state ]
 ``state_dict()`` may be called at any time: before the first epoch, between two of the
@@ -40,13 +41,16 @@ loaded with ``torch.load(weights_only=True)`` keeps it):
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from autoloader._exceptions import InvalidInputError
+from autoloader._exceptions import InvalidInputError, ResultFileError
+from autoloader.loader import Params, normalize_params
+from autoloader.results import TuneResult
 
 VERSION = 1
 # The parts of the problem (Problem.key) a state must share with the loader resuming it:
@@ -165,3 +169,61 @@ def checked(state: object, problem: Mapping[str, str] | None) -> dict[str, Any]:
                 "loader's. Resume with the arguments of the loader that saved it."
             )
     return dict(state)
+
+
+def tuned_state(
+    result: TuneResult, chosen: Params, last_good: Params, failures: list[str]
+) -> dict[str, Any]:
+    """The tuning's part of a state once tuned: its ``result``, the setting ``chosen``
+    loading the batches, the last good one and the failures so far."""
+    return {
+        "stage": "tuned",
+        # Plain JSON values: the torch version is a str subclass torch.load's
+        # weights_only refuses.
+        "result": json.loads(json.dumps(result.as_dict())),
+        "chosen": dict(chosen),
+        "last_good": dict(last_good),
+        "failures": list(failures),
+    }
+
+
+def searching_state(
+    seconds: float, session: dict[str, Any] | None, last_good: Params, failures: list[str]
+) -> dict[str, Any]:
+    """The tuning's part of a state while it searches: the ``seconds`` of budget spent,
+    its session's checkpoint (``None`` on a rank that does not drive the study), the
+    last good setting and the failures so far."""
+    return {
+        "stage": "searching",
+        "seconds": seconds,
+        "session": session,
+        "last_good": dict(last_good),
+        "failures": list(failures),
+    }
+
+
+def checked_tuning(state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The tuning's part of a state (``LoopTuning.state``), where the tuning stood at
+    the checkpoint: ``None`` where it waited for its first batch.
+
+    Raises:
+        InvalidInputError: ``state`` is not a tuning's.
+    """
+    stage = state.get("stage")
+    try:
+        if stage == "tuned":
+            TuneResult.from_dict(state["result"])
+            normalize_params(state["chosen"])
+        elif stage == "searching":
+            float(state["seconds"])
+        elif stage != "waiting":
+            raise ValueError(f"a tuning stage {stage!r}")
+        if stage != "waiting":
+            normalize_params(state["last_good"])
+            list(state["failures"])
+    except (KeyError, TypeError, ValueError, ResultFileError) as error:
+        raise InvalidInputError(
+            f"AutoLoader.load_state_dict(): the state's tuning is not readable ({error}); "
+            "resume from a checkpoint this version of autoloader saved."
+        ) from None
+    return None if stage == "waiting" else dict(state)

@@ -4,21 +4,26 @@ DataLoader chooses its single- or multi-process iterator: :class:`SoloSearch` or
 :class:`JointSearch`, behind one interface (:class:`Search`). Both ask and tell the run's
 :class:`~autoloader._session.RunSession`, the one ``tune()`` drives too; under torchrun
 the ranks exchange typed messages (:class:`_NextSegment`, :class:`_Tuned`,
-:class:`_Fatal`), as ``tune()``'s joint runner does (``distributed/_joint.py``).
+:class:`_Fatal`), as ``tune()``'s joint runner does (``distributed/_joint.py``). The
+session is opened by :func:`open_session`, and the search's end said by :func:`tuned_line`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from time import perf_counter
 from typing import Any, Protocol
 
-from autoloader._exceptions import BaselineError
+from autoloader._exceptions import AutoloaderError, BaselineError, StudyInUseError
+from autoloader._preserve import preserved
 from autoloader._problem import Problem
+from autoloader._reuse import study_beside
 from autoloader._session import RunSession
 from autoloader.distributed import Ranks, job_outcome
 from autoloader.loader import Params
@@ -31,7 +36,9 @@ from autoloader.measure import (
     WindowCallback,
 )
 from autoloader.results import TuneResult, in_memory_kwargs
-from autoloader.search import Completed, Proposal, Trial
+from autoloader.search import Completed, Proposal, Trial, open_storage
+
+_logger = logging.getLogger("autoloader")
 
 Failure = TrialError | MemoryBudgetExceeded
 
@@ -321,6 +328,47 @@ class JointSearch(Search):
             tuning.last_good = proposal.spec.params
 
 
+def open_session(
+    problem: Problem,
+    ranks: Ranks | None,
+    *,
+    started: float,
+    threads: int,
+    resumed: Mapping[str, Any] | None,
+) -> RunSession:
+    """The search's run of ``problem``, its checks passed and its study open: a
+    checkpoint's, where one was loaded (``resumed``: its ``started`` then as long before
+    as the budget spent); else its study kept beside ``path`` where there is one
+    (``NOTE [ An unfinished search kept ]``), an earlier run's unfinished study continued
+    (its ``problem`` the one it searches)."""
+    given = problem
+    beside = None if problem.path is None else study_beside(problem.path)
+    if beside is not None and problem.storage is None and resumed is None:
+        try:
+            problem = dataclasses.replace(problem, storage=open_storage(beside))
+        except AutoloaderError as error:
+            _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
+    session = RunSession(problem, ranks, started=started, threads=threads)
+    # The checks read items here, which DataLoader would not: whatever they draw from
+    # the random generators (torch's global one is the training's, and the sampler's
+    # where the loader has no generator) is put back (NOTE [ An AutoLoader's state ]).
+    with preserved():
+        session.check()
+    if resumed is not None:  # the budget spent before the checkpoint, not the checks
+        session.started = perf_counter() - float(resumed["seconds"])
+    try:
+        session.open(None)
+    except StudyInUseError as error:
+        if problem is given:
+            raise  # the user's own storage: theirs to sort out
+        _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
+        session.problem = dataclasses.replace(problem, storage=None)
+        session.open(None)
+    if resumed is not None and resumed["session"] is not None:
+        session.resume(resumed["session"])
+    return session
+
+
 def users_error(error: Failure) -> BaseException:
     """What reaches the loop when the baseline fails too: the dataset's own error, as
     DataLoader would raise it; a memory overrun or a hang, said as one."""
@@ -354,3 +402,35 @@ def describe_params(params: Mapping[str, Any]) -> str:
     if params.get("step_threads") is not None:
         words += f", step on {params['step_threads']} threads"
     return words
+
+
+def tuned_line(
+    result: TuneResult,
+    chosen: Params,
+    *,
+    resumed: bool,
+    reused_from: Path | None,
+    started: float | None,
+    path: Path | None,
+) -> str:
+    """The line that says tuning ended with ``chosen``, ``result``'s setting or, where
+    ``resumed``, a checkpoint's: read from ``reused_from``, or searched since
+    ``started`` and saved at ``path``."""
+    if resumed:
+        return (
+            f"AutoLoader: resuming with {describe_params(chosen)}, tuned before the "
+            f"checkpoint ({result.speedup:.2f}x the defaults); nothing to tune"
+        )
+    if reused_from is not None:
+        return (
+            f"AutoLoader: reusing {describe_params(chosen)} from {reused_from}, "
+            f"tuned for this problem on this machine ({result.speedup:.2f}x the "
+            "defaults)"
+        )
+    assert started is not None
+    saved = f"; saved to {path}" if path is not None else ""
+    return (
+        f"AutoLoader: tuned in {perf_counter() - started:.0f} s of training, "
+        f"{len(result.trials)} trials: {describe_params(chosen)}, "
+        f"{result.speedup:.2f}x the defaults{saved}"
+    )

@@ -5,16 +5,15 @@ and what each trial's end means (``NOTE [ Tuning in the training loop ]``, in
 While it searches, alone or under torchrun (chosen once, at the first batch), a
 :class:`~autoloader._loop_search.Search` decides each trial (``_loop_search.py``), asking
 and telling the run's :class:`~autoloader._session.RunSession`, the one ``tune()``
-drives too.
+drives too. Each trial's loader comes from :class:`~autoloader._loop_loaders.Loaders`;
+once tuned, :class:`~autoloader._loop_retune.Retuning` watches for drift.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
-import math
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -23,54 +22,38 @@ from time import perf_counter
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader
 
-from autoloader._drift import DriftWatch, research_budget, watch
-from autoloader._exceptions import (
-    AllSettingsFailedError,
-    AutoloaderError,
-    InvalidInputError,
-    ResultFileError,
-    StudyInUseError,
+from autoloader._drift import DriftWatch
+from autoloader._exceptions import AllSettingsFailedError, InvalidInputError
+from autoloader._loader_state import checked_tuning, searching_state, tuned_state
+from autoloader._loop_loaders import (
+    Loaders,
+    set_threads,
+    show_setting,
+    workers_only_where_picklable,
 )
+from autoloader._loop_retune import Retuning
 from autoloader._loop_search import (
     Failure,
     JointSearch,
     Search,
     SoloSearch,
     describe_params,
+    open_session,
+    tuned_line,
     users_error,
 )
-from autoloader._preserve import preserved
-from autoloader._problem import Problem, agree, workers_unpicklable
+from autoloader._problem import Problem, agree
 from autoloader._reuse import reused, study_beside
 from autoloader._reuse_check import FirstBatchesCheck, first_batches_check
 from autoloader._session import RunSession
 from autoloader.checks import world
 from autoloader.distributed import Ranks
-from autoloader.loader import (
-    BASELINE_PARAMS,
-    EpochBatches,
-    Feed,
-    Params,
-    dataloader_kwargs,
-    merge_loader_kwargs,
-    new_loader,
-    normalize_params,
-    set_step_threads,
-)
+from autoloader.loader import BASELINE_PARAMS, EpochBatches, Params, normalize_params
 from autoloader.loader._torch_compat import exiting
-from autoloader.measure import (
-    Deadlines,
-    LiveTrial,
-    Measurement,
-    MemoryBudgetExceeded,
-    TrialError,
-    WindowCallback,
-    release,
-)
+from autoloader.measure import Deadlines, LiveTrial, Measurement, MemoryBudgetExceeded, TrialError
 from autoloader.results import TuneResult, in_memory_kwargs
-from autoloader.search import Proposal, Trial, open_storage
+from autoloader.search import Proposal, Trial
 
 _logger = logging.getLogger("autoloader")
 
@@ -179,8 +162,8 @@ class LoopTuning:
         self.result: TuneResult | None = None  # TUNED: the result, and its setting
         self.chosen: Params | None = None
         self.failures: list[str] = []
-        # The chosen setting's loader, kept across epochs where its workers persist.
-        self.kept: tuple[DataLoader[Any], Feed] | None = None
+        # The trials' loaders, and the chosen setting's, kept across epochs.
+        self.loaders = Loaders()
         # Trials of epochs the loop dropped, stopped, and the batches they had not
         # delivered: the study is told at the next epoch (NOTE [ Nothing outlives the loop ]).
         self.abandoned: list[tuple[LiveTrial, int]] = []
@@ -192,16 +175,21 @@ class LoopTuning:
         self.carried: LiveTrial | None = None
         # TUNED with a reused setting: the check of its first batches, until it is done.
         self.check: FirstBatchesCheck | None = None
-        # NOTE [ Drift ]: TUNED, the watch of the chosen setting's wait for data; the
-        # searches it started; the problem as given while one runs (its budget a share).
-        self.retune = retune
-        self.drift: DriftWatch | None = None
-        self.researches = 0
-        self.home: Problem | None = None
-        # While a search drift started runs: the watch that started it, and the result
-        # it may keep.
-        self.drifted: tuple[DriftWatch, TuneResult] | None = None
-        self.drift_off_said = False  # under torchrun, that it is not watched
+        # NOTE [ Drift ]: TUNED, the watch of the chosen setting's wait for data, and the
+        # searches it starts.
+        self.retuning = Retuning(retune=retune)
+
+    @property
+    def retune(self) -> bool:
+        return self.retuning.retune
+
+    @property
+    def drift(self) -> DriftWatch | None:
+        return self.retuning.drift
+
+    @property
+    def researches(self) -> int:
+        return self.retuning.researches
 
     @property
     def owner(self) -> _Loader:
@@ -225,7 +213,7 @@ class LoopTuning:
         self._alive += 1
         self.loads(copy)
         if self.chosen is not None:
-            _show_setting(copy, self.chosen)
+            show_setting(copy, self.chosen)
 
     def gone(self) -> None:
         """An AutoLoader of this tuning was collected: the last one stops the kept
@@ -281,11 +269,13 @@ class LoopTuning:
             if isinstance(plan, TuneResult):
                 self.take(plan, reused_from=None)
             else:
-                self.trial_threads = _set_threads(plan.params.get("step_threads"))
-                return self._trial(
+                self.trial_threads = set_threads(plan.params.get("step_threads"))
+                return self.loaders.trial(
+                    self.problem,
                     plan.params,
                     batches,
                     seed,
+                    memory_share=search.memory_share,
                     limit=plan.batches,
                     max_seconds=plan.max_seconds,
                     deadlines=plan.deadlines,
@@ -293,11 +283,24 @@ class LoopTuning:
                 )
         if self.stage is Stage.MAKING_UP:
             params = self.last_good
-            return self._trial(
-                params, batches, seed, limit=self.makeup, deadlines=self._deadlines(params)
+            return self.loaders.trial(
+                self.problem,
+                params,
+                batches,
+                seed,
+                limit=self.makeup,
+                deadlines=self._deadlines(params),
             )
         assert self.stage is Stage.TUNED and self.chosen is not None
-        return self._serve(self.chosen, batches, seed)
+        return self.loaders.serve(
+            self.problem,
+            self.chosen,
+            batches,
+            seed,
+            deadlines=self._deadlines(self.chosen),
+            check=self.check,
+            drift=self.drift,
+        )
 
     def _begin(self) -> None:
         """WAITING, at the first batch: the saved result (TUNED), or the checks and the
@@ -312,7 +315,7 @@ class LoopTuning:
         if ranks is not None:
             # The machine as this rank's job sees it, and the same problem on every rank.
             self.problem = agree(ranks, self.problem_of(ranks))
-        problem = _workers_only_where_picklable(self.problem)
+        problem = workers_only_where_picklable(self.problem)
         # The epoch the loop iterates: a copy's (NOTE [ A rebuilt AutoLoader ]) may be a
         # rank's share of its original's.
         problem = self.problem = dataclasses.replace(problem, batches_per_epoch=self.epoch_length())
@@ -336,36 +339,13 @@ class LoopTuning:
         self.stage = Stage.SEARCHING
 
     def _session(self, ranks: Ranks | None, resumed: Mapping[str, Any] | None) -> RunSession:
-        """The search's run: a checkpoint's, where one was loaded (``resumed``); else its
-        study kept beside ``path`` where there is one (``NOTE [ An unfinished search
-        kept ]``), an earlier run's unfinished study continued."""
-        problem, started = self.problem, self.started
-        assert started is not None, "the first batch starts the run"
-        beside = None if problem.path is None else study_beside(problem.path)
-        if beside is not None and problem.storage is None and resumed is None:
-            try:
-                problem = dataclasses.replace(problem, storage=open_storage(beside))
-            except AutoloaderError as error:
-                _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
-        session = RunSession(problem, ranks, started=started, threads=self.threads)
-        # The checks read items here, which DataLoader would not: whatever they draw from
-        # the random generators (torch's global one is the training's, and the sampler's
-        # where the loader has no generator) is put back (NOTE [ An AutoLoader's state ]).
-        with preserved():
-            session.check()
-        if resumed is not None:  # the budget spent before the checkpoint, not the checks
-            self.started = session.started = perf_counter() - float(resumed["seconds"])
-        try:
-            session.open(None)
-        except StudyInUseError as error:
-            if problem is self.problem:
-                raise  # the user's own storage: theirs to sort out
-            _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
-            session.problem = dataclasses.replace(problem, storage=None)
-            session.open(None)
-        if resumed is not None and resumed["session"] is not None:
-            session.resume(resumed["session"])
-        self.problem = session.problem
+        """The search's run (:func:`~autoloader._loop_search.open_session`), from the
+        first batch or a checkpoint's ``resumed`` state; the budget counts from its start."""
+        assert self.started is not None, "the first batch starts the run"
+        session = open_session(
+            self.problem, ranks, started=self.started, threads=self.threads, resumed=resumed
+        )
+        self.started, self.problem = session.started, session.problem
         return session
 
     def _resume_tuned(self, state: Mapping[str, Any]) -> None:
@@ -384,28 +364,20 @@ class LoopTuning:
         """Where the tuning stands, in plain values: :meth:`resume` takes it up."""
         if self.stage is Stage.WAITING:
             return {"stage": "waiting"} if self.resumed is None else dict(self.resumed)
-        kept = {"last_good": dict(self.last_good), "failures": list(self.failures)}
         # Making up a failed setting's batches, the stage it came from: the resumed run
         # loads them, its next batches, with that stage's setting.
         stage = self.after_makeup if self.stage is Stage.MAKING_UP else self.stage
         if stage is Stage.TUNED:
             assert self.result is not None and self.chosen is not None
-            return {
-                "stage": "tuned",
-                # Plain JSON values: the torch version is a str subclass torch.load's
-                # weights_only refuses.
-                "result": json.loads(json.dumps(self.result.as_dict())),
-                "chosen": dict(self.chosen),
-                **kept,
-            }
+            return tuned_state(self.result, self.chosen, self.last_good, self.failures)
         assert self.search is not None and self.started is not None
         session = self.search.session
-        return {
-            "stage": "searching",
-            "seconds": perf_counter() - self.started,
-            "session": None if session is None else session.checkpoint(),
-            **kept,
-        }
+        return searching_state(
+            perf_counter() - self.started,
+            None if session is None else session.checkpoint(),
+            self.last_good,
+            self.failures,
+        )
 
     def resume(self, state: Mapping[str, Any]) -> None:
         """Take up :meth:`state` of a checkpoint at the first batch.
@@ -419,24 +391,7 @@ class LoopTuning:
                 "this one has started tuning: load the state into a new AutoLoader of the "
                 "same arguments."
             )
-        stage = state.get("stage")
-        try:
-            if stage == "tuned":
-                TuneResult.from_dict(state["result"])
-                normalize_params(state["chosen"])
-            elif stage == "searching":
-                float(state["seconds"])
-            elif stage != "waiting":
-                raise ValueError(f"a tuning stage {stage!r}")
-            if stage != "waiting":
-                normalize_params(state["last_good"])
-                list(state["failures"])
-        except (KeyError, TypeError, ValueError, ResultFileError) as error:
-            raise InvalidInputError(
-                f"AutoLoader.load_state_dict(): the state's tuning is not readable ({error}); "
-                "resume from a checkpoint this version of autoloader saved."
-            ) from None
-        self.resumed = None if stage == "waiting" else dict(state)
+        self.resumed = checked_tuning(state)
 
     def epoch_length(self) -> int | None:
         """Batches in an epoch of the AutoLoader, ``None`` where its sampler has no length."""
@@ -455,90 +410,11 @@ class LoopTuning:
             _logger.warning("AutoLoader: %s", error)
             return None
 
-    def _trial(
-        self,
-        params: Params,
-        batches: EpochBatches,
-        seed: int,
-        *,
-        limit: int | None = None,
-        max_seconds: float | None = None,
-        deadlines: Deadlines | None = None,
-        on_window: WindowCallback | None = None,
-    ) -> LiveTrial:
-        feed = Feed(batches, limit=limit)
-        share = 1 if self.search is None else self.search.memory_share
-        return LiveTrial(
-            # Its workers kept at an epoch's edge (NOTE [ Live trials span epochs ]).
-            self._loader(params, feed, seed, keep_workers=True),
-            feed,
-            params,
-            batch_size=self.problem.batch_size,
-            memory_budget=self.problem.memory_bytes // share if max_seconds is not None else None,
-            max_seconds=max_seconds,
-            deadlines=deadlines,
-            on_window=on_window,
-        )
-
-    def _serve(self, params: Params, batches: EpochBatches, seed: int) -> LiveTrial:
-        """TUNED: the chosen setting, for the rest of training: one loader kept across
-        epochs where its workers persist."""
-        persistent = bool(params.get("persistent_workers"))
-        if persistent and self.kept is not None:
-            loader, feed = self.kept
-            feed.point_at(batches)
-        else:
-            feed = Feed(batches)
-            loader = self._loader(params, feed, seed, keep_workers=persistent)
-            if persistent:
-                self.kept = (loader, feed)
-        check = self.check  # a reused setting's first batches are timed
-        drift = self.drift if check is None else None  # NOTE [ Drift ]
-        return LiveTrial(
-            loader,
-            feed,
-            params,
-            batch_size=self.problem.batch_size,
-            memory_budget=None,
-            max_seconds=None if check is None else math.inf,
-            deadlines=self._deadlines(params),
-            on_window=None if check is None else check.on_window,
-            keep_workers=persistent,
-            on_batch=None if drift is None else drift.batch,
-        )
-
     def _deadlines(self, params: Params) -> Deadlines | None:
         """How long a batch may take to load with ``params`` before it counts as hung,
         from the search's baseline; ``None`` (no limit, as DataLoader) with no search
         (settings read from ``path``, or a rank that does not drive it)."""
         return None if self.search is None else self.search.deadlines(params)
-
-    def _loader(
-        self, params: Params, feed: Feed, seed: int, *, keep_workers: bool
-    ) -> DataLoader[Any]:
-        """A loader of ``params`` over the batches ``feed`` hands it, its workers seeded
-        from the epoch's base seed and, with ``keep_workers``, kept from one iteration
-        to the next (DataLoader's ``persistent_workers``)."""
-        options = merge_loader_kwargs(
-            {**params, "batched_fetch": False},
-            batch_size=self.problem.batch_size,
-            fixed=self.problem.fixed,
-            overrides={"persistent_workers": keep_workers},
-        )
-        kwargs = dataloader_kwargs(self.problem.dataset, options)
-        for name in ("batch_size", "shuffle", "sampler", "drop_last"):
-            kwargs.pop(name, None)
-        kwargs["generator"] = torch.Generator().manual_seed(seed)
-        if kwargs["num_workers"] == 0:
-            kwargs["timeout"] = 0  # DataLoader takes a timeout with workers only
-        if params.get("batched_fetch"):  # NOTE [ Batched fetch ]: each index a batch's
-            kwargs.pop("collate_fn", None)
-            kwargs.update(batch_size=None, sampler=feed)
-        else:
-            kwargs["batch_sampler"] = feed
-        return new_loader(
-            self.problem.dataset, kwargs, threads=params.get("worker_kind") == "threads"
-        )
 
     def release(self) -> None:
         """Stop the kept loader's persistent workers and a trial waiting for the next
@@ -549,14 +425,7 @@ class LoopTuning:
             trial.end()
             trial.close(kill=exiting())
         self._close_session()
-        self._release_kept()
-
-    def _release_kept(self) -> None:
-        """Stop the kept loader's persistent workers; the next loader starts its own."""
-        if self.kept is not None:
-            loader, _ = self.kept
-            self.kept = None
-            release(loader)
+        self.loaders.release_kept()
 
     # Ending a trial: the stage's own ---------------------------------------------------
 
@@ -579,7 +448,7 @@ class LoopTuning:
             return
         if self.stage is Stage.SEARCHING:
             assert self.search is not None
-            _set_threads(self.trial_threads)
+            set_threads(self.trial_threads)
             self.search.keep_pace(trial)
             self._make_up(self.search.ended(self, trial, outcome, undelivered))
             return
@@ -609,78 +478,14 @@ class LoopTuning:
     def _drifted(self, undelivered: int) -> None:
         """TUNED, the chosen setting's wait for data drifted (``NOTE [ Drift ]``): a
         search of a share of the budget, in a study of its own, SEARCHING from here."""
-        drift, self.drift = self.drift, None
-        assert drift is not None and self.chosen is not None and self.result is not None
-        self.drifted = (drift, self.result)
-        self.researches += 1
-        home = self.problem
-        budget = research_budget(home.budget)
-        _logger.warning(
-            "AutoLoader: loading drifted: %s: searching again for up to %s (%s was chosen; "
-            "search %d of at most %d)",
-            drift.why(),
-            f"{budget:g} s",
-            describe_params(self.chosen),
-            self.researches,
-            drift.most,
-        )
-        if home.path is not None:
-            study_beside(home.path).unlink(missing_ok=True)  # the old world's trials
-        self.home = home
-        self.problem = dataclasses.replace(home, budget=budget, storage=None)
+        assert self.chosen is not None and self.result is not None
+        self.problem = self.retuning.start(self.problem, self.chosen, self.result)
         self.last_good = self.chosen  # it loads well, if slowly: it makes up faults
         self._search_again(undelivered)
 
-    def _watch(
-        self, result: TuneResult, drifted: tuple[DriftWatch, TuneResult] | None
-    ) -> DriftWatch | None:
-        """The watch of ``result``'s setting, just taken (``NOTE [ Drift ]``): from its
-        trial, or where a search drift started kept it, from the windows that started
-        it; ``None`` with ``retune=False``, under torchrun (said once), or where no more
-        searches may start."""
-        if not self.retune:
-            return None
-        if world()[1] > 1:
-            if not self.drift_off_said:
-                self.drift_off_said = True
-                _logger.info(
-                    "AutoLoader: under torchrun, loading is not watched for drift once "
-                    "tuned: the setting chosen stays for the run"
-                )
-            return None
-        budget = self.problem.budget
-        if drifted is not None and result is drifted[1]:  # kept: drift from here on
-            more = self.researches < DriftWatch.most
-            return drifted[0].now(time_budget=budget) if more else None
-        return watch(result, time_budget=budget, researches=self.researches)
-
-    def _faster_of(self, found: TuneResult, drift: DriftWatch, kept: TuneResult) -> TuneResult:
-        """``found`` by the search ``drift`` started, or ``kept``, the result it chose
-        before, where its setting loads as fast now as the best found (``NOTE [ Drift
-        ]``): then saved back at ``path``, and said."""
-        rate = drift.rate(self.problem.batch_size)
-        best = found.chosen_trial
-        if best is None or best.samples_per_second is None or best.samples_per_second > rate:
-            return found
-        _logger.warning(
-            "AutoLoader: searched again: the best found, %s at %.0f samples/s, is no faster "
-            "than %s now (%.0f samples/s): kept",
-            describe_params(normalize_params(found.params)),
-            best.samples_per_second,
-            describe_params(normalize_params(kept.params)),
-            rate,
-        )
-        path = self.problem.path
-        if path is not None:
-            try:
-                kept.save(path)
-            except OSError as error:
-                _logger.warning("AutoLoader: could not save the result kept to %s: %s", path, error)
-        return kept
-
     def _search_again(self, undelivered: int) -> None:
         """SEARCHING from here, TUNED no more, as at a first batch with no result."""
-        self._release_kept()
+        self.loaders.release_kept()
         self.result = self.chosen = None
         torch.set_num_threads(self.threads)
         self.started = perf_counter()
@@ -741,7 +546,7 @@ class LoopTuning:
             error,
             describe_params(fallback),
         )
-        self.chosen, self.last_good, self.kept = fallback, BASELINE_PARAMS, None
+        self.chosen, self.last_good, self.loaders.kept = fallback, BASELINE_PARAMS, None
 
     # The end of tuning -----------------------------------------------------------------
 
@@ -756,11 +561,7 @@ class LoopTuning:
         """TUNED: train with ``result``'s settings from here on (``chosen``: another, a
         checkpoint's, the chosen one having failed before it), and say so."""
         self._close_session()
-        drifted, self.drifted = self.drifted, None
-        if self.home is not None:  # a search drift started ended (NOTE [ Drift ])
-            self.problem, self.home = self.home, None
-            if drifted is not None:
-                result = self._faster_of(result, *drifted)
+        result, self.problem = self.retuning.taken(result, self.problem)
         path = self.problem.path
         searched = reused_from is None and chosen is None
         if searched and path is not None and path.exists() and not result.partial:
@@ -773,57 +574,19 @@ class LoopTuning:
         if threads is not None:
             torch.set_num_threads(int(threads))
         for view in list(self._views):
-            _show_setting(view, self.chosen)
-        self.drift = self._watch(result, drifted)
+            show_setting(view, self.chosen)
         owner = self.owner
-        if chosen is not None:
-            line = (
-                f"AutoLoader: resuming with {describe_params(self.chosen)}, tuned before the "
-                f"checkpoint ({result.speedup:.2f}x the defaults); nothing to tune"
-            )
-        elif reused_from is not None:
-            line = (
-                f"AutoLoader: reusing {describe_params(self.chosen)} from {reused_from}, "
-                f"tuned for this problem on this machine ({result.speedup:.2f}x the "
-                "defaults)"
-            )
-        else:
-            assert self.started is not None
-            saved = f"; saved to {self.problem.path}" if self.problem.path is not None else ""
-            line = (
-                f"AutoLoader: tuned in {perf_counter() - self.started:.0f} s of training, "
-                f"{len(result.trials)} trials: {describe_params(self.chosen)}, "
-                f"{result.speedup:.2f}x the defaults{saved}"
-            )
+        line = tuned_line(
+            result,
+            self.chosen,
+            resumed=chosen is not None,
+            reused_from=reused_from,
+            started=self.started,
+            path=self.problem.path,
+        )
         _logger.info("%s", line)
         if owner.verbose and world()[0] == 0:
             print(line, file=sys.stderr, flush=True)
-
-
-def shown_setting(chosen: Params) -> dict[str, Any]:
-    """The DataLoader attributes an AutoLoader shows for the ``chosen`` setting."""
-    return {
-        "num_workers": int(chosen["num_workers"]),
-        "prefetch_factor": chosen["prefetch_factor"],
-        "pin_memory": bool(chosen["pin_memory"]),
-    }
-
-
-def _show_setting(loader: _Loader, chosen: Params) -> None:
-    """Set ``loader``'s DataLoader attributes to the ``chosen`` setting's."""
-    for name, value in shown_setting(chosen).items():
-        setattr(loader, name, value)
-
-
-def _workers_only_where_picklable(problem: Problem) -> Problem:
-    """``problem``, searched without workers where they could not be sent what they
-    load (under spawn or forkserver): the loop goes on as DataLoader's would with
-    ``num_workers=0``, which sends nothing, where a worker would fail."""
-    why = workers_unpicklable(problem)
-    if why is None or problem.space.num_workers == (0, 0):
-        return problem
-    _logger.warning("AutoLoader: tuning without workers: %s", why)
-    return dataclasses.replace(problem, space=dataclasses.replace(problem.space, num_workers=0))
 
 
 def _consumed(trial: LiveTrial, error: Failure) -> Failure:
@@ -831,9 +594,3 @@ def _consumed(trial: LiveTrial, error: Failure) -> Failure:
     DataLoader consumes it, the loop going on with the next."""
     trial.feed.epoch.drop_failed()
     return error
-
-
-def _set_threads(threads: int | None) -> int | None:
-    """Set this process's torch threads to ``threads`` (``None``: leave them); the count
-    they had, to put back, or ``None``."""
-    return None if threads is None else set_step_threads(threads)

@@ -430,7 +430,7 @@ class LiveTrial:
         """Stop the loader (its workers killed if it failed or with ``kill``, kept if
         persistent and well), give the batches it had not delivered back to the epoch,
         and put back the signal handlers the trial found. Once; from any thread
-        (``NOTE [ Nothing outlives the loop ]`` in ``_autoloader.py``), where no handler
+        (``NOTE [ Nothing outlives the loop ]`` in ``_loop_epoch.py``), where no handler
         can be set and no alarm rings: the handlers are then left to pass every signal
         on. ``kill`` is for the interpreter's exit, where DataLoader's shutdown does
         nothing."""
@@ -472,7 +472,7 @@ def _alarm_unused() -> bool:
 
 # SIGALRM handlers of trials closed outside the main thread, which could not put back
 # the SIG_DFL they found (a trial holds the alarm only where it found SIG_DFL): the next
-# trial does, in the main thread (NOTE [ Nothing outlives the loop ] in _autoloader.py).
+# trial does, in the main thread (NOTE [ Nothing outlives the loop ] in _loop_epoch.py).
 _stale_alarms: list[Any] = []
 
 

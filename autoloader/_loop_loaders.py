@@ -1,0 +1,176 @@
+"""The loaders AutoLoader's tuning loads the epoch's batches with, and what a setting
+sets beyond its loader: a setting's DataLoader over the batches a Feed hands it
+(:func:`setting_loader`), the trials' loaders and the chosen setting's, kept across
+epochs (:class:`Loaders`), the attributes an AutoLoader shows of the setting chosen
+(:func:`shown_setting`), the process's torch threads (:func:`set_threads`), and the
+settings searched where workers could not be sent the dataset
+(:func:`workers_only_where_picklable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from autoloader._drift import DriftWatch
+from autoloader._problem import Problem, workers_unpicklable
+from autoloader._reuse_check import FirstBatchesCheck
+from autoloader.loader import (
+    EpochBatches,
+    Feed,
+    Params,
+    dataloader_kwargs,
+    merge_loader_kwargs,
+    new_loader,
+    set_step_threads,
+)
+from autoloader.measure import Deadlines, LiveTrial, WindowCallback, release
+
+_logger = logging.getLogger("autoloader")
+
+
+class Loaders:
+    """The loaders of one tuning's trials, each over the epoch's batches a
+    :class:`~autoloader.loader.Feed` hands it: a new one for each trial (:meth:`trial`),
+    and the chosen setting's (:meth:`serve`), kept across epochs where its workers
+    persist until :meth:`release_kept`."""
+
+    def __init__(self) -> None:
+        # The chosen setting's loader, kept across epochs where its workers persist.
+        self.kept: tuple[DataLoader[Any], Feed] | None = None
+
+    def trial(
+        self,
+        problem: Problem,
+        params: Params,
+        batches: EpochBatches,
+        seed: int,
+        *,
+        memory_share: int = 1,
+        limit: int | None = None,
+        max_seconds: float | None = None,
+        deadlines: Deadlines | None = None,
+        on_window: WindowCallback | None = None,
+    ) -> LiveTrial:
+        """A trial of ``params`` over ``batches`` (at most ``limit``), measured where it
+        has ``max_seconds``, with its share of the memory budget then."""
+        feed = Feed(batches, limit=limit)
+        return LiveTrial(
+            # Its workers kept at an epoch's edge (NOTE [ Live trials span epochs ]).
+            setting_loader(problem, params, feed, seed, keep_workers=True),
+            feed,
+            params,
+            batch_size=problem.batch_size,
+            memory_budget=problem.memory_bytes // memory_share if max_seconds is not None else None,
+            max_seconds=max_seconds,
+            deadlines=deadlines,
+            on_window=on_window,
+        )
+
+    def serve(
+        self,
+        problem: Problem,
+        params: Params,
+        batches: EpochBatches,
+        seed: int,
+        *,
+        deadlines: Deadlines | None,
+        check: FirstBatchesCheck | None,
+        drift: DriftWatch | None,
+    ) -> LiveTrial:
+        """TUNED: the chosen setting, for the rest of training: one loader kept across
+        epochs where its workers persist; its first batches timed by ``check`` (a reused
+        setting's), else its wait for data told to ``drift`` (``NOTE [ Drift ]``)."""
+        persistent = bool(params.get("persistent_workers"))
+        if persistent and self.kept is not None:
+            loader, feed = self.kept
+            feed.point_at(batches)
+        else:
+            feed = Feed(batches)
+            loader = setting_loader(problem, params, feed, seed, keep_workers=persistent)
+            if persistent:
+                self.kept = (loader, feed)
+        if check is not None:
+            drift = None
+        return LiveTrial(
+            loader,
+            feed,
+            params,
+            batch_size=problem.batch_size,
+            memory_budget=None,
+            max_seconds=None if check is None else math.inf,
+            deadlines=deadlines,
+            on_window=None if check is None else check.on_window,
+            keep_workers=persistent,
+            on_batch=None if drift is None else drift.batch,
+        )
+
+    def release_kept(self) -> None:
+        """Stop the kept loader's persistent workers; the next loader starts its own."""
+        if self.kept is not None:
+            loader, _ = self.kept
+            self.kept = None
+            release(loader)
+
+
+def setting_loader(
+    problem: Problem, params: Params, feed: Feed, seed: int, *, keep_workers: bool
+) -> DataLoader[Any]:
+    """A loader of ``params``, for ``problem``, over the batches ``feed`` hands it, its
+    workers seeded from the epoch's base seed and, with ``keep_workers``, kept from one
+    iteration to the next (DataLoader's ``persistent_workers``)."""
+    options = merge_loader_kwargs(
+        {**params, "batched_fetch": False},
+        batch_size=problem.batch_size,
+        fixed=problem.fixed,
+        overrides={"persistent_workers": keep_workers},
+    )
+    kwargs = dataloader_kwargs(problem.dataset, options)
+    for name in ("batch_size", "shuffle", "sampler", "drop_last"):
+        kwargs.pop(name, None)
+    kwargs["generator"] = torch.Generator().manual_seed(seed)
+    if kwargs["num_workers"] == 0:
+        kwargs["timeout"] = 0  # DataLoader takes a timeout with workers only
+    if params.get("batched_fetch"):  # NOTE [ Batched fetch ]: each index a batch's
+        kwargs.pop("collate_fn", None)
+        kwargs.update(batch_size=None, sampler=feed)
+    else:
+        kwargs["batch_sampler"] = feed
+    return new_loader(problem.dataset, kwargs, threads=params.get("worker_kind") == "threads")
+
+
+def shown_setting(chosen: Params) -> dict[str, Any]:
+    """The DataLoader attributes an AutoLoader shows for the ``chosen`` setting."""
+    return {
+        "num_workers": int(chosen["num_workers"]),
+        "prefetch_factor": chosen["prefetch_factor"],
+        "pin_memory": bool(chosen["pin_memory"]),
+    }
+
+
+def show_setting(loader: object, chosen: Params) -> None:
+    """Set ``loader``'s DataLoader attributes to the ``chosen`` setting's."""
+    for name, value in shown_setting(chosen).items():
+        setattr(loader, name, value)
+
+
+def workers_only_where_picklable(problem: Problem) -> Problem:
+    """``problem``, searched without workers where they could not be sent what they
+    load (under spawn or forkserver): the loop goes on as DataLoader's would with
+    ``num_workers=0``, which sends nothing, where a worker would fail."""
+    why = workers_unpicklable(problem)
+    if why is None or problem.space.num_workers == (0, 0):
+        return problem
+    _logger.warning("AutoLoader: tuning without workers: %s", why)
+    return dataclasses.replace(problem, space=dataclasses.replace(problem.space, num_workers=0))
+
+
+def set_threads(threads: int | None) -> int | None:
+    """Set this process's torch threads to ``threads`` (``None``: leave them); the count
+    they had, to put back, or ``None``."""
+    return None if threads is None else set_step_threads(threads)
