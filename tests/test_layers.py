@@ -56,3 +56,55 @@ def test_a_face_exports_what_it_lists_and_lists_what_it_imports(package: str) ->
     }
     assert listed == imported
     assert all(hasattr(face, name) for name in listed)
+
+
+# Issue 37: a module a reader can hold in mind, a function read at one sitting.
+_MOST_MODULE_LINES = 600
+_MOST_FUNCTION_LINES = 80
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of code in ``function``'s body: from its first statement after the
+    docstring (a signature and a docstring are not code) to its last line, blank lines
+    and lines holding only a comment left out. A function nested in it counts in it."""
+    body = function.body
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        body = body[1:] if isinstance(first.value.value, str) else body
+    if not body:
+        return 0
+    first, last = body[0].lineno, max(node.end_lineno or node.lineno for node in body)
+    return sum(
+        1 for line in lines[first - 1 : last] if line.strip() and not line.strip().startswith("#")
+    )
+
+
+def _too_long(source: str, name: str) -> list[str]:
+    """What of the module ``name``, of text ``source``, is over the sizes of issue 37."""
+    lines = source.splitlines()
+    found = []
+    if len(lines) > _MOST_MODULE_LINES:
+        found.append(f"{name}: {len(lines)} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            count = _code_lines(node, lines)
+            if count > _MOST_FUNCTION_LINES:
+                found.append(f"{name}:{node.lineno} {node.name}: {count} lines of code")
+    return found
+
+
+def test_no_module_or_function_is_too_long_to_read() -> None:
+    too_long = []
+    for path in sorted((ROOT / "autoloader").rglob("*.py")):
+        too_long += _too_long(path.read_text(), path.relative_to(ROOT).as_posix())
+    assert too_long == []
+
+
+def test_the_size_check_finds_a_long_module_and_a_long_function() -> None:
+    body = "".join(f"    x{i} = {i}  # a comment\n\n    # only a comment\n" for i in range(81))
+    function = f'def f():\n    """A docstring\n    of two lines."""\n{body}'
+    assert _too_long(function, "m") == ["m:1 f: 81 lines of code"]
+    shorter = function.replace("    x80 = 80  # a comment\n", "")
+    assert _too_long(shorter, "m") == []
+    assert _too_long("x = 1\n" * 601, "m") == ["m: 601 lines"]
+    assert _too_long("x = 1\n" * 600, "m") == []
