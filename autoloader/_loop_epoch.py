@@ -87,6 +87,8 @@ class Epoch(Iterator[Any]):
             trial = self.current.trial
             if trial is None:
                 trial = self.current.trial = self.tuning.start_trial(self.batches, self.seed)
+            elif trial.draining:  # NOTE [ Overlapped start-up ]: the next may start now
+                self.tuning.drains(trial, self.batches, self.seed)
             try:
                 return trial.next()
             except TrialEnded:
@@ -105,13 +107,16 @@ class Epoch(Iterator[Any]):
         trial, self.current.trial = self.current.trial, None
         assert trial is not None
         trial.end()
+        self.tuning.overlap.ending(trial)  # a successor's batches go back behind its own
         undelivered = trial.feed.in_flight
         trial.close()
         self.tuning.trial_ended(trial, undelivered)
 
     def close(self) -> None:
-        """The loop left this epoch: end its trial where it stands."""
+        """The loop left this epoch: end its trial where it stands, and stop a next
+        trial's loader started on its batches (``NOTE [ Overlapped start-up ]``)."""
         self.done = True
+        self.tuning.overlap.drop()
         if self.current.trial is not None:
             self._end_trial()
 
@@ -123,6 +128,7 @@ def _abandon(tuning: LoopTuning, current: _Current) -> None:
     if trial is None:
         return
     try:
+        tuning.overlap.drop(kill=exiting())  # NOTE [ Overlapped start-up ]
         trial.end()
         undelivered = trial.feed.in_flight
         trial.close(kill=exiting())

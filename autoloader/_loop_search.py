@@ -36,7 +36,7 @@ from autoloader.measure import (
     WindowCallback,
 )
 from autoloader.results import TuneResult, in_memory_kwargs
-from autoloader.search import Completed, Proposal, Trial, open_storage
+from autoloader.search import Completed, Proposal, Pruned, PruneKind, Trial, open_storage
 
 _logger = logging.getLogger("autoloader")
 
@@ -171,6 +171,14 @@ class SoloSearch(Search):
 
     def made_up(self, tuning: Tuning) -> None:
         """Nothing waits for them: the trial was told at its end."""
+
+    def not_run(self) -> None:
+        """The trial planned last never ran, the loader closed first (``NOTE [
+        Overlapped start-up ]``, in ``_loop_overlap.py``): told so, not left running."""
+        session, proposal, self.proposal = self.session, self.proposal, None
+        if session is not None and proposal is not None:
+            reason = "not run: the loader was closed before it started"
+            session.tell(proposal, Pruned(PruneKind.TOO_SHORT, reason))
 
 
 # NOTE [ Joint segments ]

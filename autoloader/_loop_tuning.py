@@ -12,7 +12,6 @@ once tuned, :class:`~autoloader._loop_retune.Retuning` watches for drift.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import sys
 import weakref
@@ -32,10 +31,12 @@ from autoloader._loop_loaders import (
     show_setting,
     workers_only_where_picklable,
 )
+from autoloader._loop_overlap import Overlap
 from autoloader._loop_retune import Retuning
 from autoloader._loop_search import (
     Failure,
     JointSearch,
+    Plan,
     Search,
     SoloSearch,
     describe_params,
@@ -43,6 +44,7 @@ from autoloader._loop_search import (
     tuned_line,
     users_error,
 )
+from autoloader._loop_stages import Stage
 from autoloader._problem import Problem, agree
 from autoloader._reuse import reused, study_beside
 from autoloader._reuse_check import FirstBatchesCheck, first_batches_check
@@ -67,58 +69,6 @@ class _Loader(Protocol):
     verbose: bool
 
     def __len__(self) -> int: ...
-
-
-# NOTE [ AutoLoader's tuning ]
-# The tuning is in one of four stages (Stage) and moves only where a trial starts or
-# ends; each trial started is its stage's:
-#
-#              first batch                   the search ends (alone: the policy stops;
-#   WAITING ─────────────────► SEARCHING ──── under torchrun: rank 0 says so) ───► TUNED
-#      │                         │   ▲                                             │   ▲
-#      │   a trial fails,        │   │ those batches loaded            the chosen  │   │ those
-#      │   giving batches back   │   │ (under torchrun, then           setting     │   │ batches
-#      │                         ▼   │ the trial's exchange)           fails       ▼   │ loaded
-#      │                       MAKING_UP                                         MAKING_UP
-#      │
-#      └─── first batch: a saved result of this problem (_reuse.py), or a state
-#           loaded from a checkpoint taken once tuned ────────────────────────────► TUNED
-#                                                                                   │
-#          SEARCHING ◄─── its first batches timed outside its band (_reuse_check.py) ┘
-#          SEARCHING ◄─── loading drifted for a sustained stretch (_drift.py) ──────┘
-#
-# - WAITING: nothing measured yet; the first batch starts the run (Ranks.join, the
-#   saved result, the checks before the search, the study); a state loaded from a
-#   checkpoint taken while searching starts it with the trials finished then
-#   (NOTE [ An AutoLoader's state ], in _loader_state.py).
-# - SEARCHING: each trial is the search's (_loop_search.py, chosen here once): alone,
-#   the driver's proposal, ended by its time or its windows' vote; under torchrun,
-#   rank 0's proposal as a segment of batches, the same on every rank (NOTE [ Joint
-#   segments ]).
-# - MAKING_UP: the last good setting (the last that completed; the baseline at first)
-#   loads, unmeasured, the batches a failed setting gave back (under torchrun, the rest
-#   of its segment); then the stage it came from goes on. Where the last good setting
-#   fails there too, the baseline takes its place (MAKING_UP again); where the baseline
-#   fails, the error is the dataset's and reaches the loop, as DataLoader would raise it.
-# - TUNED: the chosen setting loads every batch, its loader kept across epochs where
-#   its workers persist. Where it fails, the last good other setting is chosen, the
-#   baseline making up the batches it gave back. A setting reused from a file has its
-#   first batches timed (NOTE [ A reused setting checked ]): outside their band, the
-#   search starts from there, as at a first batch with no file. Once the chosen
-#   setting serves, its wait for data is watched (NOTE [ Drift ]): where loading
-#   drifted, a search of a share of the budget starts from there too.
-# A trial of any stage but TUNED that the epoch ends in the middle of goes on in the
-# next epoch (NOTE [ Live trials span epochs ], in measure/_live.py): the stages move
-# where trials start and end, never at an epoch's end.
-
-
-class Stage(enum.Enum):
-    """Where AutoLoader's tuning stands (``NOTE [ AutoLoader's tuning ]``)."""
-
-    WAITING = "waiting for the first batch"
-    SEARCHING = "searching"
-    MAKING_UP = "the last good setting loads batches given back"
-    TUNED = "tuned"
 
 
 class LoopTuning:
@@ -178,6 +128,9 @@ class LoopTuning:
         # NOTE [ Drift ]: TUNED, the watch of the chosen setting's wait for data, and the
         # searches it starts.
         self.retuning = Retuning(retune=retune)
+        # SEARCHING: the next trial, planned and its loader started while the one before
+        # it drains (NOTE [ Overlapped start-up ]).
+        self.overlap = Overlap(self.loaders)
 
     @property
     def retune(self) -> bool:
@@ -263,24 +216,9 @@ class LoopTuning:
         if self.stage is Stage.WAITING:
             self._begin()
         if self.stage is Stage.SEARCHING:
-            search = self.search
-            assert search is not None
-            plan = search.plan(self)
-            if isinstance(plan, TuneResult):
-                self.take(plan, reused_from=None)
-            else:
-                self.trial_threads = set_threads(plan.params.get("step_threads"))
-                return self.loaders.trial(
-                    self.problem,
-                    plan.params,
-                    batches,
-                    seed,
-                    memory_share=search.memory_share,
-                    limit=plan.batches,
-                    max_seconds=plan.max_seconds,
-                    deadlines=plan.deadlines,
-                    on_window=plan.on_window,
-                )
+            trial = self._next_in_search(batches, seed)
+            if trial is not None:
+                return trial
         if self.stage is Stage.MAKING_UP:
             params = self.last_good
             return self.loaders.trial(
@@ -292,12 +230,62 @@ class LoopTuning:
                 deadlines=self._deadlines(params),
             )
         assert self.stage is Stage.TUNED and self.chosen is not None
-        return self.loaders.serve(
+        return self._serving(self.chosen, batches, seed)
+
+    def drains(self, trial: LiveTrial, batches: EpochBatches, seed: int) -> None:
+        """``trial`` drains: the search's next trial may start now, alone
+        (``NOTE [ Overlapped start-up ]``)."""
+        if self.stage is Stage.SEARCHING and isinstance(self.search, SoloSearch):
+            search, ahead = self.search, lambda plan: self._ahead(plan, batches, seed)
+            self.overlap.start(self, search, trial, ahead)
+
+    def _ahead(self, plan: Plan | TuneResult, batches: EpochBatches, seed: int) -> LiveTrial:
+        if isinstance(plan, TuneResult):
+            return self._serving(normalize_params(plan.params), batches, seed)
+        return self._search_trial(plan, batches, seed)
+
+    def _next_in_search(self, batches: EpochBatches, seed: int) -> LiveTrial | None:
+        """SEARCHING: the search's next trial, its loader started ahead where the trial
+        before it drained (``NOTE [ Overlapped start-up ]``); ``None`` where the search
+        ended: TUNED from here."""
+        search = self.search
+        assert search is not None
+        successor = self.overlap.take()
+        plan = search.plan(self) if successor is None else successor.plan
+        ahead = None if successor is None else successor.trial
+        if isinstance(plan, TuneResult):
+            self.take(plan, reused_from=None)
+            if ahead is not None and ahead.params == self.chosen:
+                ahead.on_batch = None if self.drift is None else self.drift.batch
+                return ahead
+            if ahead is not None:  # another kept (NOTE [ Drift ])
+                ahead.close()
+                self.loaders.release_kept()
+            return None
+        self.trial_threads = set_threads(plan.params.get("step_threads"))
+        return ahead if ahead is not None else self._search_trial(plan, batches, seed)
+
+    def _search_trial(self, plan: Plan, batches: EpochBatches, seed: int) -> LiveTrial:
+        assert self.search is not None
+        return self.loaders.trial(
             self.problem,
-            self.chosen,
+            plan.params,
             batches,
             seed,
-            deadlines=self._deadlines(self.chosen),
+            memory_share=self.search.memory_share,
+            limit=plan.batches,
+            max_seconds=plan.max_seconds,
+            deadlines=plan.deadlines,
+            on_window=plan.on_window,
+        )
+
+    def _serving(self, params: Params, batches: EpochBatches, seed: int) -> LiveTrial:
+        return self.loaders.serve(
+            self.problem,
+            params,
+            batches,
+            seed,
+            deadlines=self._deadlines(params),
             check=self.check,
             drift=self.drift,
         )
@@ -424,6 +412,9 @@ class LoopTuning:
         if trial is not None:
             trial.end()
             trial.close(kill=exiting())
+        self.overlap.drop(kill=exiting())
+        if self.overlap.take() is not None and isinstance(self.search, SoloSearch):
+            self.search.not_run()  # NOTE [ Overlapped start-up ]
         self._close_session()
         self.loaders.release_kept()
 
@@ -440,6 +431,14 @@ class LoopTuning:
         outcome = trial.outcome
         assert outcome is not None, "a trial ends with its outcome"
         failure = outcome if isinstance(outcome, (TrialError, MemoryBudgetExceeded)) else None
+        successor = self.overlap.of(trial)
+        if successor is not None:  # told as it drained (NOTE [ Overlapped start-up ])
+            set_threads(self.trial_threads)
+            if failure is not None:  # the setting failed: the successor was dropped
+                self.last_good = successor.last_good
+                self.record_failure(trial.params, failure)
+                self._make_up(undelivered)
+            return
         if self.stage is Stage.MAKING_UP:
             if failure is not None:  # the last good setting failed on a failed one's batches
                 self._makeup_failed(trial, failure)

@@ -179,6 +179,25 @@ class LiveTrial:
         # NOTE [ Live trials span epochs ]: where the trial waits at an epoch's edge, when
         # the loop's step of the epoch's last batch ended (then its last next()).
         self.edge_from: float | None = None
+        # NOTE [ Overlapped start-up ] (in _loop_overlap.py): when its workers started,
+        # ahead of the loop's first next(), where they did.
+        self.prestarted: float | None = None
+        self.begins = False  # and its time starts at the loop's first next()
+
+    def prestart(self) -> None:
+        """Start the loader's workers now, ahead of the loop's first :meth:`next`, while
+        the trial before this one drains (``NOTE [ Overlapped start-up ]``, in
+        ``_loop_overlap.py``): they load the batches the feed hands them meanwhile. The
+        trial's time starts at that first next(), as any trial's; its start-up counts
+        from here. Where starting fails, the first next() starts them again, the fault
+        then the trial's."""
+        assert self.iterator is None and self.returned_at is None, "a trial not begun"
+        self.prestarted = perf_counter()
+        self.begins = True
+        try:
+            self._start()
+        except Exception:
+            self.iterator = None
 
     # The loop's next() ----------------------------------------------------------------
 
@@ -201,6 +220,9 @@ class LiveTrial:
         if not self.measuring:
             return self._serve() if self.on_batch is None else self._watched()
         now, cpu, own = self.cpu.read()
+        if self.begins:  # its time starts now (NOTE [ Overlapped start-up ])
+            self.begins = False
+            self._pause(now - self.started)
         if self.edge_from is None:
             if self.returned_at is not None:
                 self._count(now, cpu, own)
@@ -219,7 +241,7 @@ class LiveTrial:
             raise
         got, got_cpu, got_own = self.cpu.read()
         if self.returned_at is None:
-            self.time_to_first_batch = got - self.started
+            self.time_to_first_batch = got - (self.prestarted or self.started)
             self.clock.first_batch(got, self.deadline)
             self.batch_bytes = tensor_bytes(batch)
         if self.edge_from is not None:
@@ -302,10 +324,10 @@ class LiveTrial:
         """The loader's next batch, within its deadline, its faults as trial errors."""
         try:
             if self.iterator is None:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="This DataLoader will create")
-                    self.iterator = self.guard.iterator = self.deaths.start(self.loader)
+                self._start()
                 return self._next(self.first_limit)
+            if self.returned_at is None and self.prestarted is not None:
+                return self._next(self.first_limit)  # started ahead: still its first batch
             return self._next(self.each_limit)
         except (StopIteration, MemoryBudgetExceeded, TrialError):
             raise
@@ -326,6 +348,12 @@ class LiveTrial:
                     self.iterator, error
                 )
             raise failure from error
+
+    def _start(self) -> None:
+        """``iter()`` of the loader: its workers start."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            self.iterator = self.guard.iterator = self.deaths.start(self.loader)
 
     def _next(self, limit: float | None) -> Any:
         """``next()`` of the iterator, under the alarm where there is a ``limit``: the

@@ -1,0 +1,207 @@
+"""The next setting's workers start while the trial before it drains
+(``NOTE [ Overlapped start-up ]``, ``_loop_overlap.py``): they load while the loop
+still takes the drained batches, every batch stays DataLoader's, and a drain that fails
+or an epoch the loop leaves mid-drain loses and repeats nothing, and leaves no worker
+(conftest.py fails a test that leaves a child process).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from autoloader import AutoLoader
+
+pytestmark = pytest.mark.slow  # AutoLoaders tuning in real loops, 10-20 s each
+
+LENGTH, BATCH = 480, 8
+# Worker processes only, each asking 4 batches ahead: a trial that measured enough
+# drains 8-16 batches, one 5 ms step each.
+SPACE = {"num_workers": (2, 4), "prefetch_factor": 4, "worker_kind": "processes"}
+STEP = 0.005
+
+
+class Stamped(Dataset[torch.Tensor]):
+    """Item ``i`` is ``[i, loader]`` after 2 ms, ``loader`` naming the iterator whose
+    worker loaded it (its workers' base seed; -1 in the main process); each load is
+    written to ``log`` as ``loader time`` (monotonic, the same clock in every process)."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = str(log)
+
+    def __len__(self) -> int:
+        return LENGTH
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.002)
+        info = get_worker_info()
+        loader = -1 if info is None else (info.seed - info.id) % 2**31
+        with open(self.log, "a") as log:
+            log.write(f"{loader} {time.monotonic()}\n")
+        return torch.tensor([index, loader], dtype=torch.float64)
+
+
+def _autoloader(dataset: Dataset[Any]) -> AutoLoader[Any]:
+    return AutoLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=6,
+        search_space=SPACE,
+        verbose=False,
+    )
+
+
+def _reference(dataset: Dataset[Any], epochs: int | list[int]) -> list[list[int]]:
+    """DataLoader's batches over ``epochs`` epochs, or as many as the list has, the loop
+    leaving each after its count of batches (a loop that leaves an epoch early draws
+    less from the generator: the sampler is not asked past its end)."""
+    loader = DataLoader(
+        dataset, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
+    counts = [LENGTH // BATCH] * epochs if isinstance(epochs, int) else epochs
+    batches = []
+    for count in counts:
+        for number, batch in enumerate(loader):
+            batches.append([int(i) for i in batch[:, 0]])
+            if number + 1 == count and count < LENGTH // BATCH:
+                break
+    return batches
+
+
+def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches(
+    tmp_path: Path,
+) -> None:
+    """Each batch says which loader's workers loaded it; the log says when each loader's
+    workers first loaded. Some loader's workers loaded before the loop received the last
+    batch of the loader before it: switched one after the other, they could not have,
+    its workers starting only once the loader before had delivered its last batch."""
+    dataset = Stamped(tmp_path / "loads")
+    loader = _autoloader(dataset)
+    seen: list[list[int]] = []
+    received: list[tuple[int, float]] = []  # each batch's loader, and when the loop got it
+    epochs = 0
+    try:
+        while not loader.tuned and epochs < 200:
+            for batch in loader:
+                received.append((int(batch[0, 1]), time.monotonic()))
+                seen.append([int(i) for i in batch[:, 0]])
+                time.sleep(STEP)
+            epochs += 1
+    finally:
+        loader.close()
+    assert loader.tuned, loader.report()
+    assert seen == _reference(Stamped(tmp_path / "reference"), epochs)
+
+    first_load: dict[int, float] = {}
+    for line in (tmp_path / "loads").read_text().splitlines():
+        key, at = line.split()
+        first_load.setdefault(int(key), float(at))
+    # The worker loaders in the loop's order, each with its last batch's receipt.
+    order: list[int] = []
+    last_received: dict[int, float] = {}
+    for key, at in received:
+        if key == -1:
+            continue
+        if key not in last_received:
+            order.append(key)
+        last_received[key] = at
+    overlapped = [
+        (before, after)
+        for before, after in itertools.pairwise(order)
+        if first_load[after] < last_received[before]
+    ]
+    assert overlapped, (order, first_load, last_received)
+
+
+def _draining(loader: AutoLoader[Any]) -> Any:
+    """The trial under way in the loader's epoch, if it drains (internal: the test
+    acts at the drain's first batch)."""
+    epoch = loader._current_epoch()
+    trial = None if epoch is None else epoch.trial
+    return trial if trial is not None and trial.draining else None
+
+
+def test_a_drain_that_fails_gives_back_its_batches_before_the_next_settings(
+    tmp_path: Path,
+) -> None:
+    """At the first drain with a successor started, the draining trial's workers are
+    killed: the successor stops first, both give their batches back in the epoch's
+    order, the setting is a failure, and every epoch is still DataLoader's."""
+    dataset = Stamped(tmp_path / "loads")
+    loader = _autoloader(dataset)
+    seen: list[list[int]] = []
+    killed: list[int] = []
+    epochs = 0
+    try:
+        while not loader.tuned and epochs < 200:
+            for batch in loader:
+                seen.append([int(i) for i in batch[:, 0]])
+                time.sleep(STEP)
+                trial = _draining(loader)
+                successor = loader.tuning.overlap.successor if loader.tuning else None
+                if not killed and trial is not None and successor is not None:
+                    killed = trial.guard.worker_pids()
+                    for pid in killed:
+                        os.kill(pid, signal.SIGKILL)
+            epochs += 1
+    finally:
+        loader.close()
+    assert killed, "a drain with a successor"
+    assert seen == _reference(Stamped(tmp_path / "reference"), epochs)
+    assert any(
+        "killed by signal" in failure or "exited" in failure for failure in loader.failures
+    ), loader.failures
+
+
+def _gone(pids: list[int]) -> bool:
+    """Whether none of ``pids`` runs any more (exited, or a zombie not yet reaped)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_an_epoch_left_during_a_drain_stops_the_next_settings_workers(tmp_path: Path) -> None:
+    """The loop breaks out of the epoch once a successor's workers started: they stop
+    with the epoch, its plan starts the next epoch's trial, the epoch left is a prefix
+    of DataLoader's and the others are DataLoader's, whole."""
+    dataset = Stamped(tmp_path / "loads")
+    loader = _autoloader(dataset)
+    per_epoch: list[list[list[int]]] = []
+    left: list[int] = []
+    stopped = False
+    try:
+        while not loader.tuned and len(per_epoch) < 200:
+            seen: list[list[int]] = []
+            per_epoch.append(seen)
+            for batch in loader:
+                seen.append([int(i) for i in batch[:, 0]])
+                time.sleep(STEP)
+                successor = loader.tuning.overlap.successor if loader.tuning else None
+                if not left and successor is not None and successor.trial is not None:
+                    left = successor.trial.guard.worker_pids()
+                    break
+            if left and not stopped:
+                stopped = _gone(left)  # before the next epoch starts
+    finally:
+        loader.close()
+    assert left and stopped, left
+    assert loader.tuned, loader.report()
+    counts = [len(seen) for seen in per_epoch]
+    assert sum(count < LENGTH // BATCH for count in counts) == 1
+    seen = [batch for epoch in per_epoch for batch in epoch]
+    assert seen == _reference(Stamped(tmp_path / "reference"), counts)
