@@ -543,6 +543,39 @@ def test_a_setting_measured_once_does_not_beat_settings_measured_side_by_side() 
     assert _policy().choose(history).params == _params(8)
 
 
+def _erring(trial: Trial, error: float) -> Trial:
+    """``trial``, its measurement's relative error ``error``."""
+    assert isinstance(trial.outcome, Completed)
+    measurement = dataclasses.replace(trial.outcome.measurement, relative_error=error)
+    return dataclasses.replace(
+        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
+    )
+
+
+def test_a_best_within_its_own_error_of_a_cheaper_setting_is_a_tie() -> None:
+    """NOTE [ A tie within the best's error ]: no runoff had the time; 16 workers scored
+    6% above 2 workers in a trial that ended at +-20%, 2 workers at +-5%."""
+    history = [
+        _baseline(600.0),
+        _erring(_done(1, _params(2), 1091.0), 0.05),
+        _erring(_done(2, _params(16), 1162.0), 0.20),
+    ]
+    assert _policy().choose(history).params == _params(2)
+    # Measured to +-1%, the same 6% is not a tie: the best wins.
+    history[2] = _erring(history[2], 0.01)
+    assert _policy().choose(history).params == _params(16)
+    # Measured twice (the runoff), its median's error is its trials' over sqrt(2): a
+    # 4% lead at +-5% each (3.5% the median's) is not a tie; at +-7% (4.9%) it is.
+    again = [
+        _baseline(600.0),
+        *(_erring(_done(n, _params(2), 1000.0), 0.05) for n in (1, 3)),
+        *(_erring(_done(n, _params(4), 1040.0, phase=Phase.RUNOFF), 0.05) for n in (2, 4)),
+    ]
+    assert _policy().choose(again).params == _params(4)
+    again[3:] = [_erring(trial, 0.07) for trial in again[3:]]
+    assert _policy().choose(again).params == _params(2)
+
+
 def test_choose_ignores_pruned_and_failed_trials() -> None:
     history = [
         _baseline(100.0),
@@ -1238,3 +1271,28 @@ def test_the_driver_searches_the_step_threads_and_chooses_the_split() -> None:
     choice = driver.policy.choose(driver.history)
     assert choice.params["step_threads"] == 1 and choice.params["num_workers"] >= 1
     assert runner.measured[0]["step_threads"] is None  # the baseline: the user's own
+
+
+def test_the_ladder_stops_at_twice_the_cores_where_loading_is_cpu_work() -> None:
+    """NOTE [ Cost model ]: 45 ms of decoding a batch, on the CPU all its time, and a
+    20 ms step that waits: past the 2 cores workers only take turns on them."""
+    baseline = _baseline()
+    assert baseline.measurement is not None
+    decoding = dataclasses.replace(
+        baseline.measurement, load_seconds=0.045, load_cpu_seconds=0.045, step_seconds=0.02
+    )
+    measured = dataclasses.replace(baseline, outcome=Completed(decoding, 100.0))
+    assert [p["num_workers"] for p in _policy().starting_points([measured])] == [2, 3, 1, 4]
+    # Loading that waits (storage) climbs the whole ladder.
+    waiting = dataclasses.replace(decoding, load_cpu_seconds=0.005)
+    measured = dataclasses.replace(baseline, outcome=Completed(waiting, 100.0))
+    assert [p["num_workers"] for p in _policy().starting_points([measured])] == [3, 4, 1, 2, 8, 16]
+    # A space whose fewest workers are above the rungs keeps its lowest rung.
+    high = Policy(space=_space(num_workers=(6, 16)), time_budget=30, batch_size=8, usable_cpus=2)
+    counts = [
+        p["num_workers"]
+        for p in high.starting_points(
+            [dataclasses.replace(baseline, outcome=Completed(decoding, 100.0))]
+        )
+    ]
+    assert counts == [8]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,8 +16,22 @@ from autoloader.search._known_failures import params_key
 from autoloader.search._outcome import Completed, Trial
 
 # Candidates whose median value is within this fraction of the best are ties; the
-# cheapest of them (fewest workers, then smallest prefetch) is chosen.
+# cheapest of them (fewest workers, then smallest prefetch) is chosen. The band widens
+# to the best's own error where that is larger (NOTE [ A tie within the best's error ]).
 TIE_TOLERANCE = 0.02
+# NOTE [ A tie within the best's error ]
+# The best score is a measurement, with a 95% error of its own. A candidate scoring
+# within that error of it cannot be told from it, and it is a tie: the cheapest of the
+# ties wins. Without this, a setting measured once, in a trial that ended before its
+# rate settled, won on a lucky sample where the runoff had no time to measure it
+# again: on the development VM's images pipeline (JPEG decoding on 2 cores), 16
+# workers scored 1,162 samples/s at +-20% against 2 workers' 1,091 at +-5% and were
+# chosen; in a 33-epoch run of benchmarks/autoloader_training.py such a choice trained
+# at 740 samples/s, 2 workers at 974. The error is the median of the best's trials'
+# errors, over the square root of their number (a median of repeated measurements errs
+# less), and the band is held to _MOST_TIE_BAND: a measurement that bad is not evidence
+# for the cheapest either.
+_MOST_TIE_BAND = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +72,9 @@ def choose(history: Sequence[Trial]) -> Choice:
     search and then in each round, interleaved), so a setting measured once cannot
     beat repeated, side-by-side measurements with one lucky sample. Each is scored by the median
     of its values (a heavy-tailed sample moves a median of three little); among
-    those within ``TIE_TOLERANCE`` of the best score the cheapest wins: more
-    workers or prefetch only cost memory and start-up.
+    those within ``TIE_TOLERANCE`` of the best score, or within the best's own error
+    where that is larger (``NOTE [ A tie within the best's error ]``), the cheapest
+    wins: more workers or prefetch only cost memory and start-up.
 
     The figures returned are medians over the same trials: the objective's values
     (those the choice ranks by, see ``NOTE [ Epoch model ]``), the steady rates and
@@ -79,8 +95,9 @@ def choose(history: Sequence[Trial]) -> Choice:
     baseline_key = params_key(BASELINE_PARAMS)
     eligible = {k: v for k, (_, v) in groups.items() if len(v) >= min(2, most) or k == baseline_key}
     scores = {key: statistics.median(values) for key, values in eligible.items()}
-    top = max(scores.values())
-    ties = [key for key, score in scores.items() if score >= (1 - TIE_TOLERANCE) * top]
+    best = max(scores, key=scores.__getitem__)
+    band = min(_MOST_TIE_BAND, max(TIE_TOLERANCE, _error(groups[best][0])))
+    ties = [key for key, score in scores.items() if score >= (1 - band) * scores[best]]
     chosen = min(ties, key=lambda key: _cost(json.loads(key)))
     params = json.loads(chosen)
     measurements = groups[chosen][0]
@@ -121,6 +138,16 @@ def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
         not params.get("batched_fetch", False),
         not params.get("in_order", True),
     )
+
+
+def _error(measurements: list[Measurement]) -> float:
+    """The relative 95% error of the median of ``measurements``' rates: their median
+    error over the square root of their number (``NOTE [ A tie within the best's
+    error ]``); infinite where none has an error estimate."""
+    errors = [m.relative_error for m in measurements if math.isfinite(m.relative_error)]
+    if not errors:
+        return math.inf
+    return float(statistics.median(errors)) / math.sqrt(len(measurements))
 
 
 def _median_rate(measurements: list[Measurement]) -> float:

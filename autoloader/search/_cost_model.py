@@ -12,7 +12,9 @@ CPU part of it. Workers keep up with the step once ``load / n <= step``, so
 CPU work cannot go faster than the cores allow: past ``n = cores`` it gains nothing,
 while loading that mostly waits (I/O, remote storage) wants ``n`` workers whatever the
 cores. One more worker than the estimate absorbs jitter and the main process's cost of
-receiving batches. The search measures these first and refines around them.
+receiving batches. The search measures these first and refines around them; where
+loading is CPU work, the doubling ladder after them stops at twice the cores
+(``_RUNGS_PER_CPU`` in ``_policy.py``), and only the sampler may go past.
 
 Loading whose CPU time exceeds its wall time ran on several threads at once: a native
 thread pool (BLAS, OpenMP) inside the dataset. Each worker would start one as wide as

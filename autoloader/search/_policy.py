@@ -98,6 +98,13 @@ _PATIENCE = 6
 # setting that gets there (measured to _STEP_BOUND_ERROR), and the rest of the budget is
 # given back. If the baseline already gets there, there is no search at all.
 _STEP_BOUND_ERROR = 0.05
+# Where the baseline's loading was CPU work, the ladder's rungs stop at this many
+# workers a CPU (NOTE [ Cost model ]): past the cores, workers only take turns on them.
+# On the development VM's images pipeline (JPEG decoding, 2 cores), the rungs of 8 and
+# 16 workers took 6-7 s of a 20 s budget (16 workers start in about 1.5 s) and measured
+# 5-15% under 2 to 4 workers; a rung that high left the runoff no time, and one lucky
+# sample chose it. The sampler may still propose more.
+_RUNGS_PER_CPU = 2
 # Search trials that may all fail before the run stops: the pipeline itself, not a
 # setting, is failing in worker processes.
 _FAILURES_BEFORE_GIVING_UP = 5
@@ -165,6 +172,9 @@ class Policy:
             the candidates, so that the speedup is measured side by side too. AutoLoader
             leaves it out: in the training loop, each of its trials is training run at
             the defaults' pace.
+        first: settings measured before the cost model's guesses, their worker counts
+            held to the space (``SearchSpace.held``): in a search drift started, the
+            setting in use with the workers its slowed loading needs (``NOTE [ Drift ]``).
     """
 
     space: SearchSpace
@@ -177,6 +187,7 @@ class Policy:
     accelerator: str | None = None
     step_threads_asked: bool = False
     runoff_baseline: bool = True
+    first: tuple[Params, ...] = ()
 
     # The next trial -------------------------------------------------------------
 
@@ -240,20 +251,37 @@ class Policy:
         return Plan(Phase.SEARCH, None, seconds, "the sampler's proposal")
 
     def starting_points(self, history: Sequence[Trial]) -> list[Params]:
-        """The cost model's guesses (with processes, then with threads), then the
-        doubling ladder (see ``SearchSpace.ladder``)."""
+        """The settings given :attr:`first`, then the cost model's guesses (with
+        processes, then with threads), then the doubling ladder (see
+        ``SearchSpace.ladder``), its rungs held to :meth:`rungs_up_to`."""
         measured = baseline_measurement(history)
         facts = measured.as_dict() if measured is not None else {}
         space = self.sampled_space(history)
+        first = [held for held in map(space.held, self.first) if held is not None]
         on_cpu = space.step_threads is not None
+        guesses = guess_workers(facts, usable_cpus=self.usable_cpus, step_on_cpu=on_cpu)
         points = space.ladder(
-            first=guess_workers(facts, usable_cpus=self.usable_cpus, step_on_cpu=on_cpu),
+            first=guesses,
             limit_threads=loads_on_several_threads(facts),
             first_threads=guess_threads(facts),
             step_threads=split_step_threads(facts, usable_cpus=self.usable_cpus),
         )
+        rungs = self.rungs_up_to(history)
+        if rungs is not None and points:
+            rungs = max(rungs, min(p["num_workers"] for p in points))  # one rung at least
+            points = [p for p in points if p["num_workers"] <= rungs or p["num_workers"] in guesses]
         cap = self.workers_cap(history)
-        return [p for p in points if cap is None or p["num_workers"] <= cap.cpus]
+        return [p for p in [*first, *points] if cap is None or p["num_workers"] <= cap.cpus]
+
+    def rungs_up_to(self, history: Sequence[Trial]) -> int | None:
+        """The most workers a rung of the ladder has where the baseline's loading was CPU
+        work: twice the CPUs (``NOTE [ Cost model ]``), the ladder's lowest rung at
+        least; ``None`` elsewhere."""
+        measured = baseline_measurement(history)
+        on_cpu = self.sampled_space(history).step_threads is not None
+        if measured is None or not loading_on_cpu(measured.as_dict(), step_on_cpu=on_cpu):
+            return None
+        return _RUNGS_PER_CPU * self.usable_cpus
 
     # The training process's threads ------------------------------------------------
 

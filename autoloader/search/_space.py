@@ -272,6 +272,33 @@ class SearchSpace:
             params["step_threads"] = trial.suggest_int("step_threads", *choices.step_threads)
         return normalize_params(params)
 
+    def held(self, params: Mapping[str, Any]) -> Params | None:
+        """``params`` with workers, their count held to this resolved space's range: a
+        setting to measure first (``NOTE [ Drift ]``). ``None`` where the space has no
+        workers or another of its options is outside the space."""
+        choices = self._bounds()
+        low, high = choices.num_workers
+        workers = min(max(int(params.get("num_workers", 0)), low), high)
+        if workers == 0:
+            return None
+        held = normalize_params({**params, "num_workers": workers})
+        pf_low, pf_high = choices.prefetch_factor
+        options = ["worker_kind", "pin_memory", "batched_fetch", "in_order"]
+        if held["worker_kind"] == "processes":
+            options += _PROCESS_ONLY
+        inside = pf_low <= held["prefetch_factor"] <= pf_high and all(
+            held[name] in getattr(choices, name) for name in options
+        )
+        if not inside:
+            return None
+        step = held["step_threads"]
+        if choices.step_threads is not None:
+            lowest, highest = choices.step_threads
+            step = highest if step is None else min(max(step, lowest), highest)
+        else:
+            step = None
+        return {**held, "step_threads": step}
+
     def ladder(
         self,
         first: Sequence[int] = (),
