@@ -35,6 +35,13 @@ loading has become the bottleneck for a sustained stretch it searches again.
 - The search is the one a reused setting that failed its check starts: SEARCHING, its
   batches exactly DataLoader's, faults absorbed (``NOTE [ AutoLoader's tuning ]``);
   a WARNING says why, and the result is saved at ``path`` as the first search's.
+- Around the setting in use: after its baseline, the search measures first the setting
+  in use with the workers the drifted windows say keep up with the step
+  (:meth:`DriftWatch.keeping_up`, held to the space), then the cost model's guesses
+  and the ladder. Its short budget reaches few settings, and the ladder's first rungs
+  (1, 2 workers) are the ones a slowed loading needs least: measured on a dataset
+  whose read went from 1 to 6 ms, the search from the baseline found 2 workers at a
+  third of the 5 threads in use, and kept those (0.76 of the best hand setting).
 - A checkpoint taken while such a search runs resumes it as a search of the whole
   budget (``NOTE [ An AutoLoader's state ]`` keeps no drift), its count starting again.
 - ``retune=False`` turns it off. Under torchrun it is off (an INFO line says so): a
@@ -43,8 +50,10 @@ loading has become the bottleneck for a sustained stretch it searches again.
 
 from __future__ import annotations
 
+import math
 from time import perf_counter
 
+from autoloader.loader import Params
 from autoloader.results import TuneResult
 
 # A window: at least this many seconds of the loop, and this many batches.
@@ -144,6 +153,21 @@ class DriftWatch:
         """A watch of the setting as it loads now, in the last window (the search it
         started found none faster): drift from here on, after the gap."""
         return DriftWatch(self.load_now, self.step_now, gap=_GAP * research_budget(time_budget))
+
+    def keeping_up(self, params: Params) -> Params | None:
+        """``params``, the setting watched, with the workers that would keep up with the
+        step at the last window's pace: where ``w`` workers hand the loop a batch every
+        ``wait + step`` seconds, ``w * (wait + step) / step`` hand it one a step. The
+        search drift starts measures it first (``Policy.first``), its count held to the
+        space there. ``None`` without workers (their count tells nothing), or where it
+        is no more than ``params``'s."""
+        workers = params["num_workers"]
+        if workers == 0 or self.step_now <= 0:
+            return None
+        needed = math.ceil(workers * (self.load_now + self.step_now) / self.step_now)
+        if needed <= workers:
+            return None
+        return {**params, "num_workers": needed}
 
     def why(self) -> str:
         """What drifted, in words."""

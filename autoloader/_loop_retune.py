@@ -62,7 +62,9 @@ class Retuning:
         if problem.path is not None:
             study_beside(problem.path).unlink(missing_ok=True)  # the old world's trials
         self.home = problem
-        return dataclasses.replace(problem, budget=budget, storage=None)
+        keeping_up = drift.keeping_up(chosen)
+        first = () if keeping_up is None else (keeping_up,)
+        return dataclasses.replace(problem, budget=budget, storage=None, first=first)
 
     def taken(self, result: TuneResult, problem: Problem) -> tuple[TuneResult, Problem]:
         """The tuning takes ``result`` (searched, read, or a checkpoint's) while it has

@@ -105,6 +105,8 @@ class Problem:
     show_progress: bool
     restore: tuple[Restorable, ...]
     path: Path | None = None  # where the result is kept, and reused from
+    # Settings the search measures first (Policy.first): a search drift started's.
+    first: tuple[dict[str, Any], ...] = ()
 
     def identity(self, *, budget_as_given: bool = False) -> ProblemIdentity:
         """What identifies this problem (see :class:`ProblemIdentity`): its study's name,

@@ -385,6 +385,7 @@ def _policy(problem: Problem, space: SearchSpace, facts: Mapping[str, Any]) -> P
         worker_start=facts.get("worker_start_seconds"),
         accelerator=_step_accelerator(problem),
         step_threads_asked=problem.space.step_threads != "auto",
+        first=problem.first,
     )
 
 

@@ -16,6 +16,10 @@ from torch.utils.data import DataLoader, Dataset
 import autoloader
 from autoloader import AutoLoader
 from autoloader._drift import DriftWatch
+from autoloader.loader import BASELINE_PARAMS, normalize_params
+from autoloader.measure import Measurement
+from autoloader.search._outcome import Completed, Phase, Trial
+from autoloader.search._policy import Plan, Policy
 
 from .workloads import SleepDataset, SlowsDownDataset
 
@@ -196,3 +200,61 @@ def test_a_copy_takes_its_originals_retune() -> None:
     copy = AutoLoader(original.dataset, batch_size=8, tuning=original.tuning, retune=True)
     assert original.retune is False and copy.retune is False
     assert copy.tuning is original.tuning and not copy.tuning.retune  # type: ignore[union-attr]
+
+
+def test_the_search_drift_starts_first_measures_the_workers_that_keep_up() -> None:
+    # 5 thread workers handed the loop a batch every 12 ms + 5 ms of step: 17 workers
+    # would hand it one a step.
+    watch = DriftWatch(0.0005, 0.005, gap=0.0)
+    assert _windows(watch, 3, 0.012, 0.005)
+    chosen = normalize_params({"num_workers": 5, "worker_kind": "threads", "prefetch_factor": 4})
+    wanted = watch.keeping_up(chosen)
+    assert wanted == {**chosen, "num_workers": 17}
+    assert watch.keeping_up(BASELINE_PARAMS) is None  # no workers: their count tells nothing
+    assert DriftWatch(0.0005, 0.005, gap=0.0).keeping_up(chosen) is None  # no window yet
+    # The search's policy measures it first, held to the space (16 workers at most),
+    # after its baseline and before the cost model's guesses and the ladder.
+    space, _ = autoloader.SearchSpace(num_workers=(0, 16)).resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None, threads_problem=None
+    )
+    policy = Policy(space=space, time_budget=5.0, batch_size=16, usable_cpus=2, first=(wanted,))
+    assert wanted is not None
+    plan = policy.next([], seconds_left=5.0)
+    assert isinstance(plan, Plan) and plan.phase is Phase.BASELINE
+    baseline = Trial(
+        number=0,
+        params=BASELINE_PARAMS,
+        phase=Phase.BASELINE,
+        outcome=Completed(_measurement(load=0.1, step=0.005), 150.0),
+    )
+    plan = policy.next([baseline], seconds_left=4.0)
+    assert isinstance(plan, Plan) and plan.params is not None
+    assert plan.params == {**chosen, "num_workers": 16, "step_threads": None}
+    rest = policy.starting_points([baseline])[1:]
+    assert rest and all(p != plan.params for p in rest)
+
+
+def test_a_setting_outside_the_space_is_not_measured_first() -> None:
+    space, _ = autoloader.SearchSpace(num_workers=(0, 8), worker_kind="processes").resolve(
+        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+    )
+    threads = normalize_params({"num_workers": 12, "worker_kind": "threads"})
+    processes = normalize_params({"num_workers": 12, "persistent_workers": True})
+    assert space.held(threads) is None
+    # The training process's threads, searched in this space: the most it allows.
+    assert space.held(processes) == {**processes, "num_workers": 8, "step_threads": 2}
+
+
+def _measurement(*, load: float, step: float) -> Measurement:
+    return Measurement(
+        samples_per_second=150.0,
+        relative_error=0.01,
+        data_wait_fraction=load / (load + step),
+        load_seconds=load,
+        step_seconds=step,
+        time_to_first_batch=0.1,
+        epoch_restart_seconds=None,
+        batches=20,
+        duration=1.0,
+        peak_memory=1,
+    )
