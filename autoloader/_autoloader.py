@@ -355,8 +355,12 @@ class AutoLoader(DataLoader[_T_co]):
     @property
     def setting(self) -> Params | None:
         """The setting loading the current epoch's batches now (a trial's, while it
-        tunes), ``None`` between epochs and where it does not tune."""
+        tunes), ``None`` between epochs and where it does not tune. Where a copy
+        shares its tuning (Lightning's rebuilt loader, ``NOTE [ A rebuilt AutoLoader
+        ]``), the copy's epoch, where this loader has none going."""
         epoch = self._current_epoch()
+        if epoch is None and self.tuning is not None and self.tuning.epoch is not None:
+            epoch = self.tuning.epoch()
         trial = None if epoch is None else epoch.trial
         return None if trial is None else dict(trial.params)
 
@@ -511,7 +515,7 @@ class AutoLoader(DataLoader[_T_co]):
             batches = EpochBatches(indices, length=_length(self._index_sampler))
             batches.fast_forward(skip)
         epoch = Epoch(self, tuning, batches, seed, draws)
-        self._epoch = weakref.ref(epoch)
+        self._epoch = tuning.epoch = weakref.ref(epoch)
         return epoch
 
     def _current_epoch(self) -> Epoch | None:

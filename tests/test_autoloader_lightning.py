@@ -337,6 +337,23 @@ def test_every_argument_survives_a_rebuild() -> None:
         )
 
 
+def test_the_loader_the_user_holds_shows_the_setting_its_rebuilt_copy_loads_with() -> None:
+    """Lightning trains with its rebuilt copy; the user's own object reports the setting
+    that loads the batches, not ``None``."""
+    loader = AutoLoader(IndexedItems(length=40), batch_size=4, time_budget=4.0, verbose=False)
+    copy = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    assert loader.setting is None
+    epoch = iter(copy)
+    try:
+        next(epoch)
+        assert copy.setting is not None
+        assert loader.setting == copy.setting
+    finally:
+        del epoch
+        loader.close()
+    assert loader.setting is None  # the copy's epoch is gone
+
+
 CONTEXT_SCRIPT = textwrap.dedent(
     """
     import json, sys
