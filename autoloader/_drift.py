@@ -66,9 +66,12 @@ _GROWTH = 0.5
 # Drifted windows in a row that start a search.
 _WINDOWS = 3
 # A re-search's share of time_budget; the gap before the watch counts, in re-search
-# budgets; the re-searches a run may start.
-_BUDGET_SHARE = 0.5
-_GAP = 10.0
+# budgets; the re-searches a run may start. With half the budget (10 s of 20), its
+# trials of 1 s could not drain the start-up burst of the workers slowed loading needs:
+# on benchmarks/drift.py's images pipeline, whose reads went from 1 to 6 ms, 12 workers
+# were pruned too short and the search chose 3 (0.47 of the best hand setting, 8).
+_BUDGET_SHARE = 1.0
+_GAP = 5.0
 _MOST = 3
 
 

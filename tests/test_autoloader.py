@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import autoloader
 from autoloader import AutoLoader, InvalidInputError
@@ -205,6 +205,44 @@ def test_trials_span_epochs_shorter_than_their_start_up_burst() -> None:
     trials = loader.result.trials
     assert any(t.state == "complete" and t.params["num_workers"] > 0 for t in trials), trials
     assert all(t.samples_per_second is None or t.samples_per_second < 1e7 for t in trials)
+
+
+class _SlowFirstItem(Dataset[int]):
+    """Item 0 takes ``first`` seconds to read, the rest none: a slow start-up."""
+
+    def __init__(self, length: int, first: float) -> None:
+        self.length, self.first = length, first
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            time.sleep(self.first)
+        return index
+
+
+def test_a_live_trials_time_starts_at_its_first_batch() -> None:
+    """A trial of 1 s whose first batch takes 1.5 s still has its 1 s to measure in
+    (NOTE [ A live trial's time starts at its first batch ])."""
+    feed = Feed(EpochBatches(iter(torch.arange(48).view(12, 4).tolist())))
+    trial = LiveTrial(
+        DataLoader(_SlowFirstItem(48, first=1.5), batch_sampler=feed),
+        feed,
+        {"num_workers": 0},
+        batch_size=4,
+        memory_budget=None,
+        max_seconds=1.0,
+        deadlines=None,
+    )
+    try:
+        assert trial.next().tolist() == [0, 1, 2, 3]
+        assert trial.next().tolist() == [4, 5, 6, 7]
+        assert trial.outcome is None  # 1.5 s after its start, not ended
+        assert trial.time_to_first_batch is not None and trial.time_to_first_batch >= 1.5
+    finally:
+        trial.end()
+        trial.close()
 
 
 def test_the_loops_work_between_epochs_is_off_a_trials_time() -> None:

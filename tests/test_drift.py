@@ -25,10 +25,10 @@ from .workloads import SleepDataset, SlowsDownDataset
 
 LENGTH = 96
 SPACE = {"num_workers": (0, 4), "prefetch_factor": 2, "worker_kind": "processes"}
-TIME_BUDGET = 4  # a search started by drift: 2 s
-# The gap before the watch counts, in re-search budgets: 10 in the library (20 s here),
-# 2 in these tests (4 s): the same watch, hysteresis and bounds, 16 s less waiting.
-GAP = 2.0
+TIME_BUDGET = 4  # a search started by drift: 4 s too
+# The gap before the watch counts, in re-search budgets: 5 in the library (20 s here),
+# 1 in these tests (4 s): the same watch, hysteresis and bounds, 16 s less waiting.
+GAP = 1.0
 # Epochs a test may train for before it gives up on what it waits for.
 MOST_EPOCHS = 600
 
