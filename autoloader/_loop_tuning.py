@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -56,9 +56,6 @@ from autoloader.loader._torch_compat import exiting
 from autoloader.measure import Deadlines, LiveTrial, Measurement, MemoryBudgetExceeded, TrialError
 from autoloader.results import TuneResult, in_memory_kwargs
 from autoloader.search import Proposal, Trial
-
-if TYPE_CHECKING:
-    from autoloader._loop_epoch import Epoch
 
 _logger = logging.getLogger("autoloader")
 
@@ -115,8 +112,9 @@ class LoopTuning:
         self.result: TuneResult | None = None  # TUNED: the result, and its setting
         self.chosen: Params | None = None
         self.failures: list[str] = []
-        # The epoch loading now, this loader's or a copy's (NOTE [ A rebuilt AutoLoader ]).
-        self.epoch: weakref.ref[Epoch] | None = None
+        # The epoch loading now (an Epoch of _loop_epoch.py, a layer above), this loader's
+        # or a copy's (NOTE [ A rebuilt AutoLoader ]).
+        self.epoch: weakref.ref[Any] | None = None
         # The trials' loaders, and the chosen setting's, kept across epochs.
         self.loaders = Loaders()
         # Trials of epochs the loop dropped, stopped, and the batches they had not
