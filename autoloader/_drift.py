@@ -22,11 +22,10 @@ loading has become the bottleneck for a sustained stretch it searches again.
 - Hysteresis: ``_WINDOWS`` drifted windows in a row start a search; any other window
   starts the count again, so a blip (a checkpoint's disk write, a burst of the
   neighbour's) never does.
-- Never worse: the search, short and started from the baseline, may not reach the
-  chosen setting; the drifted windows measured it in the new world: where the best
-  found is no faster
-  than those windows' rate, the chosen setting is kept (its result saved back at
-  ``path``), and the watch takes those windows as its reference.
+- Never worse: the search, of one budget, may not find a setting as good as the one
+  chosen; the drifted windows measured that in the new world: where the best found is
+  no faster than those windows' rate, the chosen setting is kept (its result saved
+  back at ``path``), and the watch takes those windows as its reference.
 - Bounds: nothing is counted until ``_GAP`` times the re-search's budget has passed
   since the last search ended (the first included); a re-search has
   ``_BUDGET_SHARE`` of ``time_budget`` and the same ``search_space``; a run searches
@@ -39,9 +38,12 @@ loading has become the bottleneck for a sustained stretch it searches again.
   in use with the workers the drifted windows say keep up with the step
   (:meth:`DriftWatch.keeping_up`, held to the space), then the cost model's guesses
   and the ladder. Its short budget reaches few settings, and the ladder's first rungs
-  (1, 2 workers) are the ones a slowed loading needs least: measured on a dataset
-  whose read went from 1 to 6 ms, the search from the baseline found 2 workers at a
-  third of the 5 threads in use, and kept those (0.76 of the best hand setting).
+  (1, 2 workers) are the ones a slowed loading needs least: on benchmarks/drift.py's
+  images pipeline, whose reads went from 1 to 6 ms, the search from the baseline chose
+  3 workers (0.47 of the best hand setting at the new speed), and the search that
+  measures the 2 workers in use scaled first (to 11), 12 (1.00). It has the whole
+  ``time_budget``, its trials their time after their first batch (``NOTE [ A live
+  trial's time starts at its first batch ]``, in ``measure/_live.py``).
 - A checkpoint taken while such a search runs resumes it as a search of the whole
   budget (``NOTE [ An AutoLoader's state ]`` keeps no drift), its count starting again.
 - ``retune=False`` turns it off. Under torchrun it is off (an INFO line says so): a
