@@ -252,7 +252,7 @@ class LiveTrial:
         got, got_cpu, got_own = self.cpu.read()
         if self.returned_at is None:
             self.time_to_first_batch = got - (self.prestarted or self.started)
-            # NOTE [ A live trial's time starts at its first batch ]
+            # Start-up, off its time (NOTE [ A live trial's time starts at its first batch ]).
             self.deadline += got - self.started
             self.clock.first_batch(got, self.deadline)
             self.batch_bytes = tensor_bytes(batch)
