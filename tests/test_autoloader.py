@@ -222,19 +222,22 @@ class _SlowFirstItem(Dataset[int]):
         return index
 
 
+def _trial_of_one_second(dataset: Dataset[Any]) -> tuple[LiveTrial, Feed]:
+    """A live trial of 1 s without workers over an epoch of ``dataset``'s 48 items in
+    batches of 4, in order, and its feed."""
+    feed = Feed(EpochBatches(iter(torch.arange(48).view(12, 4).tolist())))
+    loader = DataLoader(dataset, batch_sampler=feed)
+    params = {"num_workers": 0}
+    trial = LiveTrial(
+        loader, feed, params, batch_size=4, memory_budget=None, max_seconds=1.0, deadlines=None
+    )
+    return trial, feed
+
+
 def test_a_live_trials_time_starts_at_its_first_batch() -> None:
     """A trial of 1 s whose first batch takes 1.5 s still has its 1 s to measure in
     (NOTE [ A live trial's time starts at its first batch ])."""
-    feed = Feed(EpochBatches(iter(torch.arange(48).view(12, 4).tolist())))
-    trial = LiveTrial(
-        DataLoader(_SlowFirstItem(48, first=1.5), batch_sampler=feed),
-        feed,
-        {"num_workers": 0},
-        batch_size=4,
-        memory_budget=None,
-        max_seconds=1.0,
-        deadlines=None,
-    )
+    trial, _ = _trial_of_one_second(_SlowFirstItem(48, first=1.5))
     try:
         assert trial.next().tolist() == [0, 1, 2, 3]
         assert trial.next().tolist() == [4, 5, 6, 7]
@@ -249,18 +252,7 @@ def test_the_loops_work_between_epochs_is_off_a_trials_time() -> None:
     """A trial of 1 s, an epoch of 12 instant batches, then 1.5 s of the loop's own work
     (a validation): the trial waits at the epoch's edge and goes on with the next
     epoch's batches, its time not spent (NOTE [ Live trials span epochs ])."""
-    dataset = SleepDataset(length=48, latency=0.0)
-    first = EpochBatches(iter(torch.arange(48).view(12, 4).tolist()))
-    feed = Feed(first)
-    trial = LiveTrial(
-        DataLoader(dataset, batch_sampler=feed),
-        feed,
-        {"num_workers": 0},
-        batch_size=4,
-        memory_budget=None,
-        max_seconds=1.0,
-        deadlines=None,
-    )
+    trial, feed = _trial_of_one_second(SleepDataset(length=48, latency=0.0))
     try:
         epoch = []
         with pytest.raises(StopIteration):
