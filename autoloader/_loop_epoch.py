@@ -5,6 +5,7 @@ once the loop drops it (``NOTE [ Nothing outlives the loop ]``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Iterator, Sized
@@ -81,6 +82,11 @@ class Epoch(Iterator[Any]):
         return len(self.owner)
 
     def __next__(self) -> Any:
+        return self._next(asked=True)
+
+    def _next(self, *, asked: bool) -> Any:
+        """The next batch; ``asked``: the loop asked for it (past the epoch's end, the
+        sampler is asked too, as DataLoader's iterator asks it)."""
         if self.done:
             raise StopIteration
         while True:
@@ -94,8 +100,9 @@ class Epoch(Iterator[Any]):
             except TrialEnded:
                 self._end_trial()
             except StopIteration:
+                if asked:
+                    self.batches.exhaust()
                 self.done = True
-                self.batches.exhaust()
                 if trial.outcome is None:  # NOTE [ Live trials span epochs ]
                     self.current.trial = None
                     self.tuning.carry(trial)
@@ -114,7 +121,16 @@ class Epoch(Iterator[Any]):
 
     def close(self) -> None:
         """The loop left this epoch: end its trial where it stands, and stop a next
-        trial's loader started on its batches (``NOTE [ Overlapped start-up ]``)."""
+        trial's loader started on its batches (``NOTE [ Overlapped start-up ]``); or,
+        where the loop took every batch, end the epoch as at StopIteration (``NOTE [ An
+        epoch left at its last batch ]``, in measure/_live.py)."""
+        if not self.done and self.batches.all_done:
+            if self.current.trial is not None:
+                self.current.trial.epoch_left()
+            with contextlib.suppress(StopIteration):
+                self._next(asked=False)  # as the loop's next() past the end, unasked
+                raise AssertionError("a batch past the epoch's last")
+            return
         self.done = True
         self.tuning.overlap.drop()
         if self.current.trial is not None:

@@ -28,12 +28,14 @@ from autoloader._session import RunSession
 from autoloader.distributed import Ranks, job_outcome
 from autoloader.loader import Params
 from autoloader.measure import (
+    MIN_WINDOWS,
     Deadlines,
     LiveTrial,
     Measurement,
     MemoryBudgetExceeded,
     TrialError,
     WindowCallback,
+    measurable_batches,
 )
 from autoloader.results import TuneResult, in_memory_kwargs
 from autoloader.search import Completed, Proposal, Pruned, PruneKind, Trial, open_storage
@@ -194,9 +196,13 @@ class SoloSearch(Search):
 # rank's, or the failure, as in tune() (job_outcome). Two exchanges a trial, none
 # within one, and none once tuning ended. Both come between the user's steps, where a
 # rank may spend minutes alone (evaluating, checkpointing between epochs): they wait
-# as long as the job's own collectives (NOTE [ How long a rank waits ]).
+# as long as the job's own collectives (NOTE [ How long a rank waits ]). A segment is
+# never shorter than the setting can be measured in: its whole start-up burst (a
+# segment's warm-up has no end in time) and MIN_WINDOWS windows of a batch from each
+# worker. Sized by the last pace alone, a setting faster than the last one had too few:
+# after 1 worker's 0.11 s a batch, 4 workers x prefetch 2 were given 12 batches, 8 of
+# them their warm-up, and were pruned as too short (benchmarks/ddp_short_epochs.py).
 _FIRST_SEGMENT = 16  # the first trial's length in batches, before any pace is known
-_MIN_SEGMENT = 8  # and the shortest
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,11 +285,8 @@ class JointSearch(Search):
             session.save(result)
             return _Tuned(dataclasses.replace(result, _in_memory_kwargs={}))
         spec = proposal.spec
-        batches = (
-            _FIRST_SEGMENT
-            if self.pace is None
-            else max(_MIN_SEGMENT, math.ceil(spec.max_seconds / self.pace))
-        )
+        timed = _FIRST_SEGMENT if self.pace is None else math.ceil(spec.max_seconds / self.pace)
+        batches = max(timed, measurable_batches(spec.params, MIN_WINDOWS))
         return _NextSegment(spec.params, spec.deadlines, batches, tuning.last_good)
 
     def ended(

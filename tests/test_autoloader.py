@@ -174,12 +174,36 @@ def test_an_epoch_left_early_leaves_the_next_one_dataloaders() -> None:
         loader.close()
 
 
-def test_trials_span_epochs_shorter_than_their_start_up_burst() -> None:
+class _HeldToTheNextEpoch:
+    """As Lightning's fetcher: ``len(loader)`` batches an epoch, none asked past the
+    last, the iterator held until the next epoch's ``iter()``."""
+
+    def __init__(self) -> None:
+        self.iterator: Any = None
+
+    def __call__(self, loader: Any, epochs: int) -> list[list[int]]:
+        seen = []
+        for _ in range(epochs):
+            self.iterator = iter(loader)
+            for _ in range(len(loader)):
+                time.sleep(0.002)
+                seen.append(_ids(next(self.iterator)))
+        return seen
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [_epochs, _HeldToTheNextEpoch],
+    ids=["asks-past-the-end", "held-to-the-next-epoch"],
+)
+def test_trials_span_epochs_shorter_than_their_start_up_burst(loop: Any) -> None:
     """12 batches an epoch, fewer than 2 to 4 workers x prefetch 4 hold at once, and a
     validation after each epoch (NOTE [ Live trials span epochs ]): trials go on across
     epochs and settings with workers are measured, each epoch still DataLoader's, and
     no trial has a rate it did not measure. Ended with their epochs, every trial with
-    workers was pruned too short and the defaults were kept."""
+    workers was pruned too short and the defaults were kept. The same where the loop
+    never asks past an epoch's last batch, holding the iterator to the next epoch as
+    Lightning does (NOTE [ An epoch left at its last batch ])."""
     dataset = SleepDataset(length=48, latency=0.002)
     kwargs = {"batch_size": 4, "shuffle": True}
     loader = AutoLoader(
@@ -192,15 +216,20 @@ def test_trials_span_epochs_shorter_than_their_start_up_burst() -> None:
     )
     seen: list[list[int]] = []
     epochs = 0
+    run = loop() if isinstance(loop, type) else loop
     try:
         while epochs < 400 and not loader.tuned:
-            seen += _epochs(loader, 1)
+            seen += run(loader, 1)
             time.sleep(0.05)  # the loop's validation, off the trials' clocks
             epochs += 1
     finally:
         loader.close()
-    expected, _ = _reference(dataset, epochs, **kwargs)
-    assert seen == expected
+    # DataLoader's batches and draws under the same loop (one that asks past the end
+    # makes RandomSampler draw once more).
+    generator = torch.Generator().manual_seed(7)
+    reference = loop() if isinstance(loop, type) else loop
+    assert seen == reference(DataLoader(dataset, generator=generator, **kwargs), epochs)
+    assert torch.equal(loader.generator.get_state(), generator.get_state())
     assert loader.result is not None
     trials = loader.result.trials
     assert any(t.state == "complete" and t.params["num_workers"] > 0 for t in trials), trials

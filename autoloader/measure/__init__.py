@@ -22,6 +22,7 @@ Modules, from the top down, one job each::
     _units         bytes and seconds, parsed and shown
 """
 
+from autoloader.measure._clock import measurable_batches
 from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines, TrialTimeout, time_limit
 from autoloader.measure._device import accelerator, resolve_device
 from autoloader.measure._errors import (
@@ -31,7 +32,7 @@ from autoloader.measure._errors import (
     exception_chain,
 )
 from autoloader.measure._isolation import SubprocessRunner
-from autoloader.measure._live import LiveTrial, TrialEnded, release
+from autoloader.measure._live import MIN_WINDOWS, LiveTrial, TrialEnded, release
 from autoloader.measure._lockstep import Checkpoint, Lockstep, PeerFailed
 from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import (
@@ -50,6 +51,7 @@ from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 
 __all__ = [
     "DEFAULT_BUDGET_SHARE",
+    "MIN_WINDOWS",
     "STARTUP_PER_WORKER",
     "Checkpoint",
     "Deadlines",
@@ -76,6 +78,7 @@ __all__ = [
     "format_bytes",
     "format_seconds",
     "is_oom_error",
+    "measurable_batches",
     "parse_bytes",
     "release",
     "resolve_device",

@@ -87,6 +87,23 @@ def pace_limit(total: Totals, workers: int) -> float:
     return max(_MIN_PACE_SECONDS, _PACE_FACTOR * max(1, workers) * per_batch)
 
 
+def _window_batches(params: Any) -> int:
+    """A window has at least a batch from each worker (batches come in turn)."""
+    return max(2, int(params.get("num_workers", 0)))
+
+
+def _warmup_batches(params: Any) -> int:
+    """The start-up burst: ``prefetch_factor`` batches from each worker (NOTE [ Warm-up ])."""
+    return int(params.get("num_workers", 0)) * int(params.get("prefetch_factor") or 0)
+
+
+def measurable_batches(params: Any, windows: int) -> int:
+    """The fewest batches in which a trial of ``params`` with no end in time (a torchrun
+    job's segment) closes ``windows`` timing windows: its whole warm-up, then a batch
+    from each worker a window."""
+    return _warmup_batches(params) + windows * _window_batches(params)
+
+
 class TrialClock:
     """The warm-up, the timing windows and their sums for one trial of ``params``.
 
@@ -114,9 +131,8 @@ class TrialClock:
         self.min_windows = min_windows
         self.min_window_seconds = min_window_seconds
         self.target_relative_error = target_relative_error
-        # A window has at least a batch from each worker (batches come in turn).
-        self.window_batches = max(2, self.workers)
-        self.warmup = self.workers * int(params.get("prefetch_factor") or 0)
+        self.window_batches = _window_batches(params)
+        self.warmup = _warmup_batches(params)
         self.to_skip = self.warmup  # batches of the warm-up still to skip
         self.warmup_deadline = math.inf  # set by first_batch
         self.burst_left = 0  # what the warm-up's cap left queued (Measurement.burst_left)
@@ -150,6 +166,11 @@ class TrialClock:
         self.crossed_epoch = True
         if self.window is not None:
             self.window_start += seconds
+
+    def burst_over(self) -> None:
+        """The warm-up ends here, what it had left to skip counted from now on (a live
+        trial's first epoch edge, NOTE [ Live trials span epochs ], in _live.py)."""
+        self.to_skip = 0
 
     def pause(self, seconds: float) -> None:
         """The trial stood still for ``seconds``: a live trial at an epoch's edge, while

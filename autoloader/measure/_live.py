@@ -11,7 +11,8 @@ fault into the loop: the caller hands the undelivered batches to the next settin
 
 Meant differences from the timer: a live trial spans epochs as the timer's do, but the
 training loop, not the trial, starts the next one, and does its own work in between
-(``NOTE [ Live trials span epochs ]``), so it times no whole epoch and no restart; it
+(``NOTE [ Live trials span epochs ]``), so it times no whole epoch, and its restart is
+the refill at an epoch's edge (persistent workers only); it
 measures alone (a torchrun job's ranks agree on its length beforehand, ``feed.limit``,
 instead of at checkpoints); and each window closes at the first batch it may.
 """
@@ -48,6 +49,7 @@ from autoloader.measure._supervision import (
 )
 
 Failure = TrialError | MemoryBudgetExceeded
+MIN_WINDOWS = 4  # timing windows a live trial closes before its rate counts as known
 # A trial's on_batch: told a batch's wait for data and the step before it.
 BatchCallback = Callable[[float, float], bool]
 
@@ -82,8 +84,33 @@ class TrialEnded(Exception):
 # is off the open window's clock (TrialClock.epoch_edge); the loop's own part of it
 # (up to its first next()) is off the trial's time too: its deadline, its start and
 # its warm-up move by that much. The first batch of the epoch counts no wait (it is the
-# edge's), and the warm-up is not repeated. A trial started where an epoch has no batch
-# left waits at the edge the same way.
+# edge's), and the warm-up is not repeated: it ends at the first edge. The refill there
+# loaded a batch on each worker off the clock, and those batches then come at once; so
+# they do at every epoch, and they are the epoch's rate as training sees it, not a
+# start-up to skip. With 12-batch epochs and 12 workers x prefetch 2, skipping a burst
+# of 24 batches took two epochs. For a setting with persistent workers the refill is the
+# epoch's restart (Measurement.epoch_restart_seconds), which the epoch model charges
+# once an epoch (NOTE [ Epoch model ], in search/_objective.py), in place of the
+# baseline's load time a batch; a setting without them starts its workers each epoch in
+# training, which the trial's kept workers do not show, and is charged its start-up. A
+# trial started where an epoch has no batch left waits at the edge the same way.
+
+# NOTE [ An epoch left at its last batch ]
+# A loop that knows the loader's length may take the epoch's last batch and never ask
+# for one more: Lightning's fetcher does (its ``done`` is ``fetched >= len``), holding
+# the iterator until the next epoch's ``iter()``; DataLoader lets it. The epoch then
+# never saw StopIteration, and the next ``iter()`` found it unfinished and ended its
+# trial where it stood. Under Lightning every trial ended with its epoch, as if trials
+# did not span epochs: in a 2-rank DDP fit of 12-batch epochs every trial with workers
+# was pruned as too short and AutoLoader kept num_workers=0
+# (benchmarks/ddp_short_epochs.py). So where the next ``iter()`` finds an epoch whose
+# every batch the loop took, the epoch ends as at StopIteration
+# (:meth:`LiveTrial.epoch_left`), the sampler asked for nothing more (DataLoader's
+# iterator asks nothing then). The end of the last batch's step is not seen: it is
+# taken to have lasted as long as the step before it, and the edge starts there. An
+# iterator dropped instead (``islice(loader, len(loader))``, or Lightning's teardown at
+# the fit's end) is the loop letting go: its trial ends where it stands, as before
+# (NOTE [ Nothing outlives the loop ], in _loop_epoch.py).
 
 
 class LiveTrial:
@@ -127,7 +154,7 @@ class LiveTrial:
         on_window: WindowCallback | None = None,
         keep_workers: bool = False,
         on_batch: BatchCallback | None = None,
-        min_windows: int = 4,
+        min_windows: int = MIN_WINDOWS,
         min_window_seconds: float = 0.1,
         target_relative_error: float = 0.05,
     ) -> None:
@@ -161,6 +188,8 @@ class LiveTrial:
         self.returned_cpu = (0.0, 0.0)
         self.last_samples = 0
         self.last_wait = (0.0, 0.0, 0.0)
+        self.last_step = (0.0, 0.0, 0.0)  # the last step seen: seconds, CPU, own CPU
+        self.refills: list[float] = []  # each epoch's, persistent workers' restarts
         watched = memory_budget is not None
         self.watch = MemoryWatch(
             memory_budget if memory_budget is not None else 1 << 62,
@@ -258,7 +287,11 @@ class LiveTrial:
             self.batch_bytes = tensor_bytes(batch)
         if self.edge_from is not None:
             # The refill is the edge's too: off the windows' clock, and no wait of the batch.
-            self.clock.epoch_edge(got - self.edge_from)
+            refill = got - self.edge_from
+            self.clock.epoch_edge(refill)
+            self.clock.burst_over()
+            if self.params.get("persistent_workers"):
+                self.refills.append(refill)
             self.edge_from = None
             now, cpu, own = got, got_cpu, got_own
         self.last_wait = (got - now, got_cpu - cpu, got_own - own)
@@ -388,6 +421,11 @@ class LiveTrial:
         """Count the batch last handed to the loop, its step over (``now``); close a
         window where one is due, ending the trial if it is measured enough."""
         assert self.returned_at is not None
+        self.last_step = (
+            now - self.returned_at,
+            cpu - self.returned_cpu[0],
+            own - self.returned_cpu[1],
+        )
         clock = self.clock
         if clock.window is None:
             if not clock.warming(now):
@@ -439,6 +477,25 @@ class LiveTrial:
             self.watch.ends_at += seconds
         self.clock.pause(seconds)
 
+    def epoch_left(self) -> None:
+        """The loop took the epoch's last batch and went on without asking for one more
+        (``NOTE [ An epoch left at its last batch ]``): what a measured trial's
+        :meth:`next` would do there before the epoch's StopIteration, its last batch
+        counted with the step before it as its step, the epoch's edge starting at that
+        step's end; a trial whose time is up ends there (:attr:`outcome` set). A
+        setting not measured has nothing to count: its next :meth:`next` ends it."""
+        if self.outcome is not None or self.edge_from is not None or not self.measuring:
+            return
+        end = perf_counter()
+        if self.returned_at is not None:
+            seconds, cpu, own = self.last_step
+            end = min(end, self.returned_at + seconds)
+        self.edge_from = end  # what the trial measured ends here, whatever ends it
+        if self.returned_at is not None:
+            self._count(end, self.returned_cpu[0] + cpu, self.returned_cpu[1] + own)
+        if self.outcome is None and end >= self.deadline:
+            self.outcome = self._finish()
+
     def resume(self, batches: EpochBatches) -> None:
         """Go on with the next epoch's ``batches`` (``NOTE [ Live trials span epochs ]``):
         the loader is iterated again at the next batch, its workers kept."""
@@ -450,7 +507,7 @@ class LiveTrial:
         end = perf_counter() if self.edge_from is None else self.edge_from
         return self.clock.estimate(
             time_to_first_batch=self.time_to_first_batch,
-            restarts=[],
+            restarts=self.refills,
             duration=end - self.started,
             peak_memory=self.watch.peak,
             batch_bytes=self.batch_bytes,
