@@ -196,12 +196,16 @@ class SoloSearch(Search):
 # rank's, or the failure, as in tune() (job_outcome). Two exchanges a trial, none
 # within one, and none once tuning ended. Both come between the user's steps, where a
 # rank may spend minutes alone (evaluating, checkpointing between epochs): they wait
-# as long as the job's own collectives (NOTE [ How long a rank waits ]). A segment is
-# never shorter than the setting can be measured in: its whole start-up burst (a
-# segment's warm-up has no end in time) and MIN_WINDOWS windows of a batch from each
-# worker. Sized by the last pace alone, a setting faster than the last one had too few:
-# after 1 worker's 0.11 s a batch, 4 workers x prefetch 2 were given 12 batches, 8 of
-# them their warm-up, and were pruned as too short (benchmarks/ddp_short_epochs.py).
+# as long as the job's own collectives (NOTE [ How long a rank waits ]). A segment's
+# length is its trial's time over the pace the cost model expects of its setting from
+# the baseline (NOTE [ Cost model ], Policy.batch_seconds; rank 0's last pace before
+# the baseline is measured), and never shorter than the setting can be measured in: its
+# whole start-up burst (a segment's warm-up has no end in time) and MIN_WINDOWS windows
+# of a batch from each worker. Sized by the last trial's pace, a setting faster than
+# the last one had too few batches and one slower too many: in a Lightning DDP fit of
+# 12-batch epochs, after 1 worker's 0.11 s a batch, 4 workers x prefetch 2 were given
+# 12 batches, 8 of them their warm-up, and were pruned as too short
+# (benchmarks/ddp_short_epochs.py).
 _FIRST_SEGMENT = 16  # the first trial's length in batches, before any pace is known
 
 
@@ -285,7 +289,9 @@ class JointSearch(Search):
             session.save(result)
             return _Tuned(dataclasses.replace(result, _in_memory_kwargs={}))
         spec = proposal.spec
-        timed = _FIRST_SEGMENT if self.pace is None else math.ceil(spec.max_seconds / self.pace)
+        expected = session.driver.policy.batch_seconds(spec.params, session.history)
+        pace = self.pace if expected is None else expected
+        timed = _FIRST_SEGMENT if pace is None else math.ceil(spec.max_seconds / pace)
         batches = max(timed, measurable_batches(spec.params, MIN_WINDOWS))
         return _NextSegment(spec.params, spec.deadlines, batches, tuning.last_good)
 

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import autoloader.search._cost_model
 from autoloader.search._cost_model import (
+    batch_seconds,
     guess_threads,
     guess_workers,
     loads_on_several_threads,
@@ -37,11 +40,11 @@ def test_no_guess_when_nothing_is_loaded() -> None:
     assert guess_workers({"load_seconds": 0.0, "step_seconds": 0.01}, usable_cpus=2) == []
 
 
-def test_guesses_come_before_the_ladder_within_the_range() -> None:
+def test_guesses_come_before_the_ladder_held_to_the_range() -> None:
     space = SearchSpace(num_workers=(0, 8), prefetch_factor=2, persistent_workers=True)
     resolved, _ = space.resolve(usable_cpus=2, has_accelerator=False, batches_per_epoch=100)
     counts = [p["num_workers"] for p in resolved.ladder(first=[5, 6, 40])]
-    assert counts == [5, 6, 1, 2, 4, 8]
+    assert counts == [5, 6, 8, 1, 2, 4]
 
 
 @pytest.mark.parametrize(
@@ -109,3 +112,19 @@ def test_thread_guesses_only_where_threads_overlap_loading(
     monkeypatch.setattr(autoloader.search._cost_model, "gil_enabled", lambda: gil)
     baseline = {"load_seconds": load, "load_cpu_seconds": cpu, "step_seconds": 0.010}
     assert guess_threads(baseline) == expected
+
+
+def test_a_batchs_expected_time_is_the_step_or_the_shared_load_with_a_refill_an_epoch() -> None:
+    """NOTE [ Cost model ]: what a joint segment's length is sized by."""
+    waits = {"load_seconds": 0.096, "load_cpu_seconds": 0.002, "step_seconds": 0.004}
+    kwargs: dict[str, Any] = {"usable_cpus": 2, "batches_per_epoch": None}
+    assert batch_seconds(waits, 0, **kwargs) == pytest.approx(0.1)
+    assert batch_seconds(waits, 12, **kwargs) == pytest.approx(0.008)  # 96 ms over 12
+    assert batch_seconds(waits, 48, **kwargs) == pytest.approx(0.004)  # the step
+    # 12-batch epochs refill an empty pipeline once an epoch: a batch's load.
+    epochs = {"usable_cpus": 2, "batches_per_epoch": 12}
+    assert batch_seconds(waits, 12, **epochs) == pytest.approx((0.096 + 11 * 0.008) / 12)
+    # Decoding on the CPU shares the 2 cores, whatever the workers.
+    decoding = {"load_seconds": 0.045, "load_cpu_seconds": 0.045, "step_seconds": 0.02}
+    assert batch_seconds(decoding, 8, **kwargs) == pytest.approx(0.0225)
+    assert batch_seconds({}, 4, **kwargs) is None

@@ -224,8 +224,8 @@ def test_the_cost_models_guesses_come_before_the_doubling_ladder() -> None:
     measured = dataclasses.replace(baseline, outcome=Completed(io_bound, 100.0))
     points = _policy().starting_points([measured])
     assert [p["num_workers"] for p in points] == [5, 6, 1, 2, 4, 8, 16]
-    # Guesses outside the space are left to the ladder: 50 workers wanted, 16 allowed.
-    assert [p["num_workers"] for p in _policy().starting_points([baseline])] == [1, 2, 4, 8, 16]
+    # A guess past the space is held to it: 50 workers wanted, 16 allowed, measured first.
+    assert [p["num_workers"] for p in _policy().starting_points([baseline])] == [16, 1, 2, 4, 8]
 
 
 def test_starting_points_are_proposed_in_order_and_never_twice() -> None:
@@ -237,7 +237,7 @@ def test_starting_points_are_proposed_in_order_and_never_twice() -> None:
         assert isinstance(plan, Plan) and plan.params is not None
         seen.append(plan.params["num_workers"])
         history.append(_done(number, plan.params, 100.0 + number))
-    assert seen == [1, 2, 4, 8, 16]
+    assert seen == [16, 1, 2, 4, 8]  # the guess (50 workers) held to the space first
     sampled = policy.next(history, seconds_left=30)
     assert isinstance(sampled, Plan) and sampled.params is None  # the sampler's turn
 
@@ -574,6 +574,33 @@ def test_a_best_within_its_own_error_of_a_cheaper_setting_is_a_tie() -> None:
     assert _policy().choose(again).params == _params(4)
     again[3:] = [_erring(trial, 0.07) for trial in again[3:]]
     assert _policy().choose(again).params == _params(2)
+
+
+def _steady(trial: Trial, rate: float, error: float) -> Trial:
+    """``trial``, its measurement's steady rate ``rate`` at ``error``: its value an
+    epoch's rate, the pipeline's refill each epoch included."""
+    assert isinstance(trial.outcome, Completed)
+    measurement = dataclasses.replace(
+        trial.outcome.measurement, samples_per_second=rate, relative_error=error
+    )
+    return dataclasses.replace(
+        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
+    )
+
+
+def test_the_tie_band_is_the_error_of_the_epochs_rate_not_the_steady_rates() -> None:
+    """12-batch epochs in a DDP fit: 12 workers' steady rate measured at +-49% is a third
+    of their epoch's time, the refill the rest; their epoch's rate leads 8 workers' by
+    30%, no tie (8 workers trained 1.3x slower)."""
+    history = [
+        _baseline(311.0),
+        _steady(_done(1, _params(8), 1595.0), 2912.0, 0.20),
+        _steady(_done(2, _params(12), 2075.0), 5983.0, 0.49),
+    ]
+    assert _policy().choose(history).params == _params(12)
+    # Where the steady rate is the epoch's, its whole error counts: a tie.
+    history[2] = _steady(_done(2, _params(12), 2075.0), 2075.0, 0.49)
+    assert _policy().choose(history).params == _params(8)
 
 
 def test_a_lead_of_a_quarter_is_no_tie_however_short_the_trials() -> None:
@@ -1298,7 +1325,8 @@ def test_the_ladder_stops_at_twice_the_cores_where_loading_is_cpu_work() -> None
     waiting = dataclasses.replace(decoding, load_cpu_seconds=0.005)
     measured = dataclasses.replace(baseline, outcome=Completed(waiting, 100.0))
     assert [p["num_workers"] for p in _policy().starting_points([measured])] == [3, 4, 1, 2, 8, 16]
-    # A space whose fewest workers are above the rungs keeps its lowest rung.
+    # A space whose fewest workers are above the rungs keeps its lowest: the guesses
+    # held to it.
     high = Policy(space=_space(num_workers=(6, 16)), time_budget=30, batch_size=8, usable_cpus=2)
     counts = [
         p["num_workers"]
@@ -1306,4 +1334,4 @@ def test_the_ladder_stops_at_twice_the_cores_where_loading_is_cpu_work() -> None
             [dataclasses.replace(baseline, outcome=Completed(decoding, 100.0))]
         )
     ]
-    assert counts == [8]
+    assert counts == [6]

@@ -29,7 +29,9 @@ TIE_TOLERANCE = 0.02
 # chosen; in a 33-epoch run of benchmarks/autoloader_training.py such a choice trained
 # at 740 samples/s, 2 workers at 974. The error is the median of the best's trials'
 # errors, over the square root of their number (a median of repeated measurements errs
-# less), and the band is held to _MOST_TIE_BAND: a lead of a quarter or more is taken as
+# less); a trial's error is its value's, the epoch's rate, where the epoch's start-up
+# takes a share of its time that the steady rate's error does not touch (_error). The
+# band is held to _MOST_TIE_BAND: a lead of a quarter or more is taken as
 # real however short the trials were. Held to half, it gave the defaults a tie in a
 # Lightning DDP fit with a 4 s budget (tests/test_autoloader_lightning.py): 3 workers
 # scored 312 samples/s at +-37% in a 0.8 s trial, the defaults 211 at +-13% while
@@ -99,7 +101,7 @@ def choose(history: Sequence[Trial]) -> Choice:
     eligible = {k: v for k, (_, v) in groups.items() if len(v) >= min(2, most) or k == baseline_key}
     scores = {key: statistics.median(values) for key, values in eligible.items()}
     best = max(scores, key=scores.__getitem__)
-    band = min(_MOST_TIE_BAND, max(TIE_TOLERANCE, _error(groups[best][0])))
+    band = min(_MOST_TIE_BAND, max(TIE_TOLERANCE, _error(*groups[best])))
     ties = [key for key, score in scores.items() if score >= (1 - band) * scores[best]]
     chosen = min(ties, key=lambda key: _cost(json.loads(key)))
     params = json.loads(chosen)
@@ -143,11 +145,22 @@ def _cost(params: Mapping[str, Any]) -> tuple[int, int, int, bool, bool, bool]:
     )
 
 
-def _error(measurements: list[Measurement]) -> float:
-    """The relative 95% error of the median of ``measurements``' rates: their median
-    error over the square root of their number (``NOTE [ A tie within the best's
-    error ]``); infinite where none has an error estimate."""
-    errors = [m.relative_error for m in measurements if math.isfinite(m.relative_error)]
+def _error(measurements: list[Measurement], values: list[float]) -> float:
+    """The relative 95% error of the median of ``values``, the objective of each of
+    ``measurements``: their median error over the square root of their number (``NOTE
+    [ A tie within the best's error ]``); infinite where none has an error estimate.
+
+    A measurement's error is its steady rate's, in the share of the epoch's time the
+    steady batches take (``NOTE [ Epoch model ]``: the value over the steady rate); the
+    epoch's start-up, a median of its own, is taken as known. With 12-batch epochs and 12
+    workers the pipeline's refill took two thirds of each epoch, and the steady part's
+    +-49% was +-17% of the epoch's rate.
+    """
+    errors = [
+        m.relative_error * min(1.0, value / m.samples_per_second)
+        for m, value in zip(measurements, values, strict=True)
+        if math.isfinite(m.relative_error) and m.samples_per_second > 0
+    ]
     if not errors:
         return math.inf
     return float(statistics.median(errors)) / math.sqrt(len(measurements))

@@ -97,6 +97,33 @@ def guess_workers(
     return list(dict.fromkeys([max(1, needed), needed + 1]))
 
 
+def batch_seconds(
+    baseline: Mapping[str, float],
+    workers: int,
+    *,
+    usable_cpus: int,
+    batches_per_epoch: int | None,
+    step_on_cpu: bool = False,
+) -> float | None:
+    """Seconds a batch is expected to take the loop with ``workers`` workers, from the
+    baseline's measurement (``as_dict()``): the step, or the load shared by the workers
+    that run at once (the CPUs, where loading is CPU work) where that is longer; over an
+    epoch, an empty pipeline refills once (a batch's load, as the epoch model charges
+    persistent workers, ``NOTE [ Epoch model ]``). ``None`` without a measurement."""
+    load = float(baseline.get("load_seconds", 0.0))
+    step = float(baseline.get("step_seconds", 0.0))
+    if load + step <= 0:
+        return None
+    if workers <= 0:
+        return load + step
+    on_cpu = loading_on_cpu(baseline, step_on_cpu=step_on_cpu)
+    at_once = min(workers, usable_cpus) if on_cpu else workers
+    steady = max(step, load / at_once)
+    if not batches_per_epoch:
+        return steady
+    return (load + (batches_per_epoch - 1) * steady) / batches_per_epoch
+
+
 def split_step_threads(
     baseline: Mapping[str, float], *, usable_cpus: int
 ) -> Callable[[str, int], int]:

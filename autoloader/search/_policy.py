@@ -35,6 +35,7 @@ from autoloader.search._cost_model import (
     GIVE_BACK_WAIT,
     STEP_ON_CPU,
     STEP_SHARE_OF_WORK,
+    batch_seconds,
     guess_threads,
     guess_workers,
     loading_on_cpu,
@@ -272,6 +273,21 @@ class Policy:
             points = [p for p in points if p["num_workers"] <= rungs or p["num_workers"] in guesses]
         cap = self.workers_cap(history)
         return [p for p in [*first, *points] if cap is None or p["num_workers"] <= cap.cpus]
+
+    def batch_seconds(self, params: Mapping[str, Any], history: Sequence[Trial]) -> float | None:
+        """Seconds a batch is expected to take the loop with ``params``, epoch edges
+        included, from the baseline's measurement (``NOTE [ Cost model ]``); ``None``
+        before it."""
+        measured = baseline_measurement(history)
+        if measured is None:
+            return None
+        return batch_seconds(
+            measured.as_dict(),
+            int(params["num_workers"]),
+            usable_cpus=self.usable_cpus,
+            batches_per_epoch=self.batches_per_epoch,
+            step_on_cpu=self.sampled_space(history).step_threads is not None,
+        )
 
     def rungs_up_to(self, history: Sequence[Trial]) -> int | None:
         """The most workers a rung of the ladder has where the baseline's loading was CPU

@@ -311,7 +311,8 @@ class SearchSpace:
 
         The throughput of a loader is mostly a function of ``num_workers``; a doubling
         ladder brackets the right count in a handful of trials, which the sampler then
-        refines. Counts in ``first`` (a cost model's guesses) come before it. Where the
+        refines. Counts in ``first`` (a cost model's guesses), held to the range, come
+        before it. Where the
         space allows, the ladder fetches whole batches (they were checked to be the same
         batches, and one indexing beats many), lets batches come out of order, and with
         ``limit_threads`` (loading was seen to use several threads) gives each worker's
@@ -326,7 +327,10 @@ class SearchSpace:
         choices = self._bounds()
         low, high = choices.num_workers
         batched = True in choices.batched_fetch
-        counts = [n for n in first if low <= n <= high and n > 0]
+        # A guess past the range is held to it: the most it allows is the nearest to
+        # what loading wants (latency-bound loading guessed 24 workers where the range
+        # ended at 12, and the ladder climbed to 12 from 1 instead).
+        counts = list(dict.fromkeys(min(max(n, low), high) for n in first if n > 0 < high))
         if batched and low == 0:
             # A whole batch by one indexing is often quicker than a worker's hand-over.
             counts.insert(0, 0)
