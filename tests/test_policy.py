@@ -228,16 +228,46 @@ def test_the_cost_models_guesses_come_before_the_doubling_ladder() -> None:
     assert [p["num_workers"] for p in _policy().starting_points([baseline])] == [16, 1, 2, 4, 8]
 
 
+def _quick_loading(trial: Trial) -> Trial:
+    """``trial``, a baseline whose loading took 1 ms a batch: no rung is out of reach."""
+    assert isinstance(trial.outcome, Completed)
+    measurement = dataclasses.replace(trial.outcome.measurement, load_seconds=0.001)
+    return dataclasses.replace(
+        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
+    )
+
+
 def test_starting_points_are_proposed_in_order_and_never_twice() -> None:
     policy = _policy()
-    history = [_baseline()]
+    history = [_quick_loading(_baseline())]
     seen = []
     for number in range(1, 6):
         plan = policy.next(history, seconds_left=30)
         assert isinstance(plan, Plan) and plan.params is not None
         seen.append(plan.params["num_workers"])
         history.append(_done(number, plan.params, 100.0 + number))
-    assert seen == [16, 1, 2, 4, 8]  # the guess (50 workers) held to the space first
+    assert seen == [1, 2, 4, 8, 16]
+    sampled = policy.next(history, seconds_left=30)
+    assert isinstance(sampled, Plan) and sampled.params is None  # the sampler's turn
+
+
+def test_a_starting_point_that_cannot_win_is_not_measured() -> None:
+    """NOTE [ Starting points that cannot win ]: the baseline loads a batch of 8 in
+    0.5 s; the guess held to the space (16 workers) scored 101 samples/s; 1 and 2
+    workers could give at most 16 and 32, under 60% of it, and are left out. 4 workers
+    (64 at best) are measured, as are whole batches fetched without workers."""
+    policy = _policy()
+    history = [_baseline()]
+    seen = []
+    for number in range(1, 4):
+        plan = policy.next(history, seconds_left=30)
+        assert isinstance(plan, Plan) and plan.params is not None
+        seen.append(plan.params["num_workers"])
+        history.append(_done(number, plan.params, 100.0 + number))
+    assert seen == [16, 4, 8]
+    assert policy.cannot_win(_params(2), history)
+    assert not policy.cannot_win(_params(4), history)
+    assert not policy.cannot_win({**_params(2), "batched_fetch": True}, history)
     sampled = policy.next(history, seconds_left=30)
     assert isinstance(sampled, Plan) and sampled.params is None  # the sampler's turn
 
@@ -369,7 +399,7 @@ def test_a_setting_that_asks_more_memory_than_one_over_budget_is_not_run() -> No
 
 def test_failures_at_two_counts_above_every_success_mark_a_boundary_and_bisect() -> None:
     policy = _policy()
-    history = [_baseline(), _done(1, _params(2), 300.0), _failed(2, _params(16))]
+    history = [_quick_loading(_baseline()), _done(1, _params(2), 300.0), _failed(2, _params(16))]
     assert boundary(history) == (2, 16)
     # One failure could be bad luck: counts above it are still run.
     assert known_failure(_params(12), history) is None

@@ -118,6 +118,16 @@ _SKIPS_BEFORE_GIVING_UP = 10
 # throughput estimate is comparable at any window, so only what is clearly worse stops.
 _VOTE_AFTER_WINDOWS = 2
 _VOTE_RATIO = 0.6
+# NOTE [ Starting points that cannot win ]
+# A starting point whose best case, by the cost model (the step, or the baseline's load
+# shared by its workers, an epoch's refill added: Policy.batch_seconds), is below
+# _VOTE_RATIO of the best value measured would be voted out: it is not measured. Under
+# torchrun a trial cannot be voted out (its length in batches is agreed beforehand), so
+# the ladder's low rungs ran whole: in a 2-rank Lightning DDP fit of 12-batch epochs
+# (benchmarks/ddp_short_epochs.py), after the guess of 12 workers scored 1,770 samples/s,
+# the rungs of 1 and 2 workers (at most 333 and 666) took 2.5 s of a 10 s budget at a
+# fifth of its rate. Settings without workers or fetching whole batches are measured:
+# the baseline's load per item says nothing of them.
 
 # The step works on the CPU, and its threads are searched (NOTE [ Step threads ]), where
 # the thread that runs it was on the CPU at least STEP_ON_CPU (_cost_model.py) of the
@@ -245,6 +255,8 @@ class Policy:
                 continue
             if startable is not None and params["num_workers"] > startable:
                 continue  # its workers would not start before the run's end
+            if self.cannot_win(params, history):
+                continue
             return Plan(Phase.SEARCH, params, seconds, "a starting point")
         between = bisection(history)
         if between is not None and params_key(between) not in tried:
@@ -288,6 +300,21 @@ class Policy:
             batches_per_epoch=self.batches_per_epoch,
             step_on_cpu=self.sampled_space(history).step_threads is not None,
         )
+
+    def cannot_win(self, params: Mapping[str, Any], history: Sequence[Trial]) -> bool:
+        """Whether a starting point would be voted out even at its best: the rate the
+        cost model's time a batch allows (:meth:`batch_seconds`, the step or the load
+        shared by the workers, which contention only slows) below _VOTE_RATIO of the
+        best value measured (``NOTE [ Starting points that cannot win ]``). Where a
+        batch is fetched whole, or without workers, the baseline's load says nothing
+        of it: those are measured."""
+        if not params["num_workers"] or params.get("batched_fetch"):
+            return False
+        seconds = self.batch_seconds(params, history)
+        best = max((t.value for t in history if t.value is not None), default=None)
+        if not seconds or best is None:
+            return False
+        return self.batch_size / seconds < _VOTE_RATIO * best
 
     def rungs_up_to(self, history: Sequence[Trial]) -> int | None:
         """The most workers a rung of the ladder has where the baseline's loading was CPU
