@@ -73,7 +73,8 @@ def test_tune_survives_a_worker_fault_and_reports_the_start_up(
     )
     assert result.params["num_workers"] <= 1
     crashed = [t for t in result.trials if t.state == "failed"]
-    assert crashed and all("worker crashed (SIGSEGV)" in (t.reason or "") for t in crashed)
+    trials = [(t.params["num_workers"], t.state, t.reason) for t in result.trials]
+    assert crashed and all("worker crashed (SIGSEGV)" in (t.reason or "") for t in crashed), trials
     assert all(t.params["num_workers"] >= 2 for t in crashed)
     assert result.facts["start_method"] == method
     assert result.facts["worker_start_seconds"] > 0

@@ -111,12 +111,13 @@ def _rank_pid(out: Path, rank: int) -> int:
         for process in _ranks_of(out):
             try:
                 environ = process.environ()
+                # A rank, not one of its DataLoader workers (which inherit its environment
+                # and come and go with the trials: gone by the time they are asked).
+                parent = process.parent()
+                if environ.get("RANK") == str(rank) and parent and "RANK" not in parent.environ():
+                    return process.pid
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            # A rank, not one of its DataLoader workers (which inherit its environment).
-            parent = process.parent()
-            if environ.get("RANK") == str(rank) and parent and "RANK" not in parent.environ():
-                return process.pid
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} never started")
 

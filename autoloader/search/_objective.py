@@ -1,5 +1,5 @@
-"""What a trial is worth and how long it may measure: the epoch model, and a trial's
-share of the time budget."""
+"""What a trial is worth and how long it may measure: the epoch model, a trial's share
+of the time budget, and why one too short to count is pruned."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from autoloader.measure import Measurement
+from autoloader.search._outcome import PruneKind
 
 # Bounds on one trial's measurement time, and its share of the time budget.
 _TRIAL_SHARE = 0.1
@@ -53,3 +54,26 @@ def epoch_samples_per_second(
         startup = measurement.epoch_restart_seconds or measurement.time_to_first_batch
     seconds = startup + (batches_per_epoch - 1) * batch_size / rate
     return batches_per_epoch * batch_size / seconds
+
+
+def too_short_reason(measurement: Measurement) -> str:
+    """Why a trial too short to count is pruned, and what gives it the time."""
+    if measurement.batches == 0 and measurement.samples_per_second == 0:
+        return (
+            f"{PruneKind.TOO_SHORT.value}: its workers had not delivered a first batch when "
+            f"the trial's {measurement.duration:.1f} s ran out: they take longer to start "
+            "than the trial could wait (a larger time_budget gives them the time)"
+        )
+    if measurement.burst_undrained:
+        return (
+            f"{PruneKind.TOO_SHORT.value}: timing had to begin with {measurement.burst_left} "
+            "of the batches queued at start-up not yet drained, and they would count as "
+            f"loaded in the {measurement.batches} batches timed, so its rate is "
+            "not counted (a larger time_budget gives each trial time to drain them)"
+        )
+    return (
+        f"{PruneKind.TOO_SHORT.value}: the trial's {measurement.duration:.1f} s ran out before "
+        f"two timing windows (first batch after {measurement.time_to_first_batch:.1f} s, "
+        f"{measurement.batches} batches timed), so its rate has no error estimate and is "
+        "not counted"
+    )

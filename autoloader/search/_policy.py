@@ -47,6 +47,7 @@ from autoloader.search._known_failures import bisection, known_failure, params_k
 from autoloader.search._objective import (
     MIN_TRIAL_SECONDS,
     epoch_samples_per_second,
+    too_short_reason,
     trial_seconds,
 )
 from autoloader.search._outcome import (
@@ -535,7 +536,7 @@ class Policy:
         if voted:
             return Pruned(PruneKind.SLOWER, PRUNED_AS_SLOWER, measurement)
         if measurement.too_short and phase is not Phase.BASELINE:
-            return Pruned(PruneKind.TOO_SHORT, _too_short_reason(measurement), measurement)
+            return Pruned(PruneKind.TOO_SHORT, too_short_reason(measurement), measurement)
         return Completed(measurement, self.value(params, measurement, history))
 
     # The choice -----------------------------------------------------------------------
@@ -595,25 +596,3 @@ def _typical_duration(history: Sequence[Trial], params: Mapping[str, Any], defau
         if isinstance(t.outcome, Completed) and params_key(t.params) == key
     ]
     return statistics.median(durations) if durations else default
-
-
-def _too_short_reason(measurement: Measurement) -> str:
-    if measurement.batches == 0 and measurement.samples_per_second == 0:
-        return (
-            f"{PruneKind.TOO_SHORT.value}: its workers had not delivered a first batch when "
-            f"the trial's {measurement.duration:.1f} s ran out: they take longer to start "
-            "than the trial could wait (a larger time_budget gives them the time)"
-        )
-    if measurement.burst_undrained:
-        return (
-            f"{PruneKind.TOO_SHORT.value}: timing had to begin with {measurement.burst_left} "
-            "of the batches queued at start-up not yet drained, and they would count as "
-            f"loaded in the {measurement.batches} batches timed, so its rate is "
-            "not counted (a larger time_budget gives each trial time to drain them)"
-        )
-    return (
-        f"{PruneKind.TOO_SHORT.value}: the trial's {measurement.duration:.1f} s ran out before "
-        f"two timing windows (first batch after {measurement.time_to_first_batch:.1f} s, "
-        f"{measurement.batches} batches timed), so its rate has no error estimate and is "
-        "not counted"
-    )
