@@ -192,6 +192,15 @@ def _done(
     return Trial(number, phase, dict(params), Completed(measurement, value), earlier=earlier)
 
 
+def _measured(trial: Trial, **fields: Any) -> Trial:
+    """``trial``, its measurement's ``fields`` replaced (its value kept)."""
+    assert isinstance(trial.outcome, Completed)
+    measurement = dataclasses.replace(trial.outcome.measurement, **fields)
+    return dataclasses.replace(
+        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
+    )
+
+
 def _failed(
     number: int, params: Mapping[str, Any], kind: FaultKind = FaultKind.WORKER_CRASHED
 ) -> Trial:
@@ -230,23 +239,25 @@ def test_the_cost_models_guesses_come_before_the_doubling_ladder() -> None:
 
 def _quick_loading(trial: Trial) -> Trial:
     """``trial``, a baseline whose loading took 1 ms a batch: no rung is out of reach."""
-    assert isinstance(trial.outcome, Completed)
-    measurement = dataclasses.replace(trial.outcome.measurement, load_seconds=0.001)
-    return dataclasses.replace(
-        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
-    )
+    return _measured(trial, load_seconds=0.001)
+
+
+def _proposed(policy: Policy, history: list[Trial], count: int) -> list[int]:
+    """The worker counts of ``policy``'s next ``count`` proposals, each recorded in
+    ``history`` as done (trial n scoring 100 + n samples/s)."""
+    seen = []
+    for _ in range(count):
+        plan = policy.next(history, seconds_left=30)
+        assert isinstance(plan, Plan) and plan.params is not None
+        seen.append(plan.params["num_workers"])
+        history.append(_done(len(history), plan.params, 100.0 + len(history)))
+    return seen
 
 
 def test_starting_points_are_proposed_in_order_and_never_twice() -> None:
     policy = _policy()
     history = [_quick_loading(_baseline())]
-    seen = []
-    for number in range(1, 6):
-        plan = policy.next(history, seconds_left=30)
-        assert isinstance(plan, Plan) and plan.params is not None
-        seen.append(plan.params["num_workers"])
-        history.append(_done(number, plan.params, 100.0 + number))
-    assert seen == [1, 2, 4, 8, 16]
+    assert _proposed(policy, history, 5) == [1, 2, 4, 8, 16]
     sampled = policy.next(history, seconds_left=30)
     assert isinstance(sampled, Plan) and sampled.params is None  # the sampler's turn
 
@@ -258,13 +269,7 @@ def test_a_starting_point_that_cannot_win_is_not_measured() -> None:
     (64 at best) are measured, as are whole batches fetched without workers."""
     policy = _policy()
     history = [_baseline()]
-    seen = []
-    for number in range(1, 4):
-        plan = policy.next(history, seconds_left=30)
-        assert isinstance(plan, Plan) and plan.params is not None
-        seen.append(plan.params["num_workers"])
-        history.append(_done(number, plan.params, 100.0 + number))
-    assert seen == [16, 4, 8]
+    assert _proposed(policy, history, 3) == [16, 4, 8]
     assert policy.cannot_win(_params(2), history)
     assert not policy.cannot_win(_params(4), history)
     assert not policy.cannot_win({**_params(2), "batched_fetch": True}, history)
@@ -575,11 +580,7 @@ def test_a_setting_measured_once_does_not_beat_settings_measured_side_by_side() 
 
 def _erring(trial: Trial, error: float) -> Trial:
     """``trial``, its measurement's relative error ``error``."""
-    assert isinstance(trial.outcome, Completed)
-    measurement = dataclasses.replace(trial.outcome.measurement, relative_error=error)
-    return dataclasses.replace(
-        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
-    )
+    return _measured(trial, relative_error=error)
 
 
 def test_a_best_within_its_own_error_of_a_cheaper_setting_is_a_tie() -> None:
@@ -609,13 +610,7 @@ def test_a_best_within_its_own_error_of_a_cheaper_setting_is_a_tie() -> None:
 def _steady(trial: Trial, rate: float, error: float) -> Trial:
     """``trial``, its measurement's steady rate ``rate`` at ``error``: its value an
     epoch's rate, the pipeline's refill each epoch included."""
-    assert isinstance(trial.outcome, Completed)
-    measurement = dataclasses.replace(
-        trial.outcome.measurement, samples_per_second=rate, relative_error=error
-    )
-    return dataclasses.replace(
-        trial, outcome=dataclasses.replace(trial.outcome, measurement=measurement)
-    )
+    return _measured(trial, samples_per_second=rate, relative_error=error)
 
 
 def test_the_tie_band_is_the_error_of_the_epochs_rate_not_the_steady_rates() -> None:
