@@ -487,11 +487,12 @@ class LiveTrial:
         if self.outcome is not None or self.edge_from is not None or not self.measuring:
             return
         end = perf_counter()
-        if self.returned_at is not None:
+        if self.returned_at is None:
+            self.edge_from = end
+        else:
             seconds, cpu, own = self.last_step
-            end = min(end, self.returned_at + seconds)
-        self.edge_from = end  # what the trial measured ends here, whatever ends it
-        if self.returned_at is not None:
+            # What the trial measured ends here, whatever ends it: set before counting.
+            end = self.edge_from = min(end, self.returned_at + seconds)
             self._count(end, self.returned_cpu[0] + cpu, self.returned_cpu[1] + own)
         if self.outcome is None and end >= self.deadline:
             self.outcome = self._finish()
