@@ -316,9 +316,32 @@ def test_a_gain_resets_patience() -> None:
 
 def test_the_search_leaves_the_runoff_its_share_of_the_budget() -> None:
     policy = _policy(budget=30.0)  # the runoff keeps 6 s
-    history = [_baseline(), _done(1, _params(4), 500.0)]
-    assert policy.search_ended(history, seconds_left=6.2) is not None
+    history = [_baseline(), _done(1, _params(4), 500.0, duration=1.0)]
+    assert policy.search_ended(history, seconds_left=6.9) == SearchShareSpent()
     assert policy.search_ended(history, seconds_left=7.0) is None
+
+
+def test_a_search_trial_starts_only_where_its_typical_duration_fits() -> None:
+    policy = _policy(budget=30.0)  # the runoff keeps 6 s; the search's trials take 2 s
+    history = [_baseline(), _done(1, _params(4), 500.0), _done(2, _params(8), 450.0)]
+    assert policy.search_ended(history, seconds_left=7.9) == SearchShareSpent()
+    assert policy.search_ended(history, seconds_left=8.0) is None
+
+
+def test_the_runoff_keeps_one_measurement_of_its_first_candidate() -> None:
+    # A 10 s budget leaves the runoff 2 s, less than the best's trial took (NOTE [ Trials
+    # that fit ]): the search ends where the best can be measured again, and it is.
+    policy = _policy(budget=10.0)
+    history = [
+        _baseline(),
+        _done(1, _params(12), 2000.0, duration=2.3),
+        _done(2, _params(8), 1600.0, duration=1.7),
+    ]
+    assert policy.search_ended(history, seconds_left=4.4) is None
+    assert policy.search_ended(history, seconds_left=4.2) == SearchShareSpent()
+    plan = policy.next(history, seconds_left=4.2)
+    assert isinstance(plan, Plan) and plan.phase is Phase.RUNOFF
+    assert plan.params == _params(12)
 
 
 def test_n_trials_caps_this_runs_search_but_not_earlier_runs_trials() -> None:

@@ -49,6 +49,7 @@ from autoloader.search._objective import (
     epoch_samples_per_second,
     too_short_reason,
     trial_seconds,
+    typical_duration,
 )
 from autoloader.search._outcome import (
     Completed,
@@ -233,7 +234,8 @@ class Policy:
             return step_bound
         if self.n_trials is not None and len(searched) >= self.n_trials:
             return TrialCap(self.n_trials)
-        if self._search_seconds(seconds_left) < 0.5 * MIN_TRIAL_SECONDS:
+        fits = typical_duration(mine, 0.5 * MIN_TRIAL_SECONDS, phase=Phase.SEARCH)
+        if self._search_seconds(history, seconds_left) < fits:  # NOTE [ Trials that fit ]
             return SearchShareSpent()
         if self._searched_enough(history, searched):
             return NoGain(_PATIENCE)
@@ -248,7 +250,7 @@ class Policy:
         ended = self.search_ended(history, seconds_left=seconds_left)
         if ended is not None:
             return Stop(ended)
-        seconds = min(self._trial_seconds, self._search_seconds(seconds_left))
+        seconds = min(self._trial_seconds, self._search_seconds(history, seconds_left))
         tried = {params_key(t.params) for t in history}
         startable = self.startable(history, seconds_left)
         for params in self.starting_points(history):
@@ -463,7 +465,7 @@ class Policy:
         if done >= len(sequence):
             return Stop(RunoffDone(rounds))
         params = sequence[done]
-        if _typical_duration(history, params, self._trial_seconds) > seconds_left:
+        if typical_duration(history, self._trial_seconds, params=params) > seconds_left:
             return Stop(NoTimeForRunoff())
         # Runoff trials get the same time as search trials: shorter ones catch the
         # CPU burst of many workers starting on few cores and understate them.
@@ -576,8 +578,13 @@ class Policy:
     def _trial_seconds(self) -> float:
         return trial_seconds(self.time_budget)
 
-    def _search_seconds(self, seconds_left: float) -> float:
-        return seconds_left - _RUNOFF_SHARE * self.time_budget
+    def _search_seconds(self, history: Sequence[Trial], seconds_left: float) -> float:
+        """What ``seconds_left`` leaves the search: all but the runoff's share of the
+        budget, or one measurement of its first candidate where that is longer (``NOTE
+        [ Trials that fit ]``)."""
+        order = self.runoff_order(history)
+        first = typical_duration(history, 0.0, params=order[0]) if order else 0.0
+        return seconds_left - max(_RUNOFF_SHARE * self.time_budget, first)
 
 
 def _own_share(measured: Measurement) -> float:
@@ -585,14 +592,3 @@ def _own_share(measured: Measurement) -> float:
     if not measured.step_seconds:
         return 0.0
     return measured.step_thread_cpu_seconds / measured.step_seconds
-
-
-def _typical_duration(history: Sequence[Trial], params: Mapping[str, Any], default: float) -> float:
-    """Median seconds the complete trials of a setting took, or ``default``."""
-    key = params_key(params)
-    durations = [
-        t.outcome.measurement.duration
-        for t in history
-        if isinstance(t.outcome, Completed) and params_key(t.params) == key
-    ]
-    return statistics.median(durations) if durations else default
