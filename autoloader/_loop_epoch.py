@@ -116,6 +116,7 @@ class Epoch(Iterator[Any]):
         trial.end()
         self.tuning.overlap.ending(trial)  # a successor's batches go back behind its own
         undelivered = trial.feed.in_flight
+        self.tuning.park(trial)  # NOTE [ The last trial's workers kept ]
         trial.close()
         self.tuning.trial_ended(trial, undelivered)
 

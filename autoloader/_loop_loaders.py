@@ -43,6 +43,10 @@ class Loaders:
     def __init__(self) -> None:
         # The chosen setting's loader, kept across epochs where its workers persist.
         self.kept: tuple[DataLoader[Any], Feed] | None = None
+        # The last search trial's loader, its workers kept until the next loader is
+        # made: the chosen setting's, where the search chose it (NOTE [ The last
+        # trial's workers kept ]).
+        self.parked: tuple[Params, DataLoader[Any], Feed] | None = None
 
     def trial(
         self,
@@ -59,6 +63,7 @@ class Loaders:
     ) -> LiveTrial:
         """A trial of ``params`` over ``batches`` (at most ``limit``), measured where it
         has ``max_seconds``, with its share of the memory budget then."""
+        self.release_parked()
         feed = Feed(batches, limit=limit)
         return LiveTrial(
             # Its workers kept at an epoch's edge (NOTE [ Live trials span epochs ]).
@@ -87,6 +92,13 @@ class Loaders:
         epochs where its workers persist; its first batches timed by ``check`` (a reused
         setting's), else its wait for data told to ``drift`` (``NOTE [ Drift ]``)."""
         persistent = bool(params.get("persistent_workers"))
+        parked, self.parked = self.parked, None
+        if persistent and self.kept is None and parked is not None and parked[0] == params:
+            _, loader, feed = parked  # NOTE [ The last trial's workers kept ]
+            feed.limit = None
+            self.kept = (loader, feed)
+        elif parked is not None:
+            release(parked[1])
         if persistent and self.kept is not None:
             loader, feed = self.kept
             feed.point_at(batches)
@@ -110,8 +122,36 @@ class Loaders:
             on_batch=None if drift is None else drift.batch,
         )
 
+    # NOTE [ The last trial's workers kept ]
+    # A search trial's workers stop at its end, and the chosen setting's loader starts
+    # its own: where the search's last trial measured the setting it then chose (the
+    # runoff's, under torchrun above all, where no drain hides the start: NOTE [
+    # Overlapped start-up ]), the loop stalled for a start-up of workers it had just
+    # stopped. In a 2-rank Lightning DDP fit of 12-batch epochs (benchmarks/
+    # ddp_short_epochs.py) each start of 12 workers stalled the loop 0.4-0.5 s, a tenth
+    # of tuning's cost to the run. So a trial of persistent workers that ended well
+    # (its batches delivered, its setting not failed) keeps its workers, parked, until
+    # the next loader is made: the chosen setting's adopts them, its feed pointed at the
+    # epoch's batches with no limit, as a kept loader's at an epoch's edge; any other
+    # loader (a trial's, the making up of a failed setting's batches, another setting
+    # chosen) stops them first, so that at most one parked loader lives, and nothing
+    # outlives the tuning: releasing the kept loader releases the parked one too.
+    def park(self, trial: LiveTrial) -> None:
+        """Keep ``trial``'s workers past its end, for the chosen setting's loader."""
+        self.release_parked()
+        trial.keep_workers = True
+        self.parked = (trial.params, trial.loader, trial.feed)
+
+    def release_parked(self) -> None:
+        """Stop a parked trial's workers (``NOTE [ The last trial's workers kept ]``)."""
+        parked, self.parked = self.parked, None
+        if parked is not None:
+            release(parked[1])
+
     def release_kept(self) -> None:
-        """Stop the kept loader's persistent workers; the next loader starts its own."""
+        """Stop the kept loader's persistent workers, and a parked trial's; the next
+        loader starts its own."""
+        self.release_parked()
         if self.kept is not None:
             loader, _ = self.kept
             self.kept = None

@@ -214,3 +214,62 @@ def test_an_epoch_left_during_a_drain_stops_the_next_settings_workers(tmp_path: 
     assert sum(count < LENGTH // BATCH for count in counts) == 1
     seen = [batch for epoch in per_epoch for batch in epoch]
     assert seen == _reference(Stamped(tmp_path / "reference"), counts)
+
+
+class Pids(Dataset[torch.Tensor]):
+    """Item ``i`` is ``[i, pid]`` after 2 ms: the process that loaded it."""
+
+    def __len__(self) -> int:
+        return LENGTH
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.002)
+        return torch.tensor([index, os.getpid()], dtype=torch.float64)
+
+
+def test_the_chosen_setting_goes_on_with_the_workers_that_measured_it_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no drain to start the chosen setting's loader early (here no trial's memory
+    peak is small enough for two loaders at once), the last trial, of the setting then
+    chosen, keeps its workers, and they load the training's batches from there: no
+    new worker starts (``NOTE [ The last trial's workers kept ]``). The batches are
+    DataLoader's."""
+    monkeypatch.setattr("autoloader._loop_overlap._MEMORY_SHARE", 0.0)
+    loader = AutoLoader(
+        Pids(),
+        batch_size=BATCH,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        time_budget=6,
+        search_space={
+            "num_workers": 2,
+            "prefetch_factor": 2,
+            "persistent_workers": True,
+            "worker_kind": "processes",
+            "worker_threads": None,
+        },
+        verbose=False,
+    )
+    pids: list[int] = []  # the process that loaded each batch
+    seen: list[list[int]] = []
+    tuned_at = None  # the first batch of the chosen setting's loader
+    epochs = 0
+    try:
+        while epochs < 200 and (tuned_at is None or len(pids) < tuned_at + LENGTH // BATCH):
+            for batch in loader:
+                pids.append(int(batch[0, 1]))
+                seen.append([int(i) for i in batch[:, 0]])
+                if tuned_at is None and loader.tuned:
+                    tuned_at = len(pids) - 1
+                time.sleep(STEP)
+            epochs += 1
+        history, report = loader.history, loader.report()
+    finally:
+        loader.close()
+    assert tuned_at is not None, report
+    assert history[-1].params["num_workers"] == 2 and history[-1].state == "complete"
+    last_trial = set(pids[tuned_at - 4 : tuned_at])
+    assert os.getpid() not in last_trial  # the last trial's batches came from workers
+    assert set(pids[tuned_at:]) <= last_trial, (last_trial, set(pids[tuned_at:]), report)
+    assert seen == _reference(Pids(), epochs)
