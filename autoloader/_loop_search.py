@@ -186,7 +186,7 @@ class SoloSearch(Search):
 # NOTE [ Joint segments ]
 # Under torchrun every rank switches settings at the same batch: rank 0 proposes each
 # trial with a length in batches (its time over rank 0's last pace; the first, the
-# baseline, _FIRST_SEGMENT), the same on every rank, which loads exactly that many
+# baseline, the fewest it is measured in), the same on every rank, which loads exactly that many
 # batches in the trial, a failed setting's share by the last good one. A segment
 # spans epochs (NOTE [ Live trials span epochs ]): it counts its batches across them,
 # so every rank ends it at the same batch whatever the epochs' length, and an epoch's
@@ -205,8 +205,9 @@ class SoloSearch(Search):
 # the last one had too few batches and one slower too many: in a Lightning DDP fit of
 # 12-batch epochs, after 1 worker's 0.11 s a batch, 4 workers x prefetch 2 were given
 # 12 batches, 8 of them their warm-up, and were pruned as too short
-# (benchmarks/ddp_short_epochs.py).
-_FIRST_SEGMENT = 16  # the first trial's length in batches, before any pace is known
+# (benchmarks/ddp_short_epochs.py). The baseline, before any pace is known, gets the
+# fewest batches it is measured in (MIN_WINDOWS windows of two batches): at 16, it took
+# 1.7 s of that fit's 10 s budget at a thirteenth of the chosen setting's rate.
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +292,7 @@ class JointSearch(Search):
         spec = proposal.spec
         expected = session.driver.policy.batch_seconds(spec.params, session.history)
         pace = self.pace if expected is None else expected
-        timed = _FIRST_SEGMENT if pace is None else math.ceil(spec.max_seconds / pace)
+        timed = 0 if pace is None else math.ceil(spec.max_seconds / pace)
         batches = max(timed, measurable_batches(spec.params, MIN_WINDOWS))
         return _NextSegment(spec.params, spec.deadlines, batches, tuning.last_good)
 
