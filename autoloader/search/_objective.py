@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoloader.measure import Measurement
-from autoloader.search._known_failures import params_key
 from autoloader.search._outcome import Completed, Phase, PruneKind, Trial
 
 # Bounds on one trial's measurement time, and its share of the time budget.
@@ -39,13 +38,12 @@ def typical_duration(trials: Sequence[Trial], default: float, *, phase: Phase | 
                      params: Mapping[str, Any] | None = None) -> float:  # fmt: skip
     """Median seconds the complete trials among ``trials`` took, of ``phase`` and
     ``params`` where given, or ``default`` where none is (``NOTE [ Trials that fit ]``)."""
-    key = None if params is None else params_key(params)
     durations = [
         t.outcome.measurement.duration
         for t in trials
         if isinstance(t.outcome, Completed)
         and (phase is None or t.phase is phase)
-        and (key is None or params_key(t.params) == key)
+        and (params is None or t.params == params)
     ]
     return statistics.median(durations) if durations else default
 
