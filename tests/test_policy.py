@@ -601,6 +601,22 @@ def test_a_setting_measured_once_does_not_beat_settings_measured_side_by_side() 
     assert _policy().choose(history).params == _params(8)
 
 
+def test_a_cheaper_setting_measured_once_ties_with_a_best_measured_again() -> None:
+    """The runoff had the time to measure only its first candidate again (the images
+    pipeline, 20 s budget): 3 workers, measured once within the error of 4 workers'
+    median, tie with them and cost less. Outside that error, they do not."""
+    history = [
+        _baseline(533.0),
+        _erring(_done(1, _params(2), 882.0), 0.08),
+        _erring(_done(2, _params(3), 926.0), 0.09),
+        _erring(_done(3, _params(4), 955.0), 0.07),
+        _erring(_done(4, _params(4), 969.0, phase=Phase.RUNOFF), 0.07),
+    ]
+    assert _policy().choose(history).params == _params(3)
+    history[2] = _erring(_done(2, _params(3), 880.0), 0.09)
+    assert _policy().choose(history).params == _params(4)
+
+
 def _erring(trial: Trial, error: float) -> Trial:
     """``trial``, its measurement's relative error ``error``."""
     return _measured(trial, relative_error=error)

@@ -72,14 +72,17 @@ class Choice:
 def choose(history: Sequence[Trial]) -> Choice:
     """The settings to return, from every complete trial of the study.
 
-    Only the baseline and settings measured as often as the best-measured ones are
-    eligible (at most twice is asked: the runoff's candidates are measured in the
-    search and then in each round, interleaved), so a setting measured once cannot
-    beat repeated, side-by-side measurements with one lucky sample. Each is scored by the median
-    of its values (a heavy-tailed sample moves a median of three little); among
-    those within ``TIE_TOLERANCE`` of the best score, or within the best's own error
-    where that is larger (``NOTE [ A tie within the best's error ]``), the cheapest
-    wins: more workers or prefetch only cost memory and start-up.
+    Each setting is scored by the median of its values (a heavy-tailed sample moves a
+    median of three little). Only the baseline and settings measured as often as the
+    best-measured ones may be the best (at most twice is asked: the runoff's
+    candidates are measured in the search and then in each round, interleaved), so a
+    setting measured once cannot beat repeated, side-by-side measurements with one
+    lucky sample. Among every setting within ``TIE_TOLERANCE`` of the best's score, or
+    within the best's own error where that is larger (``NOTE [ A tie within the best's
+    error ]``), the cheapest wins: more workers or prefetch only cost memory and
+    start-up. A cheaper setting measured once may tie: a runoff with the time to
+    measure only its first candidate again would otherwise choose it over every
+    setting within its error.
 
     The figures returned are medians over the same trials: the objective's values
     (those the choice ranks by, see ``NOTE [ Epoch model ]``), the steady rates and
@@ -98,9 +101,9 @@ def choose(history: Sequence[Trial]) -> Choice:
         )
     most = max(len(values) for _, values in groups.values())
     baseline_key = params_key(BASELINE_PARAMS)
-    eligible = {k: v for k, (_, v) in groups.items() if len(v) >= min(2, most) or k == baseline_key}
-    scores = {key: statistics.median(values) for key, values in eligible.items()}
-    best = max(scores, key=scores.__getitem__)
+    scores = {key: statistics.median(values) for key, (_, values) in groups.items()}
+    eligible = [k for k, (_, v) in groups.items() if len(v) >= min(2, most) or k == baseline_key]
+    best = max(eligible, key=scores.__getitem__)
     band = min(_MOST_TIE_BAND, max(TIE_TOLERANCE, _error(*groups[best])))
     ties = [key for key, score in scores.items() if score >= (1 - band) * scores[best]]
     chosen = min(ties, key=lambda key: _cost(json.loads(key)))
