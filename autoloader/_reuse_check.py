@@ -7,10 +7,13 @@ a remote disk), a dataset's attribute (a latency, a resolution), code reached th
 objects (``NOTE [ Code fingerprints ]``). So a reused setting is measured first, and
 compared with the saved trial of the same setting:
 
-- ``tune()`` runs one short trial of it, through the runner its search would use: at
-  most ``_SHARE`` of the time budget, and no less than ``_LEAST_SECONDS`` (a rate needs
-  a few timing windows; a setting with workers, their start-up), stopped at the first
-  window where the verdict is clear;
+- ``tune()`` runs one short trial of it, through the runner its search would use:
+  ``_SHARE`` of the time budget, or where that is shorter, what an unchanged setting
+  needs to deliver batches to time (the saved trial's start-up twice over and
+  ``_BATCHES`` batches at its pace), stopped at the first window where the verdict is
+  clear. A check in which no batch came at all waited longer than that for the first:
+  the setting does not hold. (With a floor of 1 s, the check cost 5.8% of a 20 s
+  budget, benchmarks/reuse_check.py.)
 - ``AutoLoader`` times the first batches it loads with it (:class:`FirstBatchesCheck`):
   the training's own batches, at no cost but the timing.
 
@@ -50,9 +53,12 @@ from autoloader.results import TrialRecord, TuneResult
 
 _logger = logging.getLogger("autoloader")
 
-# tune(): the check's share of the time budget, and its least seconds.
+# tune(): the check's share of the time budget; what an unchanged setting needs (its
+# start-ups and batches at the saved trial's); and the least seconds, for the clock.
 _SHARE = 0.02
-_LEAST_SECONDS = 1.0
+_START_UPS = 2.0
+_BATCHES = 4
+_LEAST_SECONDS = 0.2
 # The band: the loop's wait for data may grow by this share of a batch's time when
 # tuned (NOTE [ A reused setting checked ]).
 _LEAST_BAND = 0.25
@@ -73,6 +79,10 @@ class ReuseCheck:
         load_then, load_now: seconds per batch the loop waited for data.
         step_then, step_now: seconds per batch in the step.
         seconds: seconds the check took.
+        delivered: whether a batch came in the check at all (none: the first took
+            longer than the check's seconds, which an unchanged setting's start-up
+            fits twice over).
+        first_then: seconds the saved trial waited for its first batch.
     """
 
     then: float
@@ -83,16 +93,24 @@ class ReuseCheck:
     step_then: float
     step_now: float
     seconds: float
+    delivered: bool = True
+    first_then: float = 0.0
 
     @property
     def holds(self) -> bool:
-        """Whether the setting still feeds the loop as it did: its wait for data grew
-        by no more than the band's share of a batch's time when tuned."""
-        return self.load_now - self.load_then <= self.band * (self.load_then + self.step_then)
+        """Whether the setting still feeds the loop as it did: a batch came, and its wait
+        for data grew by no more than the band's share of a batch's time when tuned."""
+        grew = self.load_now - self.load_then
+        return self.delivered and grew <= self.band * (self.load_then + self.step_then)
 
     def moved(self) -> str:
         """What moved, in words: loading or the step, whichever added or saved more
-        time a batch, by how much."""
+        time a batch, by how much; or that no batch came."""
+        if not self.delivered:
+            return (
+                f"no batch came in the check's {format_seconds(self.seconds)}, the first "
+                f"in {format_seconds(self.first_then)} when tuned"
+            )
         if abs(self.load_now - self.load_then) < abs(self.step_now - self.step_then):
             return f"the step {_factor(self.step_then, self.step_now)} than when tuned"
         if self.load_then > 0 and self.load_then >= self.step_then:
@@ -141,6 +159,8 @@ def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> Re
         step_then=saved.step_seconds or 0.0,
         step_now=measured.step_seconds,
         seconds=seconds,
+        delivered=measured.batches > 0 or measured.samples_per_second > 0,
+        first_then=saved.time_to_first_batch or 0.0,
     )
 
 
@@ -163,10 +183,13 @@ def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
     return abs(margin) > measured.relative_error * (check.load_now + check.step_now)
 
 
-def check_seconds(budget: float) -> float:
-    """Seconds ``tune()``'s check of a reused setting may take (``NOTE [ A reused setting
-    checked ]``)."""
-    return max(_SHARE * budget, _LEAST_SECONDS)
+def check_seconds(budget: float, saved: TrialRecord) -> float:
+    """Seconds ``tune()``'s check of ``saved``'s setting may take: its share of the
+    budget, or what the setting needs unchanged where that is longer (``NOTE [ A reused
+    setting checked ]``)."""
+    per_batch = (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
+    needed = _START_UPS * (saved.time_to_first_batch or 0.0) + _BATCHES * per_batch
+    return max(_SHARE * budget, needed, _LEAST_SECONDS)
 
 
 def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) -> TuneResult | None:
@@ -178,7 +201,7 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
     if saved is None:
         _logger.info("reusing %s unchecked: it keeps no measurement of its setting", path)
         return result
-    seconds = check_seconds(budget)
+    seconds = check_seconds(budget, saved)
     per_batch = (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
     workers = int(result.params.get("num_workers") or 0)
     deadlines = Deadlines.per_batch(max(seconds, _HUNG * per_batch), workers=workers)

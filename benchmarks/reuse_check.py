@@ -230,6 +230,8 @@ def describe(row: dict[str, Any], budget: float) -> None:
             f"             the reusing call: {row['seconds']:.2f} s, "
             f"{row['seconds'] / budget:.1%} of the {budget:g} s budget (target <= 2%)"
         )
+        for note in row.get("notes", []):
+            print(f"             the check: {note.split('checked before reuse: ')[1]}")
     if "autoloader_epochs" in row:
         ours, theirs = sum(row["autoloader_epochs"]), sum(row["dataloader_epochs"])
         print(

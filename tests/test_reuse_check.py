@@ -16,22 +16,25 @@ from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import AutoLoader, SearchSpace
-from autoloader._reuse_check import ReuseCheck, checked
+from autoloader._reuse_check import ReuseCheck, check_seconds, checked
 from autoloader.measure import TrialRunner, resolve_memory_budget
+from autoloader.results import TrialRecord
 
 from .workloads import FailingDataset, SleepDataset, noop_step
 
 SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
 
 
-def _tune(path: Path, latency: float, *, time_budget: float = 4) -> autoloader.TuneResult:
+def _tune(
+    path: Path, latency: float, *, time_budget: float = 4, space: SearchSpace = SPACE
+) -> autoloader.TuneResult:
     # The same class and length: only its latency, which no description sees, differs.
     return autoloader.tune(
         SleepDataset(256, latency=latency),
         noop_step,
         batch_size=8,
         time_budget=time_budget,
-        search_space=SPACE,
+        search_space=space,
         show_progress=False,
         path=path,
     )
@@ -77,6 +80,40 @@ def test_a_setting_that_fails_its_check_is_tuned_again(
     with caplog.at_level(logging.INFO, logger="autoloader"):
         assert checked(result, runner, budget=4, path=path) is None
     assert f"not reusing {path}: its setting failed when checked" in caplog.text
+
+
+def test_the_check_takes_its_share_of_the_budget_or_what_the_setting_needs_unchanged() -> None:
+    fast = TrialRecord(
+        0, "search", {}, "complete", time_to_first_batch=0.05, load_seconds=0.005,
+        step_seconds=0.02,
+    )  # fmt: skip
+    assert check_seconds(20, fast) == pytest.approx(0.4)  # 2%
+    assert check_seconds(60, fast) == pytest.approx(1.2)
+    slow_start = dataclasses.replace(fast, time_to_first_batch=1.5)
+    assert check_seconds(20, slow_start) == pytest.approx(2 * 1.5 + 4 * 0.025)
+
+
+def test_a_check_in_which_no_batch_came_tunes_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its first batch took longer than an unchanged setting's start-up twice over and
+    a few batches: the check saw none, and the run tunes again, saying so."""
+    path = tmp_path / "loader.json"
+    workers = SearchSpace(
+        num_workers=2, prefetch_factor=2, persistent_workers=True, worker_kind="processes"
+    )
+    result = _tune(path, 0.001, space=workers)
+    assert result.params["num_workers"] == 2 and result.chosen_trial is not None
+    runner = TrialRunner(
+        SleepDataset(256, latency=0.4),  # 3.2 s a batch of 8
+        noop_step,
+        batch_size=8,
+        memory_budget=resolve_memory_budget(None),
+    )
+    assert check_seconds(4, result.chosen_trial) < 3.0
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(result, runner, budget=4, path=path) is None
+    assert f"not reusing {path}: no batch came in the check's " in caplog.text
 
 
 def test_a_result_without_a_measurement_of_its_setting_is_reused_unchecked(
