@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoloader._loader_state import Draws
+from autoloader._loop_stages import Stage
 from autoloader._loop_tuning import LoopTuning
 from autoloader.loader import EpochBatches
 from autoloader.loader._torch_compat import exiting
@@ -116,7 +117,8 @@ class Epoch(Iterator[Any]):
         trial.end()
         self.tuning.overlap.ending(trial)  # a successor's batches go back behind its own
         undelivered = trial.feed.in_flight
-        self.tuning.park(trial)  # NOTE [ The last trial's workers kept ]
+        if self.tuning.stage is Stage.SEARCHING and self.tuning.overlap.of(trial) is None:
+            self.tuning.loaders.park(trial)  # NOTE [ The last trial's workers kept ]
         trial.close()
         self.tuning.trial_ended(trial, undelivered)
 

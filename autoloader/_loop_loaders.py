@@ -29,7 +29,7 @@ from autoloader.loader import (
     new_loader,
     set_step_threads,
 )
-from autoloader.measure import Deadlines, LiveTrial, WindowCallback, release
+from autoloader.measure import Deadlines, LiveTrial, Measurement, WindowCallback, release
 
 _logger = logging.getLogger("autoloader")
 
@@ -137,10 +137,16 @@ class Loaders:
     # chosen) stops them first, so that at most one parked loader lives, and nothing
     # outlives the tuning: releasing the kept loader releases the parked one too.
     def park(self, trial: LiveTrial) -> None:
-        """Keep ``trial``'s workers past its end, for the chosen setting's loader."""
-        self.release_parked()
-        trial.keep_workers = True
-        self.parked = (trial.params, trial.loader, trial.feed)
+        """``trial``, a search trial with no successor started, ends: where its workers
+        persist and it ended well, keep them past its end, for the chosen setting's
+        loader."""
+        params = trial.params
+        if not (isinstance(trial.outcome, Measurement) and params["num_workers"] > 0):
+            return
+        if params["persistent_workers"]:
+            self.release_parked()
+            trial.keep_workers = True
+            self.parked = (params, trial.loader, trial.feed)
 
     def release_parked(self) -> None:
         """Stop a parked trial's workers (``NOTE [ The last trial's workers kept ]``)."""

@@ -423,19 +423,6 @@ class LoopTuning:
 
     # Ending a trial: the stage's own ---------------------------------------------------
 
-    def park(self, trial: LiveTrial) -> None:
-        """``trial`` ends: a search trial of persistent workers that ended well, with no
-        successor started, keeps its workers for the chosen setting's loader (``NOTE [
-        The last trial's workers kept ]``, in ``_loop_loaders.py``)."""
-        if (
-            self.stage is Stage.SEARCHING
-            and isinstance(trial.outcome, Measurement)
-            and trial.params["num_workers"] > 0
-            and trial.params["persistent_workers"]
-            and self.overlap.of(trial) is None
-        ):
-            self.loaders.park(trial)
-
     def trial_ended(self, trial: LiveTrial, undelivered: int) -> None:
         """Record how ``trial``, the stage's, ended; after a fault, its ``undelivered``
         batches are made up next by the last setting that completed (under torchrun,
