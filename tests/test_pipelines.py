@@ -102,7 +102,9 @@ def test_a_dataset_that_ran_torchs_thread_pool_is_tuned_not_left_at_the_defaults
     result = _tune(pipeline, time_budget=6.0)
     assert "copy_on_read" not in result.facts["missing"], result.facts["missing"]
     assert result.facts["copy_on_read_items"]
-    assert sum(t.phase == "search" for t in result.trials) >= 2
+    # Trials with workers ran past the first: searched, or (where the search's share
+    # held no more trial) its best measured again (NOTE [ Trials that fit ]).
+    assert sum(t.phase in ("search", "runoff") for t in result.trials) >= 2, result.trials
     _check_one_epoch(result, pipeline, copies=6)
 
 
