@@ -187,9 +187,13 @@ def check_seconds(budget: float, saved: TrialRecord) -> float:
     """Seconds ``tune()``'s check of ``saved``'s setting may take: its share of the
     budget, or what the setting needs unchanged where that is longer (``NOTE [ A reused
     setting checked ]``)."""
-    per_batch = (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
-    needed = _START_UPS * (saved.time_to_first_batch or 0.0) + _BATCHES * per_batch
+    needed = _START_UPS * (saved.time_to_first_batch or 0.0) + _BATCHES * _batch_seconds(saved)
     return max(_SHARE * budget, needed, _LEAST_SECONDS)
+
+
+def _batch_seconds(saved: TrialRecord) -> float:
+    """Seconds a batch took the loop in ``saved``: its wait for data and its step."""
+    return (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
 
 
 def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) -> TuneResult | None:
@@ -202,9 +206,8 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
         _logger.info("reusing %s unchecked: it keeps no measurement of its setting", path)
         return result
     seconds = check_seconds(budget, saved)
-    per_batch = (saved.load_seconds or 0.0) + (saved.step_seconds or 0.0)
     workers = int(result.params.get("num_workers") or 0)
-    deadlines = Deadlines.per_batch(max(seconds, _HUNG * per_batch), workers=workers)
+    deadlines = Deadlines.per_batch(max(seconds, _HUNG * _batch_seconds(saved)), workers=workers)
     try:
         measured = runner.measure(
             result.params,
