@@ -53,7 +53,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,7 +69,7 @@ import autoloader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipelines import Pipeline, build
 from real_pipelines import hand_grid, hand_loader, interleave
-from revisions import checkout, setting
+from revisions import checkout, run_result_child, setting
 
 PIPELINES = ("images", "cpu-train-small")
 # Epochs for a run of the best hand setting of about 40-60 s on the 2-core VM: images
@@ -295,31 +294,14 @@ def run_child(
     command += ["--pipeline", pipeline, "--epochs", str(epochs), "--data", str(args.data)]
     command += options
     started = time.perf_counter()
-    # A session of its own, so that a run past the timeout goes with its workers, which
-    # hold its pipes open (subprocess.run's timeout kills the child only, then waits on them).
     env = None
     if " @" in variant:
         code = checkout(variant.split(" @", 1)[1])
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), here])}
-    child = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=env,
-    )
-    try:
-        out, err = child.communicate(timeout=args.child_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        out, err = child.communicate()
-    lines = [line for line in out.splitlines() if line.startswith(RESULT)]
-    if child.returncode != 0 or not lines:
-        tail = " | ".join(err.strip().splitlines()[-3:])
-        return {"variant": variant, "error": f"exit status {child.returncode}: {tail}"[:400]}
-    row = json.loads(lines[-1][len(RESULT) :])
+    row, why = run_result_child(command, marker=RESULT, timeout=args.child_timeout, env=env)
+    if row is None:
+        return {"variant": variant, "error": why[:400]}
     row["variant"] = variant
     row["process_seconds"] = time.perf_counter() - started
     return row

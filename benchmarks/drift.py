@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipelines import Pipeline, build
 from real_pipelines import hand_loader, interleave, tuned_loader
-from revisions import checkout, setting
+from revisions import checkout, run_result_child, setting
 
 RESULT = "drift-result: "
 # A neighbour's bursts (--neighbour): one core busy this long, then idle this long.
@@ -196,20 +196,12 @@ def run_child(args: argparse.Namespace, one: str, revision: str | None) -> dict[
     command += ["--data", str(args.data)]
     code = str(checkout(revision)) if revision else os.path.dirname(here)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([code, here])}
-    child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env=env,
-    )  # fmt: skip
-    try:
-        out, err = child.communicate(timeout=args.most_seconds * 3 + 600)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        out, err = child.communicate()
-    results = [line for line in out.splitlines() if line.startswith(RESULT)]
-    if child.returncode != 0 or not results:
-        tail = " | ".join(err.strip().splitlines()[-3:])
-        raise SystemExit(f"the {one} run of {revision or 'now'} failed: {tail}")
-    return json.loads(results[-1][len(RESULT) :])  # type: ignore[no-any-return]
+    row, why = run_result_child(
+        command, marker=RESULT, timeout=args.most_seconds * 3 + 600, env=env
+    )
+    if row is None:
+        raise SystemExit(f"the {one} run of {revision or 'now'} failed: {why}")
+    return row
 
 
 def _median(epochs: list[dict[str, Any]], phase: str) -> float | None:

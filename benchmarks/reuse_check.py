@@ -41,9 +41,7 @@ import collections
 import json
 import logging
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from drift import SlowingStorage
 from pipelines import Pipeline, build
 from real_pipelines import tuned_loader
-from revisions import setting
+from revisions import run_result_child, setting
 
 RESULT = "reuse-result: "
 RUNS = ("first", "same", "slowed")
@@ -201,20 +199,12 @@ def run_child(args: argparse.Namespace, entry: str, one: str, folder: str) -> di
     for name in ("time_budget", "latency", "slower", "epochs"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}
-    child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env=env,
-    )  # fmt: skip
-    try:
-        out, err = child.communicate(timeout=args.time_budget * 10 + 600)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        out, err = child.communicate()
-    results = [line for line in out.splitlines() if line.startswith(RESULT)]
-    if child.returncode != 0 or not results:
-        tail = " | ".join(err.strip().splitlines()[-3:])
-        raise SystemExit(f"the {entry} {one} run failed: {tail}")
-    return json.loads(results[-1][len(RESULT) :])  # type: ignore[no-any-return]
+    row, why = run_result_child(
+        command, marker=RESULT, timeout=args.time_budget * 10 + 600, env=env
+    )
+    if row is None:
+        raise SystemExit(f"the {entry} {one} run failed: {why}")
+    return row
 
 
 def describe(row: dict[str, Any], budget: float) -> None:

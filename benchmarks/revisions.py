@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,6 +93,30 @@ def tune_now_and_before(
         print(f"tuned {which} ({code[which].name}) in {one['seconds']:.1f} s: {chosen}", flush=True)
         found[which] = one
     return {which: found[which] for which in ("now", "before")}
+
+
+def run_result_child(
+    command: list[str], *, marker: str, timeout: float, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """Run ``command`` (a benchmark's child) in a session of its own, so that a run past
+    ``timeout`` goes with its workers, which hold its pipes open (subprocess.run's
+    timeout kills the child only, then waits on them). Returns the JSON of its last
+    stdout line that starts with ``marker``, or ``None`` where there is none or it
+    failed; and, then, why: its exit status and the last lines of its stderr."""
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        out, err = child.communicate()
+    results = [line for line in out.splitlines() if line.startswith(marker)]
+    if child.returncode != 0 or not results:
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        return None, f"exit status {child.returncode}: {tail}"
+    return json.loads(results[-1][len(marker) :]), ""
 
 
 def setting(params: dict[str, Any]) -> str:
