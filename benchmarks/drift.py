@@ -53,7 +53,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipelines import Pipeline, build
+from pipelines import Pipeline, build, train_epoch
 from real_pipelines import hand_loader, interleave, tuned_loader
 from revisions import checkout, run_result_child, setting
 
@@ -99,16 +99,8 @@ class _Lines(logging.Handler):
 
 def _epoch(loader: DataLoader[Any], pipeline: Pipeline) -> tuple[float, str]:
     """One epoch of training: its samples/s, and "ok" or how its samples differ."""
-    started = time.perf_counter()
-    counts: collections.Counter[Any] = collections.Counter()
-    for batch in loader:
-        pipeline.step(batch)
-        counts.update(pipeline.ids(batch))
-    seconds = time.perf_counter() - started
-    repeats = sum(n - 1 for n in counts.values() if n > 1)
-    lost = len(set(pipeline.expected) - set(counts))
-    check = "ok" if not repeats and not lost else f"{repeats} repeated, {lost} lost"
-    return sum(counts.values()) / seconds, check
+    seconds, samples, check = train_epoch(loader, pipeline)
+    return samples / seconds, check
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:

@@ -30,6 +30,7 @@ loader. Everything is a module-level class, so that spawned processes can load i
 
 from __future__ import annotations
 
+import collections
 import io
 import random
 import time
@@ -392,6 +393,21 @@ SMALL = Sizes(
     small_images=256,
     batch_divisor=4,
 )
+
+
+def train_epoch(loader: Any, pipeline: Pipeline) -> tuple[float, int, str]:
+    """One epoch of ``pipeline.step`` over ``loader``: its seconds, its samples, and "ok"
+    or how its samples differ from the dataset's (repeated, lost)."""
+    started = time.perf_counter()
+    counts: collections.Counter[Any] = collections.Counter()
+    for batch in loader:
+        pipeline.step(batch)
+        counts.update(pipeline.ids(batch))
+    seconds = time.perf_counter() - started
+    repeats = sum(n - 1 for n in counts.values() if n > 1)
+    lost = len(set(pipeline.expected) - set(counts))
+    check = "ok" if not repeats and not lost else f"{repeats} repeated, {lost} lost"
+    return seconds, sum(counts.values()), check
 
 
 def build(name: str, root: str | Path, sizes: Sizes = Sizes()) -> Pipeline:

@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from drift import SlowingStorage
-from pipelines import Pipeline, build
+from pipelines import Pipeline, build, train_epoch
 from real_pipelines import tuned_loader
 from revisions import run_result_child, setting
 
@@ -86,15 +86,8 @@ def _pipeline(args: argparse.Namespace, switch: str) -> Pipeline:
 
 def _epoch(loader: Any, pipeline: Pipeline) -> tuple[float, str]:
     """One epoch of training: its seconds, and "ok" or how its samples differ."""
-    started = time.perf_counter()
-    counts: collections.Counter[Any] = collections.Counter()
-    for batch in loader:
-        pipeline.step(batch)
-        counts.update(pipeline.ids(batch))
-    seconds = time.perf_counter() - started
-    repeats = sum(n - 1 for n in counts.values() if n > 1)
-    lost = len(set(pipeline.expected) - set(counts))
-    return seconds, "ok" if not repeats and not lost else f"{repeats} repeated, {lost} lost"
+    seconds, _, check = train_epoch(loader, pipeline)
+    return seconds, check
 
 
 def _reuse_said(lines: list[tuple[str, str]]) -> str:
