@@ -172,7 +172,7 @@ class RunSession:
         assert space is not None, "check() comes first"
         policy = _policy(problem, space, self.facts)
         if runner is None:
-            policy = dataclasses.replace(policy, runoff_baseline=False)
+            policy = dataclasses.replace(policy, runoff_baseline=False, in_training=True)
 
         def on_trial(trial: Trial) -> None:
             record = record_of(trial)

@@ -314,6 +314,46 @@ def test_a_gain_resets_patience() -> None:
     assert policy.search_ended(history, seconds_left=30) is None
 
 
+def test_in_training_the_starting_points_count_in_patience() -> None:
+    # AutoLoader's search: the best starting point first, the next three no better.
+    policy = _policy(in_training=True)
+    history = [_baseline()]
+    points = policy.starting_points(history)
+    assert len(points) >= 4
+    for number, params in enumerate(points, start=1):
+        if number > 1 and number <= len(points) - 1:
+            assert policy.search_ended(history, seconds_left=30) is None
+        history.append(_done(number, params, 500.0 if number == 1 else 505.0))
+    assert policy.search_ended(history, seconds_left=30) == NoGain(3)
+    # The same trials in tune(): its patience starts after the starting points.
+    assert _policy().search_ended(history, seconds_left=30) is None
+
+
+def test_in_training_the_starting_points_are_measured_before_patience_ends_it() -> None:
+    policy = _policy(in_training=True)
+    history = [_baseline()]
+    points = policy.starting_points(history)
+    for number, params in enumerate(points[:-1], start=1):
+        history.append(_done(number, params, 120.0))  # the last one could still win
+    # Three in a row without gain, but a starting point is left to measure.
+    assert len(history) - 1 >= 4
+    assert policy.search_ended(history, seconds_left=30) is None
+    plan = policy.next(history, seconds_left=30)
+    assert isinstance(plan, Plan) and plan.params == points[-1]
+
+
+def test_in_training_a_starting_point_that_gains_keeps_the_search_going() -> None:
+    policy = _policy(in_training=True)
+    history = [_baseline()]
+    for number, params in enumerate(policy.starting_points(history), start=1):
+        history.append(_done(number, params, 500.0 + 50.0 * number))  # each one better
+    assert policy.search_ended(history, seconds_left=30) is None
+    history += [_done(number, _params(number), 400.0) for number in range(20, 22)]
+    assert policy.search_ended(history, seconds_left=30) is None
+    history.append(_done(22, _params(22), 400.0))
+    assert policy.search_ended(history, seconds_left=30) == NoGain(3)
+
+
 def test_the_search_leaves_the_runoff_its_share_of_the_budget() -> None:
     policy = _policy(budget=30.0)  # the runoff keeps 6 s
     history = [_baseline(), _done(1, _params(4), 500.0, duration=1.0)]

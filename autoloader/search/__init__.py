@@ -6,6 +6,7 @@ Layers, each importing only those below it::
     _study           the study's storage and its name: which problem it keeps trials of
     _lease           who tunes a study now: the live run's lease, its heartbeat thread
     _policy          Policy: every rule, pure functions of the finished trials
+    _patience        when the search has seen enough (patience)
     _choice          the final choice among the complete trials (Choice)
     _hang_deadlines  how long a batch or a worker's start may take (HangRules)
     _known_failures  what failed trials tell of settings not yet run; the failure boundary

@@ -61,7 +61,7 @@ STEP_ON_CPU = 0.5
 # STEP_BOUND_WAIT diagnose() tells the user the loop is step-bound: loading can make it
 # at most about 5% faster, not worth changing their loader by hand for. Under
 # GIVE_BACK_WAIT (a stricter bar) the search stops and gives the rest of its budget back
-# (NOTE [ Enough searching ] in _policy.py): that ends the search for good, and the
+# (NOTE [ Enough searching ] in _patience.py): that ends the search for good, and the
 # budget was given to it already, so it stops only where what is left (about 3%) is
 # near a tie (TIE_TOLERANCE in _choice.py, 2%). A loop waiting 4% is step-bound to the reader and
 # still searched by tune(). (Receiving a batch from a worker costs the main process

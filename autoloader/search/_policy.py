@@ -30,7 +30,7 @@ from typing import Any
 from autoloader._exceptions import AllSettingsFailedError
 from autoloader.loader import BASELINE_PARAMS, Params
 from autoloader.measure import Deadlines, Measurement
-from autoloader.search._choice import TIE_TOLERANCE, Choice, choose, values_by_setting
+from autoloader.search._choice import Choice, choose, values_by_setting
 from autoloader.search._cost_model import (
     GIVE_BACK_WAIT,
     STEP_ON_CPU,
@@ -61,6 +61,7 @@ from autoloader.search._outcome import (
     Trial,
     baseline_measurement,
 )
+from autoloader.search._patience import patience, searched_enough
 from autoloader.search._reasons import (
     BaselineUncertain,
     NoGain,
@@ -88,14 +89,6 @@ from autoloader.search._space import SearchSpace
 _RUNOFF_SHARE = 0.2
 _RUNOFF_CANDIDATES = 3
 _RUNOFF_ROUNDS = 2
-# NOTE [ Enough searching ]
-# Once the starting points (the cost model's guesses and the ladder) are measured, the
-# search stops when _PATIENCE measured trials in a row (settings skipped as known to
-# fail do not count) found nothing more than TIE_TOLERANCE better than the best
-# before them: the sampler is circling a plateau, and the time is better spent on the
-# runoff, or given back. A loop that is bound by its step reaches such a plateau
-# quickly: nothing beats the step.
-_PATIENCE = 6
 # A loop that waits for data less than GIVE_BACK_WAIT of its time (see _cost_model.py)
 # is bound by its step: no setting can make it faster, so the search ends with the first
 # setting that gets there (measured to _STEP_BOUND_ERROR), and the rest of the budget is
@@ -188,6 +181,9 @@ class Policy:
         first: settings measured before the cost model's guesses, their worker counts
             held to the space (``SearchSpace.held``): in a search drift started, the
             setting in use with the workers its slowed loading needs (``NOTE [ Drift ]``).
+        in_training: the trials run in the user's training loop (AutoLoader's): the
+            search counts its starting points in its patience (``NOTE [ Enough
+            searching ]`` in ``_patience.py``).
     """
 
     space: SearchSpace
@@ -201,6 +197,7 @@ class Policy:
     step_threads_asked: bool = False
     runoff_baseline: bool = True
     first: tuple[Params, ...] = ()
+    in_training: bool = False
 
     # The next trial -------------------------------------------------------------
 
@@ -237,8 +234,10 @@ class Policy:
         fits = typical_duration(mine, 0.5 * MIN_TRIAL_SECONDS, phase=Phase.SEARCH)
         if self._search_seconds(history, seconds_left) < fits:  # NOTE [ Trials that fit ]
             return SearchShareSpent()
-        if self._searched_enough(history, searched):
-            return NoGain(_PATIENCE)
+        measured = [t for t in searched if not t.skipped]
+        starting_points = len(self.starting_points(history))
+        if searched_enough(measured, starting_points=starting_points, in_training=self.in_training):
+            return NoGain(patience(in_training=self.in_training))
         skipped = list(reversed(searched))[:_SKIPS_BEFORE_GIVING_UP]
         if len(skipped) == _SKIPS_BEFORE_GIVING_UP and all(t.skipped for t in skipped):
             return NothingNewToPropose(_SKIPS_BEFORE_GIVING_UP)
@@ -422,19 +421,6 @@ class Policy:
             searched = sum(t.phase is Phase.SEARCH and not t.earlier for t in history)
             return StepBound(trial.number, wait, searched, trial.phase is Phase.BASELINE)
         return None
-
-    def _searched_enough(self, history: Sequence[Trial], searched: Sequence[Trial]) -> bool:
-        """Whether the last _PATIENCE search trials, after the starting points, found
-        nothing better than the best before them (see ``NOTE [ Enough searching ]``)."""
-        measured = [t for t in searched if not t.skipped]
-        if len(measured) < len(self.starting_points(history)) + _PATIENCE:
-            return False
-        before, recent = measured[:-_PATIENCE], measured[-_PATIENCE:]
-        best_before = max((t.value for t in before if t.value is not None), default=None)
-        if best_before is None:
-            return False
-        best_recent = max((t.value for t in recent if t.value is not None), default=0.0)
-        return best_recent <= (1 + TIE_TOLERANCE) * best_before
 
     def _stop_if_every_setting_fails(self, searched: Sequence[Trial]) -> None:
         if len(searched) < _FAILURES_BEFORE_GIVING_UP:
