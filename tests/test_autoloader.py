@@ -545,3 +545,17 @@ def test_an_iterable_dataset_or_a_batch_sampler_is_passed_through_untuned() -> N
 
 def test_autoloader_is_exported() -> None:
     assert autoloader.AutoLoader is AutoLoader
+
+
+def test_its_search_follows_the_rules_of_a_search_in_training() -> None:
+    # NOTE [ Enough searching ] and NOTE [ The baseline in training ]: the policy knows
+    # its trials are the training's own.
+    loader = AutoLoader(SleepDataset(512, 0.0005), batch_size=16, time_budget=4)
+    batches = iter(loader)
+    next(batches)
+    assert loader.tuning is not None and loader.tuning.search is not None
+    session = loader.tuning.search.session
+    assert session is not None
+    policy = session.driver.policy
+    assert policy.in_training and not policy.runoff_baseline
+    loader.close()

@@ -314,6 +314,17 @@ def test_a_gain_resets_patience() -> None:
     assert policy.search_ended(history, seconds_left=30) is None
 
 
+def test_in_training_the_baseline_measures_half_a_trials_time() -> None:
+    tune_plan = _policy().next([], seconds_left=30)
+    training_plan = _policy(in_training=True).next([], seconds_left=30)
+    assert isinstance(tune_plan, Plan) and isinstance(training_plan, Plan)
+    assert training_plan.phase is Phase.BASELINE
+    assert training_plan.max_seconds == pytest.approx(0.5 * tune_plan.max_seconds)
+    # Never under half the shortest trial, nor past the run's end.
+    short = _policy(budget=5.0, in_training=True).next([], seconds_left=5)
+    assert isinstance(short, Plan) and short.max_seconds == pytest.approx(0.5)
+
+
 def test_in_training_the_starting_points_count_in_patience() -> None:
     # AutoLoader's search: the best starting point first, the next three no better.
     policy = _policy(in_training=True)
@@ -327,6 +338,25 @@ def test_in_training_the_starting_points_count_in_patience() -> None:
     assert policy.search_ended(history, seconds_left=30) == NoGain(3)
     # The same trials in tune(): its patience starts after the starting points.
     assert _policy().search_ended(history, seconds_left=30) is None
+
+
+def test_in_training_a_gain_within_the_trials_own_error_is_no_gain() -> None:
+    # The images case: a starting point 3% over the best at +-5% does not reset it.
+    def noisy(trial: Trial, error: float) -> Trial:
+        assert isinstance(trial.outcome, Completed)
+        measurement = dataclasses.replace(trial.outcome.measurement, relative_error=error)
+        return dataclasses.replace(trial, outcome=Completed(measurement, trial.outcome.value))
+
+    history = [_baseline()]
+    points = _policy(in_training=True).starting_points(history)
+    values = [500.0, 490.0, 480.0, 515.0]
+    for number, (params, value) in enumerate(zip(points, values, strict=False), start=1):
+        history.append(noisy(_done(number, params, value), 0.05))
+    history += [_done(number, points[number - 1], 480.0) for number in range(5, len(points) + 1)]
+    assert _policy(in_training=True).search_ended(history, seconds_left=30) == NoGain(3)
+    # Measured to 1%, the same 3% is a gain.
+    history[4] = noisy(history[4], 0.01)
+    assert _policy(in_training=True).search_ended(history, seconds_left=30) is None
 
 
 def test_in_training_the_starting_points_are_measured_before_patience_ends_it() -> None:
