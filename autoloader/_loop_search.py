@@ -11,6 +11,7 @@ session is opened by :func:`open_session`, and the search's end said by :func:`t
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
 import math
@@ -180,7 +181,10 @@ class SoloSearch(Search):
         session, proposal, self.proposal = self.session, self.proposal, None
         if session is not None and proposal is not None:
             reason = "not run: the loader was closed before it started"
-            session.tell(proposal, Pruned(PruneKind.TOO_SHORT, reason))
+            # A lease found another run's as it is told (NOTE [ The study's lease ]):
+            # nothing of this run's is left to search.
+            with contextlib.suppress(StudyInUseError):
+                session.tell(proposal, Pruned(PruneKind.TOO_SHORT, reason))
 
 
 # NOTE [ Joint segments ]
@@ -367,6 +371,8 @@ def open_session(
         except AutoloaderError as error:
             _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
     session = RunSession(problem, ranks, started=started, threads=threads)
+    if problem is not given:
+        session.in_memory_if_taken = beside
     # The checks read items here, which DataLoader would not: whatever they draw from
     # the random generators (torch's global one is the training's, and the sampler's
     # where the loader has no generator) is put back (NOTE [ An AutoLoader's state ]).
@@ -381,6 +387,7 @@ def open_session(
             raise  # the user's own storage: theirs to sort out
         _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
         session.problem = dataclasses.replace(problem, storage=None)
+        session.in_memory_if_taken = None
         session.open(None)
     if resumed is not None and resumed["session"] is not None:
         session.resume(resumed["session"])

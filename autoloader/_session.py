@@ -28,12 +28,14 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 import optuna
 import torch
 
+from autoloader._exceptions import StudyInUseError
 from autoloader._problem import Problem
 from autoloader.checks import Checks, checks_seconds
 from autoloader.distributed import Ranks
@@ -111,6 +113,9 @@ class RunSession:
         self.facts: dict[str, Any] = {}
         self._space: SearchSpace | None = None
         self._driver: Driver | None = None
+        # Where the study is AutoLoader's own, kept beside its path: the search goes on in
+        # memory if another run holds it (NOTE [ An unfinished search kept ]).
+        self.in_memory_if_taken: Path | None = None
 
     # The checks and the search's start -------------------------------------------------
 
@@ -190,7 +195,9 @@ class RunSession:
                 interrupted=self.interruption,
             )
             if runner is None:
-                self._driver.begin()
+                # Solo, the lease is confirmed at the first trial's end, the training
+                # going on meanwhile (NOTE [ The study's lease ]).
+                self._driver.begin(confirm_later=self.ranks is None)
 
     @property
     def driver(self) -> Driver:
@@ -274,9 +281,23 @@ class RunSession:
             return driver.failure(proposal.spec, happened)
 
     def tell(self, proposal: Proposal, outcome: Outcome) -> None:
-        """Record ``proposal``'s trial with its ``outcome``."""
-        with quiet_optuna():
-            self.driver.finish(proposal, outcome)
+        """Record ``proposal``'s trial with its ``outcome``.
+
+        Raises:
+            StudyInUseError: the study's lease, claimed as the search opened, is another
+                run's (``NOTE [ The study's lease ]``), and the study is not one that
+                :attr:`in_memory_if_taken` names: else the search starts again in memory.
+        """
+        try:
+            with quiet_optuna():
+                self.driver.finish(proposal, outcome)
+        except StudyInUseError as error:
+            kept, self.in_memory_if_taken = self.in_memory_if_taken, None
+            if kept is None:
+                raise
+            _logger.warning("AutoLoader: searching in memory, not in %s: %s", kept, error)
+            self.problem = dataclasses.replace(self.problem, storage=None)
+            self.open(None)
 
     def deadlines(self, params: Mapping[str, Any]) -> Deadlines | None:
         """How long a batch may take to load with ``params`` before it counts as hung,

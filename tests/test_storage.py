@@ -19,6 +19,7 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
@@ -308,3 +309,94 @@ def test_the_heartbeat_renews_the_lease_and_keeps_the_running_trial_alive(tmp_pa
     time.sleep(2.5)  # silent
     optuna.storages.fail_stale_trials(study)
     assert study.trials[trial.number].state == TrialState.FAIL
+
+
+class _Clock:
+    """``time`` as ``_lease`` sees it, its sleeps recorded, not slept."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+        self.time, self.monotonic = time.time, time.monotonic
+        self.strftime, self.gmtime = time.strftime, time.gmtime
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+def _claimed_by_another(study: optuna.Study) -> None:
+    """Another run's claim written over this one's, as when both read the lease free."""
+    held = dict(study.user_attrs["autoloader:run"])
+    study.set_user_attr("autoloader:run", {**held, "token": "another run", "pid": 1})
+
+
+def test_a_claim_is_confirmed_after_the_settling_time_left_and_refused_if_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ The study's lease ]: confirm() waits only what is left of the settling time
+    since the claim, and the last claim written wins."""
+    from autoloader.search import _lease
+
+    clock = _Clock()
+    monkeypatch.setattr(_lease, "time", clock)
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(tmp_path / "study.log")))
+    study = optuna.create_study(storage=storage)
+    lease = _lease.Lease.claim(study)
+    _claimed_by_another(study)
+    with pytest.raises(autoloader.StudyInUseError, match="pid 1 on host"):
+        lease.confirm()
+    assert len(clock.slept) == 1 and 0.9 < clock.slept[0] <= 1.0
+
+    other = optuna.create_study(storage=storage)
+    lease = _lease.Lease.claim(other)
+    monkeypatch.setattr(clock, "monotonic", lambda: time.monotonic() + 5)  # 5 s later
+    lease.confirm()
+    assert clock.slept[-1] == 0.0
+    assert other.user_attrs["autoloader:run"]["token"] == lease.mine.token
+
+
+def test_an_autoloader_confirms_its_lease_as_its_baseline_ends_and_searches_in_memory_if_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its first batch does not wait for the lease to settle (NOTE [ The study's lease ]);
+    where another run's claim stands when its baseline ends, that trial is told failed
+    in the study kept beside its path, and the search goes on in memory."""
+    from autoloader._reuse import study_beside
+    from autoloader.search import _lease
+
+    clock = _Clock()
+    monkeypatch.setattr(_lease, "time", clock)
+    path = tmp_path / "loader.json"
+    dataset = SleepDataset(length=256, latency=0.001)
+    loader = autoloader.AutoLoader(
+        dataset, batch_size=8, time_budget=4, search_space=SPACE, path=path
+    )
+    batches = iter(loader)
+    seen = [int(i) for i in next(batches)[:, 0].tolist()]
+    assert not clock.slept  # the training went on
+    beside = _study(str(study_beside(path)))
+    assert beside is not None
+    _claimed_by_another(beside)
+    states = None  # of the trials in the study beside the path, once the search left it
+
+    def ids(epoch: Iterator[torch.Tensor]) -> list[int]:
+        nonlocal states
+        found = []
+        for batch in epoch:
+            found += [int(i) for i in batch[:, 0].tolist()]
+            if states is None and "searching in memory" in caplog.text:
+                states = [t.state for t in _study(str(study_beside(path))).trials]  # type: ignore[union-attr]
+        return found
+
+    with caplog.at_level(logging.WARNING, logger="autoloader"):
+        seen += ids(batches)
+        epochs = 1
+        while not loader.tuned and epochs < 100:
+            assert sorted(ids(iter(loader))) == list(range(256))
+            epochs += 1
+    assert sorted(seen) == list(range(256))
+    assert "searching in memory, not in" in caplog.text and "pid 1 on host" in caplog.text
+    assert states == [TrialState.FAIL]  # its baseline, told failed, not left running
+    assert loader.tuned and loader.result is not None
+    assert loader.result.trials[0].phase == "baseline"  # measured again, in memory
+    loader.close()
+    assert not _heartbeats()

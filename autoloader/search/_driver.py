@@ -35,7 +35,7 @@ from optuna.distributions import (
 )
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from autoloader._exceptions import BaselineError
+from autoloader._exceptions import BaselineError, StudyInUseError
 from autoloader.loader import normalize_params
 from autoloader.measure import Measurement, MemoryBudgetExceeded, Runner, TrialError
 from autoloader.search._faults import classify
@@ -118,6 +118,7 @@ class Driver:
         self._owner = this_process()
         self._clock = clock
         self._heartbeat: Heartbeat | None = None
+        self._unconfirmed: Lease | None = None  # claimed by begin(confirm_later=True)
 
     def run(self) -> None:
         """Run trials until the policy stops; :attr:`history` then holds every trial.
@@ -142,17 +143,24 @@ class Driver:
     # user's training loop): begin() once, then propose() the next trial, measure it,
     # and finish() it with its outcome (outcome() or failure() map what happened).
 
-    def begin(self) -> None:
+    def begin(self, *, confirm_later: bool = False) -> None:
         """Take the study's lease, fail a dead run's trials and load the earlier ones,
         once, before the first :meth:`propose`. A study kept in a storage (not in
         memory) is then this run's until :meth:`end`, which must follow.
+        ``confirm_later``: the lease is claimed now and confirmed as the first trial is
+        told (:meth:`finish`), not waited for here (``NOTE [ The study's lease ]``).
 
         Raises:
             StudyInUseError: another live run is tuning the study.
         """
         storage = self.study._storage
         if not isinstance(storage, optuna.storages.InMemoryStorage):
-            self._heartbeat = Heartbeat(Lease.take(self.study), storage)
+            lease = Lease.claim(self.study)
+            if confirm_later:
+                self._unconfirmed = lease
+            else:
+                lease.confirm()
+            self._heartbeat = Heartbeat(lease, storage)
         try:
             self._fail_orphans()
             self.history = self._load()
@@ -164,6 +172,7 @@ class Driver:
 
     def end(self) -> None:
         """Stop the heartbeat and give the study's lease back; idempotent."""
+        self._unconfirmed = None
         heartbeat, self._heartbeat = self._heartbeat, None
         if heartbeat is not None:
             heartbeat.stop()
@@ -233,7 +242,21 @@ class Driver:
         return Proposal(asked, spec, known)
 
     def finish(self, proposal: Proposal, outcome: Outcome) -> None:
-        """Record ``proposal``'s trial with its ``outcome``."""
+        """Record ``proposal``'s trial with its ``outcome``.
+
+        Raises:
+            StudyInUseError: the lease claimed by ``begin(confirm_later=True)`` is
+                another run's: the trial is told failed, and the run ends here.
+        """
+        lease, self._unconfirmed = self._unconfirmed, None
+        if lease is not None:
+            try:
+                lease.confirm()
+            except StudyInUseError:
+                with contextlib.suppress(Exception):  # this run's own trial, not left running
+                    self.study.tell(proposal.asked, state=TrialState.FAIL)
+                self.end()
+                raise
         self._tell(proposal.asked, proposal.spec, outcome)
 
     def vote(self, spec: TrialSpec, window: int, measurement: Measurement) -> bool:

@@ -46,6 +46,13 @@ _logger = logging.getLogger(__name__)
 # that start together, each reads after every other's write, and only the last writer
 # finds its own lease: two runs could both go on only if one took longer than
 # _SETTLE_SECONDS between its read and its write.
+# AutoLoader does not wait there: its training goes on meanwhile. It claims the lease,
+# runs its first trial (the baseline, a second or more, in which nothing is told to the
+# study) and confirms the lease before that trial is told (Driver.begin(confirm_later=
+# True)): before, its first run's training slept a second at its first batch. Where
+# another run's claim stands instead, its first trial is told failed, and the run is
+# refused then: an AutoLoader whose study is the one kept beside its path searches in
+# memory from there.
 # While a run holds the lease no other autoloader run is live on the study, so every
 # trial still RUNNING when it takes the lease is a dead run's (Driver._fail_orphans).
 # Where the storage keeps Optuna's trial heartbeats (an RDB URL), the same thread records
@@ -100,10 +107,25 @@ class Lease:
         self.study = study
         self.mine = mine
         self._lock = threading.Lock()  # renew() runs in the heartbeat thread
+        self._claimed = time.monotonic()  # made by claim(), just after its write
+        self._before: Holder | None = None  # the holder claim() found, a dead run's
 
     @classmethod
     def take(cls, study: optuna.Study) -> Lease:
-        """This run's lease on ``study``, taken over from a dead run where one held it.
+        """This run's lease on ``study``, taken over from a dead run where one held it:
+        :meth:`claim`, then :meth:`confirm`.
+
+        Raises:
+            StudyInUseError: another live run holds it.
+        """
+        lease = cls.claim(study)
+        lease.confirm()
+        return lease
+
+    @classmethod
+    def claim(cls, study: optuna.Study) -> Lease:
+        """This run's lease written on ``study``, where no live run holds it; it is this
+        run's once :meth:`confirm` finds it still there (``NOTE [ The study's lease ]``).
 
         Raises:
             StudyInUseError: another live run holds it.
@@ -123,18 +145,29 @@ class Lease:
             pid_namespace=_pid_namespace(),
         )
         study.set_user_attr(_KEY, asdict(mine))
-        time.sleep(_SETTLE_SECONDS)
-        now_held = _holder(study)
-        if now_held is None or now_held.token != mine.token:
-            # Another run took it at the same moment, after us: it goes on, not us.
-            raise _in_use(study, now_held or mine)
+        lease = cls(study, mine)
+        lease._before = held
+        return lease
+
+    def confirm(self) -> None:
+        """Wait what is left of _SETTLE_SECONDS since :meth:`claim`, and read the lease
+        again: it is this run's where no other run claimed it since (``NOTE [ The
+        study's lease ]``).
+
+        Raises:
+            StudyInUseError: another run claimed it after this one: it goes on, not us.
+        """
+        time.sleep(max(0.0, _SETTLE_SECONDS - (time.monotonic() - self._claimed)))
+        now_held = _holder(self.study)
+        if now_held is None or now_held.token != self.mine.token:
+            raise _in_use(self.study, now_held or self.mine)
+        held, self._before = self._before, None
         if held is not None and held.ended is None:
             _logger.warning(
                 "study %s: the run that held it (%s) is gone; this run takes it over",
-                study.study_name,
+                self.study.study_name,
                 held.describe(),
             )
-        return cls(study, mine)
 
     def renew(self) -> bool:
         """Beat: whether the lease is still this run's (another run may have taken it

@@ -218,7 +218,7 @@ class Policy:
             AllSettingsFailedError: every setting with workers failed so far.
         """
         if baseline_measurement(history) is None:
-            # NOTE [ The baseline in training ]
+            # Half a trial in training (NOTE [ The baseline in training ]).
             longest = self._trial_seconds * (_TRAINING_BASELINE_SHARE if self.in_training else 1)
             seconds = max(0.5 * MIN_TRIAL_SECONDS, min(longest, seconds_left))
             return Plan(Phase.BASELINE, BASELINE_PARAMS, seconds, "the baseline")
