@@ -383,12 +383,7 @@ def open_session(
     try:
         session.open(None)
     except StudyInUseError as error:
-        if problem is given:
-            raise  # the user's own storage: theirs to sort out
-        _logger.warning("AutoLoader: searching in memory, not in %s: %s", beside, error)
-        session.problem = dataclasses.replace(problem, storage=None)
-        session.in_memory_if_taken = None
-        session.open(None)
+        session.search_in_memory(error)  # the user's own storage: raised, theirs to sort out
     if resumed is not None and resumed["session"] is not None:
         session.resume(resumed["session"])
     return session

@@ -292,12 +292,22 @@ class RunSession:
             with quiet_optuna():
                 self.driver.finish(proposal, outcome)
         except StudyInUseError as error:
-            kept, self.in_memory_if_taken = self.in_memory_if_taken, None
-            if kept is None:
-                raise
-            _logger.warning("AutoLoader: searching in memory, not in %s: %s", kept, error)
-            self.problem = dataclasses.replace(self.problem, storage=None)
-            self.open(None)
+            self.search_in_memory(error)
+
+    def search_in_memory(self, error: StudyInUseError) -> None:
+        """Another run holds the study (``error``): where it is the one AutoLoader keeps
+        beside its path (:attr:`in_memory_if_taken`), open the search again in memory,
+        with a warning; else raise ``error``.
+
+        Raises:
+            StudyInUseError: ``error``, the study being the user's own.
+        """
+        kept, self.in_memory_if_taken = self.in_memory_if_taken, None
+        if kept is None:
+            raise error
+        _logger.warning("AutoLoader: searching in memory, not in %s: %s", kept, error)
+        self.problem = dataclasses.replace(self.problem, storage=None)
+        self.open(None)
 
     def deadlines(self, params: Mapping[str, Any]) -> Deadlines | None:
         """How long a batch may take to load with ``params`` before it counts as hung,
