@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -324,6 +325,34 @@ def test_a_memory_overrun_is_not_turned_into_a_timeout_by_a_stuck_shutdown(
     runner = _runner(MemoryHogDataset(300 * 1024**2), memory_budget=tree_memory() + 200 * 1024**2)
     with pytest.raises(MemoryBudgetExceeded):
         runner.measure(_params(2), max_seconds=20)
+
+
+def test_an_interrupt_stays_an_interrupt_when_it_kills_a_worker_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ctrl-C reaches the whole process group: the trial's workers can die of it while
+    # the main thread unwinds the KeyboardInterrupt, here while the memory watch's thread
+    # is joined. Their deaths are part of the interrupt, not a worker's failure.
+    from autoloader.measure._memory import MemoryWatch
+
+    stop = MemoryWatch.stop
+
+    def stop_while_a_worker_dies(watch: MemoryWatch) -> None:
+        assert watch.workers is not None
+        pids = list(watch.workers())
+        os.kill(pids[0], signal.SIGKILL)
+        psutil.Process(pids[0]).wait(10)  # dead, not yet reaped: SIGCHLD is on its way
+        time.sleep(0.3)  # its handler runs here
+        stop(watch)
+
+    def interrupted(batch: Any) -> None:
+        monkeypatch.setattr(MemoryWatch, "stop", stop_while_a_worker_dies)
+        raise KeyboardInterrupt
+
+    before = _children()
+    with pytest.raises(KeyboardInterrupt):
+        _runner(SleepDataset(2048), interrupted).measure(_params(2), max_seconds=10)
+    assert _children() <= before
 
 
 def _stuck_shutdown(*args: Any, **kwargs: Any) -> None:

@@ -204,7 +204,11 @@ def test_bad_input_is_rejected_before_any_work(
 
 def test_unpicklable_objects_are_fine_under_fork() -> None:
     result = _tune(
-        LambdaDataset(), noop_step, time_budget=2.0, search_space={"num_workers": (0, 1)}
+        LambdaDataset(),
+        noop_step,
+        time_budget=15.0,  # room for a trial with a worker on a busy machine
+        n_trials=1,  # which the one trial the space leaves to search is
+        search_space={"num_workers": (0, 1)},
     )
     # The lambda reached the forked worker, which loaded with it.
     worker_trials = [t for t in result.trials if t.params["num_workers"] == 1]

@@ -537,8 +537,8 @@ class LiveTrial:
         self.closed = True
         self.feed.close()
         failed = kill or isinstance(self.outcome, (TrialError, MemoryBudgetExceeded))
+        self.deaths.expected = True  # before the watch's join (as in the runner)
         self.watch.stop()
-        self.deaths.expected = True
         main = threading.current_thread() is threading.main_thread()
         try:
             if self.keep_workers and not failed:

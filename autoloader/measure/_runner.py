@@ -286,9 +286,12 @@ class TrialRunner:
                     raise
                 raise failure from error
             finally:
+                # First: a worker that an interrupt (Ctrl-C reaches the whole process
+                # group) killed must not turn the KeyboardInterrupt into a worker's
+                # failure while the watch's thread is joined.
+                deaths.expected = True
                 alarm.disarm()
                 watch.stop()
-                deaths.expected = True
                 discard = failed or guard.discard
                 if discard:
                     # Discarded anyway, and possibly hung: do not wait for them.
