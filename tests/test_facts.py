@@ -11,8 +11,9 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from autoloader import InvalidInputError
-from autoloader.checks._copy_on_read import copied_per_worker
+from autoloader.checks._copy_on_read import _probe, copied_per_worker
 from autoloader.checks._facts import Checks, same_samples
+from autoloader.checks._forked import run_forked
 from benchmarks.copy_on_read import Memo, Records, RewrittenCache
 
 from .workloads import AugmentedDataset, HangsIn, SleepDataset, Stream, TorchOpsDataset
@@ -77,6 +78,23 @@ def test_the_probe_finds_copy_on_read_in_python_objects_and_not_in_tensors() -> 
     assert records["copy_on_read"] > 10 * max(tensors["copy_on_read"], 100.0)
     assert copied_per_worker(records) is not None and copied_per_worker(tensors) is None
     assert dataset_facts(Records(2_000), 2_000, start_method="spawn")["copy_on_read"] is None
+
+
+def test_the_probe_ends_after_its_first_run_where_that_copied_too_little_to_advise() -> None:
+    """Its other runs can only lower the figure, which would not become advice: the
+    probe's time is saved (NOTE [ Copy-on-read probe ])."""
+
+    def probe(dataset: Dataset[Any]) -> tuple[list[int | None], int, int]:
+        fresh = list(range(32, 100_000, 11))
+        runs = ([i for i in fresh if i < 50_000], [i for i in fresh if i >= 50_000])
+        arguments = (dataset, list(range(32)), runs, 0.8)
+        return run_forked(_probe, arguments, seconds=60, stage="the probe", name="probe")
+
+    (first, again, second), items, second_items = probe(TensorDataset(torch.randn(100_000, 16)))
+    assert first is not None and items > 0
+    assert (again, second, second_items) == (None, None, 0)
+    (first, again, second), items, second_items = probe(Records(100_000))
+    assert None not in (first, again, second) and items and second_items
 
 
 @pytest.mark.parametrize(
