@@ -47,7 +47,11 @@ rate); the target (first run >= 0.9) is printed, not asserted.
 
     python -W ignore benchmarks/ddp_short_epochs.py [--time-budget 10] [--epochs N]
         [--rounds 3] [--hand 2,4,8] [--latency 0.003]
-        [--variants defaults,hand,first,second] [--child-timeout 900] [--json FILE]
+        [--variants defaults,hand,first,second] [--before REV] [--child-timeout 900]
+        [--json FILE]
+
+With ``--before REV``, the AutoLoader runs also run with the autoloader of revision REV
+(``revisions.checkout``), in the same rounds, after this checkout's.
 
 With the defaults, about 20 minutes on the 2-core VM: a round is six runs, the defaults'
 about 130 s, and each run's two ranks take 10-15 s to start, off the clock.
@@ -82,7 +86,7 @@ import autoloader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from frameworks import Regressor, RemoteItems
-from revisions import setting
+from revisions import base, revision_env, setting
 
 RANKS = 2
 BATCH_SIZE = 32
@@ -331,7 +335,7 @@ def run_ranks(
     (their workers with them), killed with their sessions past ``--child-timeout``, a
     failed rank's peer given a little time to fail too; rank 0's figures, or why none."""
     run_dir.mkdir(parents=True)
-    command = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", variant]
+    command = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", base(variant)]
     command += ["--run-dir", str(run_dir), "--epochs", str(args.epochs)]
     command += ["--time-budget", str(args.time_budget), "--latency", str(args.latency)]
     if path is not None:
@@ -339,7 +343,7 @@ def run_ranks(
     # What Lightning's launcher sets for the ranks it starts (it starts none where
     # LOCAL_RANK is set: both are started here, outside the clock).
     shared = {
-        **os.environ,
+        **(revision_env(variant) or os.environ),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "NODE_RANK": "0",
@@ -389,6 +393,7 @@ def run_ranks(
             tails.append(f"rank {rank}: " + " | ".join(lines[-3:]))
         return {"variant": variant, "error": f"{why}: {'; '.join(tails)}"[:600]}
     row: dict[str, Any] = json.loads(result.read_text())
+    row["variant"] = variant
     row["process_seconds"] = process_seconds
     row["left_behind"] = left
     return row
@@ -404,7 +409,7 @@ def chosen(row: dict[str, Any]) -> str:
         words += f", step on {params['step_threads']} thread(s)"
     if not row.get("ranks_agree", True):
         words += " (rank 1 differs)"
-    if row["variant"] == SECOND:
+    if base(row["variant"]) == SECOND:
         words += " (reused)" if row.get("reused") else " (NOT reused: tuned again)"
     last = row.get("last_batch_setting")
     if last and setting(last) != setting(params):
@@ -456,17 +461,19 @@ def table(by_variant: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(
             f"| {variant} | {rows[0]['epochs']} | {found['seconds']:.1f} ({low:.1f}-{high:.1f}) "
             f"| {found['samples_per_second']:,.0f} | {'-' if ratio is None else f'{ratio:.3f}'} "
-            f"| {f'>= {TARGET}' if variant == FIRST else ''} "
+            f"| {f'>= {TARGET}' if base(variant) == FIRST else ''} "
             f"| {'-' if tuning is None else f'{tuning:.1f}'} "
             f"| {'; '.join(sorted({chosen(row) for row in rows if 'error' not in row}))} "
             f"| {checks} |"
         )
-    first = figures.get(FIRST)
-    if first and best:
+    for variant in (v for v in figures if base(v) == FIRST):
+        first = figures[variant]
+        if not (first and best):
+            continue
         ratio = first["samples_per_second"] / figures[best]["samples_per_second"]
         met = "met" if ratio >= TARGET else "missed"
         lines.append(
-            f"\nAutoLoader first run: {ratio:.3f} of the best hand setting's ({best}) "
+            f"\n{variant}: {ratio:.3f} of the best hand setting's ({best}) "
             f"whole-run rate; target >= {TARGET}: {met}"
         )
     return "\n".join(lines)
@@ -515,6 +522,8 @@ def rotation(args: argparse.Namespace) -> list[tuple[str, ...]]:
     )
     if autoloaders:
         found.append(autoloaders)
+        if args.before:  # the same runs with the autoloader of revision --before
+            found.append(tuple(f"{v} @{args.before}" for v in autoloaders))
     return found
 
 
@@ -531,6 +540,11 @@ def main() -> None:
         "--variants",
         default="defaults,hand,first,second",
         help="which to run, of defaults,hand,first,second (second alone: it tunes)",
+    )
+    parser.add_argument(
+        "--before",
+        default=None,
+        help="a git revision whose AutoLoader runs too, side by side (benchmarks/revisions.py)",
     )
     parser.add_argument("--child-timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path, default=None)
@@ -559,7 +573,8 @@ def main() -> None:
         try:
             for unit in units[shift:] + units[:shift]:
                 for variant in unit:
-                    path = folder / "autoloader.json" if variant in (FIRST, SECOND) else None
+                    file = "autoloader.json" if variant == base(variant) else "before.json"
+                    path = folder / file if base(variant) in (FIRST, SECOND) else None
                     run_dir = folder / variant.replace(" ", "-")
                     row = run_ranks(variant, args, run_dir, path)
                     by_variant[variant].append(row)

@@ -49,6 +49,21 @@ def checkout(rev: str) -> Path:
     return where
 
 
+def base(variant: str) -> str:
+    """A benchmark's variant without the revision it runs at (``"first run @8c9f014"``)."""
+    return variant.split(" @", 1)[0]
+
+
+def revision_env(variant: str) -> dict[str, str] | None:
+    """The environment of a run of ``variant``: for ``"... @REV"``, ``autoloader``
+    imported from REV's checkout (:func:`checkout`) and the benchmarks from here;
+    ``None`` (this checkout's) otherwise."""
+    if " @" not in variant:
+        return None
+    code = checkout(variant.split(" @", 1)[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(HERE)])}
+
+
 def tune_at(
     code: Path,
     *,
