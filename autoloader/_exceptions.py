@@ -91,7 +91,8 @@ class StudyInUseError(StorageError):
 
     Two runs at once would measure each trial under the other's load and mix their
     trials; the message names the live run (host, pid, since when). Raised before any
-    trial.
+    trial is recorded: by ``tune()`` before its first, by ``AutoLoader`` as its first
+    ends (its training goes on meanwhile; that trial is recorded failed).
     """
 
 

@@ -234,7 +234,8 @@ class _Tuned:
 
 @dataclass(frozen=True, slots=True)
 class _Fatal:
-    """Rank 0 to all: the baseline failed: raise ``error`` on every rank."""
+    """Rank 0 to all: the baseline failed, or another run holds the study: raise
+    ``error`` on every rank."""
 
     error: BaseException
 
@@ -345,7 +346,11 @@ class JointSearch(Search):
             assert not isinstance(happened, Measurement)
             self.fatal = users_error(happened)
             return
-        session.tell(proposal, told)
+        try:
+            session.tell(proposal, told)
+        except StudyInUseError as error:  # the user's own storage: refused on every rank
+            self.fatal = error
+            return
         if isinstance(told, Completed):
             tuning.last_good = proposal.spec.params
 

@@ -562,10 +562,12 @@ class LoopTuning:
     ) -> None:
         """TUNED: train with ``result``'s settings from here on (``chosen``: another, a
         checkpoint's, the chosen one having failed before it), and say so."""
+        # Searched here: under torchrun on rank 0 alone, which gives its lease back first.
+        session = None if self.search is None else self.search.session
+        searched = reused_from is None and chosen is None and session is not None
         self._close_session()
         result, self.problem = self.retuning.taken(result, self.problem)
         path = self.problem.path
-        searched = reused_from is None and chosen is None
         if searched and path is not None and path.exists() and not result.partial:
             # NOTE [ An unfinished search kept ]: the result holds every trial now.
             study_beside(path).unlink(missing_ok=True)

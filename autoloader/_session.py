@@ -195,9 +195,9 @@ class RunSession:
                 interrupted=self.interruption,
             )
             if runner is None:
-                # Solo, the lease is confirmed at the first trial's end, the training
-                # going on meanwhile (NOTE [ The study's lease ]).
-                self._driver.begin(confirm_later=self.ranks is None)
+                # The lease is confirmed at the first trial's end, the training going on
+                # meanwhile (NOTE [ The study's lease ]); under torchrun, every rank's.
+                self._driver.begin(confirm_later=True)
 
     @property
     def driver(self) -> Driver:

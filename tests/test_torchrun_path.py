@@ -46,4 +46,17 @@ def test_ranks_save_once_and_the_next_run_reuses_the_file_on_every_rank(tmp_path
     assert saved["params"] == tuned["result"]["params"]
     assert not (tmp_path / "loader.json.study").exists()  # NOTE [ An unfinished search kept ]
     assert first["steps"] == last["steps"]
+    # Rank 0, which searched, removes the study as it gives its lease back; a rank that
+    # removed it first made that fail.
+    lease = [w for w in first["warnings"] + last["warnings"] if "lease" in w]
+    assert not lease, lease
+
+    # Its lease claimed as the first batch arrives, confirmed as the first trial ends
+    # (NOTE [ The study's lease ]): lost to another run's claim, rank 0 searches in memory,
+    # and the job tunes on, every rank alike.
+    taken = first["taken"]
+    assert taken == last["taken"] and taken["tuned_at_first_batch"] is False
+    assert taken["result"]["trials"][0]["phase"] == "baseline"
+    assert any("searching in memory, not in" in w for w in first["taken_warnings"])
+    assert not any("lease" in w or "memory" in w for w in last["taken_warnings"])
     _assert_nothing_left(tmp_path)

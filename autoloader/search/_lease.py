@@ -51,8 +51,9 @@ _logger = logging.getLogger(__name__)
 # study) and confirms the lease before that trial is told (Driver.begin(confirm_later=
 # True)): before, its first run's training slept a second at its first batch. Where
 # another run's claim stands instead, its first trial is told failed, and the run is
-# refused then: an AutoLoader whose study is the one kept beside its path searches in
-# memory from there.
+# refused then (under torchrun, on every rank: rank 0 says so as the job's next step):
+# an AutoLoader whose study is the one kept beside its path searches in memory from
+# there.
 # While a run holds the lease no other autoloader run is live on the study, so every
 # trial still RUNNING when it takes the lease is a dead run's (Driver._fail_orphans).
 # Where the storage keeps Optuna's trial heartbeats (an RDB URL), the same thread records
