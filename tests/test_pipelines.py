@@ -163,7 +163,8 @@ def test_the_report_names_each_failure_with_the_settings_that_met_it(
     nothing, and the search starts at two workers."""
     pipeline = corpus("webdataset-few-shards")
     pipeline.step = _no_step
-    result = _tune(pipeline, search_space={"num_workers": (2, 16)})
+    # Three search trials, in time enough on a busy machine: failures are met by then.
+    result = _tune(pipeline, search_space={"num_workers": (2, 16)}, time_budget=8, n_trials=3)
     assert result.params["num_workers"] <= 2
     _check_one_epoch(result, pipeline)
     failures = autoloader.report(result).split("\nfailures\n")[1].split("\n\n")[0]
