@@ -552,20 +552,20 @@ class LoopTuning:
 
     # The end of tuning -----------------------------------------------------------------
 
-    def _close_session(self) -> None:
+    def _close_session(self) -> bool:
+        """Whether this rank held the search's session (rank 0 under torchrun): closed."""
         session = None if self.search is None else self.search.session
         if session is not None:
             session.close()
+        return session is not None
 
     def take(
         self, result: TuneResult, *, reused_from: Path | None = None, chosen: Params | None = None
     ) -> None:
         """TUNED: train with ``result``'s settings from here on (``chosen``: another, a
         checkpoint's, the chosen one having failed before it), and say so."""
-        # Searched here: under torchrun on rank 0 alone, which gives its lease back first.
-        session = None if self.search is None else self.search.session
-        searched = reused_from is None and chosen is None and session is not None
-        self._close_session()
+        # Searched here, its lease given back first (another rank's removal came too soon).
+        searched = self._close_session() and reused_from is None and chosen is None
         result, self.problem = self.retuning.taken(result, self.problem)
         path = self.problem.path
         if searched and path is not None and path.exists() and not result.partial:

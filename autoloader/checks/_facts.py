@@ -20,8 +20,8 @@ Measured once, before the search, and saved with the result (``TuneResult.facts`
 - ``copy_on_read``: with fork, bytes of its parent's memory a forked process copies per
   item it reads for the first time (``NOTE [ Copy-on-read probe ]``; below what the
   report speaks of, an upper bound), and ``copy_on_read_items``, how many items that
-  was measured over; ``None`` if not
-  measured (another start method, an iterable dataset, fewer than 1,000 items);
+  was measured over; ``None`` if not measured (another start method, an iterable
+  dataset, fewer than 1,000 items);
   ``process_bytes``, this process's resident memory then, which bounds the copy.
 - ``missing``: for each fact a check could not establish, why (it ran out of its time,
   or the dataset raised in it).
