@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ from autoloader.measure._deadlines import TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
 from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from tests.workloads import FailingDataset, SleepDataset
@@ -201,9 +202,12 @@ class _FakeLockstep:
 
     joint = True
 
-    def __init__(self, spare: Any, others_fail_at: int | None = None) -> None:
+    def __init__(
+        self, spare: Any, others_fail_at: int | None = None, *, others_hang_for: float = 0.0
+    ) -> None:
         self.spare = spare
         self.others_fail_at = others_fail_at
+        self.others_hang_for = others_hang_for  # their failure: a batch that long overdue
         self.checkpoints: list[Checkpoint] = []
 
     def begin(self, epoch_batches: int | None) -> None:
@@ -215,7 +219,9 @@ class _FakeLockstep:
     def agree(self, mine: Checkpoint) -> Checkpoint:
         self.checkpoints.append(mine)
         if len(self.checkpoints) == self.others_fail_at:
-            return dataclasses.replace(mine, failed=True)
+            hung = self.others_hang_for > 0
+            seconds = max(mine.seconds, self.others_hang_for)
+            return dataclasses.replace(mine, failed=True, hung=hung, seconds=seconds)
         return mine
 
     def combine(self, estimate: Measurement) -> Measurement:
@@ -256,6 +262,47 @@ def test_a_rank_stops_with_the_others_when_another_fails() -> None:
     with pytest.raises(PeerFailed):
         runner.measure({"num_workers": 0}, max_seconds=5.0, lockstep=lockstep)
     assert len(step.batches) == 1 + 2 * 4  # stopped at the third checkpoint, with the rest
+
+
+class _GrowingDataset(SleepDataset):
+    """Each item keeps 64 KiB more of this process's memory: a slow, steady leak."""
+
+    def __init__(self) -> None:
+        super().__init__(length=100_000, latency=0.003)
+        self.kept: list[torch.Tensor] = []
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.kept.append(torch.ones(1 << 14))  # written: resident
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("others_hang_for", [0.0, 100.0])
+def test_a_rank_whose_tree_outgrows_its_budget_reports_that_where_another_hung(
+    others_hang_for: float,
+) -> None:
+    # Another rank of the node hung on a batch 100 s overdue, where this rank watches the
+    # node's tree: growing about 20 MB/s (less on a busy machine), it passes the budget's
+    # 300 MiB head-room within those 100 s, not within the trial's 4 s, so its own watch
+    # did not stop it. The job's outcome prefers the memory fault to the hang
+    # (NOTE [ Memory growth against the hang deadline ]); any other failure of another
+    # rank stops this one as before.
+    dataset = _GrowingDataset()
+    budget = tree_memory(psutil.Process()) + (300 << 20)
+    runner = TrialRunner(
+        dataset, _CountingStep(), batch_size=4, memory_budget=budget, target_relative_error=0.0
+    )
+    # A checkpoint every 4 batches of about 12 ms: the 30th comes after about 1.5 s,
+    # once the watch's growth rate is known (it needs a second of samples).
+    lockstep = _FakeLockstep(torch.zeros(4, 8), others_fail_at=30, others_hang_for=others_hang_for)
+    with pytest.raises((PeerFailed, MemoryBudgetExceeded)) as raised:
+        runner.measure({"num_workers": 0}, max_seconds=4.0, lockstep=lockstep)
+    if others_hang_for:
+        assert isinstance(raised.value, MemoryBudgetExceeded)
+        assert raised.value.projected is not None and raised.value.projected > budget
+        assert raised.value.peak < budget
+    else:
+        assert isinstance(raised.value, PeerFailed)
+    assert len(lockstep.checkpoints) == 30
 
 
 def test_alone_a_failure_is_raised_at_once() -> None:

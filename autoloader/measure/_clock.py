@@ -51,6 +51,14 @@ _MIN_PACE_SECONDS = 2.0
 # stopped it given the time the trial had left: it is a memory fault, not a hang. A
 # trial with no end of its own (a torchrun job's trial of set length, or a chosen
 # setting serving training) looks _UNTIMED_HORIZON seconds ahead.
+# Under torchrun only a node's first rank watches the node's whole tree (every rank's
+# workers): another rank of the node asks a watch of its own tree alone, short of its
+# siblings' memory, and on a slow machine a worker filling 1 GiB on rank 3 was called
+# hung there before node-b's watch, on rank 2, saw the budget passed (a flaky two-node
+# test). So a rank's hang is said at the trial's next checkpoint (Checkpoint.hung), and
+# each rank that did not fail asks its own watch there, fresh: a node's watching rank
+# whose tree passed the budget or outgrows it within the horizon reports that memory
+# fault, which the job's outcome prefers to the hang (job_outcome).
 _UNTIMED_HORIZON = 1.0
 
 

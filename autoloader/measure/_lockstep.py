@@ -32,6 +32,9 @@ class Checkpoint:
     warming: bool = False  # still in the warm-up
     not_ready: bool = False  # its timing window is not yet long enough to close
     failed: bool = False  # its loader or step failed; it steps the spare batch
+    # its failure is a batch past its deadline (NOTE [ Memory growth against the hang
+    # deadline ], in _clock.py: the node's watching rank looks at the node's growth)
+    hung: bool = False
     seconds: float = 0.0  # since the last checkpoint
 
 

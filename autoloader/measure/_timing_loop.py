@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -390,13 +391,32 @@ class TimingLoop:
                 warming=warming,
                 not_ready=not_ready,
                 failed=self.failure is not None,
+                hung=_hung(self.failure),
                 seconds=now - self.checkpoint_at,
             )
         )
         self.checkpoint_at, self.since_checkpoint = now, 0
         if agreed.failed:
-            raise self.failure if self.failure is not None else PeerFailed()
+            if self.failure is not None:
+                raise self.failure
+            if agreed.hung:  # NOTE [ Memory growth against the hang deadline ]
+                grown = self._outgrown(agreed.seconds)
+                if grown is not None:
+                    raise grown
+            raise PeerFailed()
         return agreed
+
+    def _outgrown(self, overdue: float) -> MemoryBudgetExceeded | None:
+        """Another process hung for up to ``overdue`` seconds: the memory fault to
+        report instead, where this one's watch finds its tree past the budget, or
+        growing past it within the horizon (``NOTE [ Memory growth against the hang
+        deadline ]``)."""
+        watch = self.guard.watch
+        with contextlib.suppress(psutil.Error):  # the tree changed mid-read
+            watch.sample()
+        return watch.claim() or watch.outgrows(
+            memory_horizon(overdue, self.deadline, perf_counter())
+        )
 
     def _fetch(self, limit: float | None) -> Any:
         """The next batch of the current iterator, within ``limit`` seconds; after a
@@ -480,6 +500,15 @@ class TimingLoop:
             batch_bytes=self.batch_bytes,
             epochs_samples_per_second=self.epochs.rate(),
         )
+
+
+def _hung(failure: TrialError | MemoryBudgetExceeded | None) -> bool:
+    """Whether ``failure`` is a batch that overran its deadline."""
+    return (
+        isinstance(failure, TrialError)
+        and failure.stage == "loading a batch"
+        and isinstance(failure.error, TrialTimeout)
+    )
 
 
 def _timed_out(error: TrialTimeout, peak_memory: int) -> TrialError:
