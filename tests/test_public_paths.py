@@ -134,7 +134,9 @@ def test_verbose_prints_one_line_when_tuning_ends_and_when_it_reuses(
         _until_tuned(quiet)
     finally:
         quiet.close()
-    assert quiet.tuned and capfd.readouterr().err == ""
+    # Nothing, whether the reuse holds or, on a machine busier than when it tuned, its
+    # check finds loading slower and the loader tunes again (a WARNING, for logging).
+    assert capfd.readouterr().err == ""
 
 
 # A saved result not reused where the problem changed, part by part -----------------------

@@ -67,7 +67,9 @@ def test_tune_survives_a_worker_fault_and_reports_the_start_up(
         FaultInWorkersDataset("SIGSEGV", length=2048, from_worker=1, after=20),
         sleep_step,
         batch_size=4,
-        time_budget=12.0,
+        # On a busy machine a forkserver's workers took over 4 s to start: a trial of a
+        # 12 s budget ended before their first batch, and no crash was met.
+        time_budget=20.0,
         loader_kwargs={"multiprocessing_context": method},
         show_progress=False,
     )
