@@ -64,8 +64,12 @@ _LEAST_SECONDS = 0.2
 _LEAST_BAND = 0.25
 _MOST_BAND = 1.0
 _TOO_SHORT_BAND = 0.5
-# A batch of the check may take this many times the saved trial's before it is hung.
+# A batch of the check may take this many times the saved trial's before it is hung,
+# and _LEAST_HUNG seconds at least, as in the search (NOTE [ Hang deadlines ]): with the
+# check's own length as the floor, a 0.2 s check failed a tiny model's step as hung
+# when it stalled 0.2 s on a busy machine, and a good saved setting was tuned again.
 _HUNG = 20.0
+_LEAST_HUNG = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +211,8 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
         return result
     seconds = check_seconds(budget, saved)
     workers = int(result.params.get("num_workers") or 0)
-    deadlines = Deadlines.per_batch(max(seconds, _HUNG * _batch_seconds(saved)), workers=workers)
+    hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(saved))
+    deadlines = Deadlines.per_batch(hung, workers=workers)
     try:
         measured = runner.measure(
             result.params,

@@ -82,6 +82,40 @@ def test_a_setting_that_fails_its_check_is_tuned_again(
     assert f"not reusing {path}: its setting failed when checked" in caplog.text
 
 
+class _StallsOnce:
+    """A step that stalls ``seconds`` once, at its ``at``-th call: a busy machine."""
+
+    def __init__(self, at: int, seconds: float) -> None:
+        self.at, self.seconds, self.calls = at, seconds, 0
+
+    def __call__(self, batch: Any) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            time.sleep(self.seconds)
+
+
+def test_a_step_that_stalls_a_second_in_the_check_is_no_hang(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The check's batches may take as long as the search's before they are hung (3 s at
+    least): a deadline of the check's own length (0.2 s here) failed a good setting
+    whose step stalled once on a busy machine, and the run tuned again."""
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.001)
+    step = _StallsOnce(at=2, seconds=1.0)
+    runner = TrialRunner(
+        SleepDataset(256, latency=0.001),
+        step,
+        batch_size=8,
+        memory_budget=resolve_memory_budget(None),
+    )
+    assert result.chosen_trial is not None and check_seconds(4, result.chosen_trial) < 1.0
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        checked(result, runner, budget=4, path=path)
+    assert step.calls >= 2
+    assert "failed when checked" not in caplog.text
+
+
 def test_the_check_takes_its_share_of_the_budget_or_what_the_setting_needs_unchanged() -> None:
     fast = TrialRecord(
         0, "search", {}, "complete", time_to_first_batch=0.05, load_seconds=0.005,
