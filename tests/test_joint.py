@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import pickle
+import time
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -203,22 +204,34 @@ class _FakeLockstep:
     joint = True
 
     def __init__(
-        self, spare: Any, others_fail_at: int | None = None, *, others_hang_for: float = 0.0
+        self,
+        spare: Any,
+        others_fail_at: int | None = None,
+        *,
+        others_fail_after: float | None = None,
+        others_hang_for: float = 0.0,
     ) -> None:
         self.spare = spare
         self.others_fail_at = others_fail_at
+        # Or at the first checkpoint this many seconds after the trial's start.
+        self.others_fail_after = others_fail_after
         self.others_hang_for = others_hang_for  # their failure: a batch that long overdue
         self.checkpoints: list[Checkpoint] = []
+        self.began = time.monotonic()
 
     def begin(self, epoch_batches: int | None) -> None:
         self.checkpoints.clear()
+        self.began = time.monotonic()
 
     def every(self) -> int:
         return 4
 
     def agree(self, mine: Checkpoint) -> Checkpoint:
         self.checkpoints.append(mine)
-        if len(self.checkpoints) == self.others_fail_at:
+        after = self.others_fail_after
+        if len(self.checkpoints) == self.others_fail_at or (
+            after is not None and time.monotonic() - self.began >= after
+        ):
             hung = self.others_hang_for > 0
             seconds = max(mine.seconds, self.others_hang_for)
             return dataclasses.replace(mine, failed=True, hung=hung, seconds=seconds)
@@ -276,14 +289,14 @@ class _GrowingDataset(SleepDataset):
         return super().__getitem__(index)
 
 
-@pytest.mark.parametrize("others_hang_for", [0.0, 100.0])
+@pytest.mark.parametrize("others_hang_for", [0.0, 1000.0])
 def test_a_rank_whose_tree_outgrows_its_budget_reports_that_where_another_hung(
     others_hang_for: float,
 ) -> None:
-    # Another rank of the node hung on a batch 100 s overdue, where this rank watches the
-    # node's tree: growing about 20 MB/s (less on a busy machine), it passes the budget's
-    # 300 MiB head-room within those 100 s, not within the trial's 4 s, so its own watch
-    # did not stop it. The job's outcome prefers the memory fault to the hang
+    # Another rank of the node hung on a batch 1,000 s overdue, where this rank watches
+    # the node's tree: growing about 20 MB/s (less on a busy machine), it passes the
+    # budget's 300 MiB head-room within those 1,000 s, not within the trial's 5 s, so its
+    # own watch did not stop it. The job's outcome prefers the memory fault to the hang
     # (NOTE [ Memory growth against the hang deadline ]); any other failure of another
     # rank stops this one as before.
     dataset = _GrowingDataset()
@@ -291,18 +304,20 @@ def test_a_rank_whose_tree_outgrows_its_budget_reports_that_where_another_hung(
     runner = TrialRunner(
         dataset, _CountingStep(), batch_size=4, memory_budget=budget, target_relative_error=0.0
     )
-    # A checkpoint every 4 batches of about 12 ms: the 30th comes after about 1.5 s,
-    # once the watch's growth rate is known (it needs a second of samples).
-    lockstep = _FakeLockstep(torch.zeros(4, 8), others_fail_at=30, others_hang_for=others_hang_for)
+    # The others fail 2 s in, once the watch's growth rate is known (it needs a second
+    # of samples), however busy the machine.
+    lockstep = _FakeLockstep(
+        torch.zeros(4, 8), others_fail_after=2.0, others_hang_for=others_hang_for
+    )
     with pytest.raises((PeerFailed, MemoryBudgetExceeded)) as raised:
-        runner.measure({"num_workers": 0}, max_seconds=4.0, lockstep=lockstep)
+        runner.measure({"num_workers": 0}, max_seconds=5.0, lockstep=lockstep)
     if others_hang_for:
         assert isinstance(raised.value, MemoryBudgetExceeded)
         assert raised.value.projected is not None and raised.value.projected > budget
         assert raised.value.peak < budget
     else:
         assert isinstance(raised.value, PeerFailed)
-    assert len(lockstep.checkpoints) == 30
+    assert time.monotonic() - lockstep.began >= 2.0  # it ended where the others failed
 
 
 def test_alone_a_failure_is_raised_at_once() -> None:
