@@ -25,6 +25,7 @@ entry points differ only in who owns the loop, as Optuna's ``study.optimize()`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -112,6 +113,7 @@ class RunSession:
         self.space_notes: list[SpaceNote] = []
         self.facts: dict[str, Any] = {}
         self._space: SearchSpace | None = None
+        self._named: SearchSpace | None = None  # the space that names the study
         self._driver: Driver | None = None
         # Where the study is AutoLoader's own, kept beside its path: the search goes on in
         # memory if another run holds it (NOTE [ An unfinished search kept ]).
@@ -143,15 +145,18 @@ class RunSession:
             start_method=problem.start_method,
             processes=asked.num_workers != (0, 0) and asked.worker_kind != ("threads",),
         )
-        space, notes = resolve_space(
+        resolve = functools.partial(
+            resolve_space,
             asked,
             usable_cpus=problem.environment.usable_cpus,
             has_accelerator=problem.environment.accelerator is not None,
             batches_per_epoch=problem.batches_per_epoch,
             batched_fetch_problem=batched_fetch_problem,
             threads_problem=threads_problem,
-            startup=_startup(problem, facts),
         )
+        space, notes = resolve(startup=_startup(problem, facts))
+        # NOTE [ A study named by what stays ]
+        self._named = resolve(startup=None)[0]
         for name, why in facts["missing"].items():
             _logger.warning("not checked before the search, %s: %s", name, why)
         self._space, self.space_notes, self.facts = space, notes, facts
@@ -173,8 +178,8 @@ class RunSession:
                 pace being training's, not again in the runoff.
             on_record: called with each trial's record, after it is logged.
         """
-        problem, space = self.problem, self._space
-        assert space is not None, "check() comes first"
+        problem, space, named = self.problem, self._space, self._named
+        assert space is not None and named is not None, "check() comes first"
         policy = _policy(problem, space, self.facts)
         if runner is None:
             policy = dataclasses.replace(policy, runoff_baseline=False, in_training=True)
@@ -189,7 +194,7 @@ class RunSession:
             self._driver = Driver(
                 policy,
                 runner,
-                _study(problem, space),
+                _study(problem, named),
                 deadline=self.started + problem.budget,
                 on_trial=on_trial,
                 interrupted=self.interruption,
@@ -440,8 +445,20 @@ def _startup(problem: Problem, facts: dict[str, Any]) -> Startup | None:
     return Startup(seconds, problem.start_method, problem.budget, trial_seconds(problem.budget))
 
 
+# NOTE [ A study named by what stays ]
+# A study is named by the problem and the machine (search/_study.py, name_of), its space
+# among them: the space as the checks leave it, since a check that takes a choice away
+# (batched fetch, thread workers) changes a categorical parameter, which Optuna refuses
+# to vary within a study. But the cap that worker start-up puts on num_workers
+# (NOTE [ Worker start-up ], in checks/_facts.py) moves with the time budget and with
+# the machine's load at the check: AutoLoader's first run (a 60 s budget) and the next
+# (4 s), both beside another test process, named two studies, and the next measured
+# its baseline again instead of going on with the first's search. So the study is named
+# by the space without that cap, an integer range Optuna lets vary, and the search
+# keeps to the capped one; the earlier run's trials, measured, count as they were.
 def _study(problem: Problem, space: SearchSpace) -> optuna.Study:
-    """The study of this problem: an earlier run's, where the storage holds one."""
+    """The study of this problem: an earlier run's, where the storage holds one. Named
+    by ``space`` (``NOTE [ A study named by what stays ]``)."""
     return optuna.create_study(
         storage=problem.storage,
         study_name=study_name(

@@ -3,6 +3,7 @@ DataLoader's, with every fault kept from the loop (NOTE [ Tuning in the training
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -15,9 +16,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import autoloader
+import autoloader._session
 from autoloader import AutoLoader, InvalidInputError
 from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.measure import LiveTrial
+from autoloader.search._objective import trial_seconds
 from tests.workloads import (
     FailingDataset,
     FaultInWorkersDataset,
@@ -512,6 +515,45 @@ def test_a_run_shorter_than_the_budget_leaves_its_search_for_the_next_to_continu
     assert len(baselines) == 1, "the first run's baseline was measured again"
     assert any("earlier run" in note for note in second.result.notes), second.result.notes  # type: ignore[union-attr]
     assert "autoloader-heartbeat" not in [t.name for t in threading.enumerate()]
+
+
+def test_the_next_run_continues_the_search_though_its_workers_start_slower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ A study named by what stays ]: the cap that worker start-up puts on
+    num_workers moves with the budget and the machine's load; the next run's study is
+    the first's all the same. (Beside another test process, the next run of the test
+    above measured its baseline again: its start-up check capped the workers.)"""
+    path = tmp_path / "loader.json"
+    dataset = SleepDataset(length=240, latency=0.001)
+    kwargs: dict[str, Any] = {"batch_size": 8, "path": path, "verbose": False}
+    first = AutoLoader(dataset, time_budget=60, **kwargs)
+    try:
+        _epochs(first, 1)
+    finally:
+        first.close()
+    finished = first.history
+    assert finished and not first.tuned
+
+    startup = autoloader._session._startup
+
+    def slow(problem: Any, facts: dict[str, Any]) -> Any:
+        measured = startup(problem, facts)
+        return None if measured is None else dataclasses.replace(measured, seconds=1.0)
+
+    monkeypatch.setattr(autoloader._session, "_startup", slow)
+    second = AutoLoader(dataset, time_budget=4, **kwargs)
+    try:
+        _until_tuned(second, after=0)
+        tuning = second.tuning
+        assert tuning is not None
+        earlier = [t for t in tuning.history if t.earlier]
+        searched = [t.params["num_workers"] for t in tuning.history if not t.earlier]
+    finally:
+        second.close()
+    assert [t.params for t in earlier] == [t.params for t in finished]
+    # The search kept to the cap: the workers that start in two trials' time.
+    assert max(searched, default=0) <= 2 * trial_seconds(4) / 1.0
 
 
 # Bad input ---------------------------------------------------------------------------------
