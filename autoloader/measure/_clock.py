@@ -56,7 +56,7 @@ _MIN_PACE_SECONDS = 2.0
 # siblings' memory, and on a slow machine a worker filling 1 GiB on rank 3 was called
 # hung there before node-b's watch, on rank 2, saw the budget passed (a flaky two-node
 # test). So a rank's hang is said at the trial's next checkpoint (Checkpoint.hung), and
-# each rank that did not fail asks its own watch there, fresh: a node's watching rank
+# each rank that did not fail asks its own watch there: a node's watching rank
 # whose tree passed the budget or outgrows it within the horizon reports that memory
 # fault, which the job's outcome prefers to the hang (job_outcome).
 _UNTIMED_HORIZON = 1.0

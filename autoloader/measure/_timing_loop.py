@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -411,9 +410,7 @@ class TimingLoop:
         report instead, where this one's watch finds its tree past the budget, or
         growing past it within the horizon (``NOTE [ Memory growth against the hang
         deadline ]``)."""
-        watch = self.guard.watch
-        with contextlib.suppress(psutil.Error):  # the tree changed mid-read
-            watch.sample()
+        watch = self.guard.watch  # sampled by its own thread: read, not sampled here
         return watch.claim() or watch.outgrows(
             memory_horizon(overdue, self.deadline, perf_counter())
         )
