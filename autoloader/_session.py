@@ -155,7 +155,7 @@ class RunSession:
             threads_problem=threads_problem,
         )
         space, notes = resolve(startup=_startup(problem, facts))
-        # NOTE [ A study named by what stays ]
+        # The space that names the study (NOTE [ A study named by what stays ]).
         self._named = resolve(startup=None)[0]
         for name, why in facts["missing"].items():
             _logger.warning("not checked before the search, %s: %s", name, why)
