@@ -479,6 +479,18 @@ def test_the_next_run_reuses_the_saved_settings_and_a_changed_dataset_tunes_agai
     assert "not reusing" in caplog.text and "dataset length: 120 then, 130 now" in caplog.text
 
 
+def _next_run(dataset: Dataset[Any], kwargs: dict[str, Any]) -> tuple[AutoLoader[Any], list[Any]]:
+    """An AutoLoader of a 4 s budget trained until tuned, closed; and its search's trials."""
+    loader = AutoLoader(dataset, time_budget=4, **kwargs)
+    try:
+        _until_tuned(loader, after=0)
+        tuning = loader.tuning
+        assert tuning is not None
+        return loader, list(tuning.history)
+    finally:
+        loader.close()
+
+
 def test_a_run_shorter_than_the_budget_leaves_its_search_for_the_next_to_continue(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -501,14 +513,8 @@ def test_a_run_shorter_than_the_budget_leaves_its_search_for_the_next_to_continu
     _every_sample_once(seen, 240, 2)
 
     caplog.set_level(logging.INFO, logger="autoloader")
-    second = AutoLoader(dataset, time_budget=4, **kwargs)
-    try:
-        _until_tuned(second, after=0)
-        tuning = second.tuning
-        assert tuning is not None
-        earlier = [t for t in tuning.history if t.earlier]
-    finally:
-        second.close()
+    second, history = _next_run(dataset, kwargs)
+    earlier = [t for t in history if t.earlier]
     assert second.tuned and path.exists() and not study.exists()
     assert [t.params for t in earlier] == [t.params for t in finished]
     baselines = [t for t in second.result.trials if t.phase == "baseline"]  # type: ignore[union-attr]
@@ -542,15 +548,9 @@ def test_the_next_run_continues_the_search_though_its_workers_start_slower(
         return None if measured is None else dataclasses.replace(measured, seconds=1.0)
 
     monkeypatch.setattr(autoloader._session, "_startup", slow)
-    second = AutoLoader(dataset, time_budget=4, **kwargs)
-    try:
-        _until_tuned(second, after=0)
-        tuning = second.tuning
-        assert tuning is not None
-        earlier = [t for t in tuning.history if t.earlier]
-        searched = [t.params["num_workers"] for t in tuning.history if not t.earlier]
-    finally:
-        second.close()
+    _, history = _next_run(dataset, kwargs)
+    earlier = [t for t in history if t.earlier]
+    searched = [t.params["num_workers"] for t in history if not t.earlier]
     assert [t.params for t in earlier] == [t.params for t in finished]
     # The search kept to the cap: the workers that start in two trials' time.
     assert max(searched, default=0) <= 2 * trial_seconds(4) / 1.0
