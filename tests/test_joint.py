@@ -40,7 +40,7 @@ from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
-from tests.workloads import FailingDataset, SleepDataset
+from tests.workloads import FailingDataset, LeakingDataset, SleepDataset
 
 
 def _measurement(rate: float, **changes: Any) -> Measurement:
@@ -277,29 +277,17 @@ def test_a_rank_stops_with_the_others_when_another_fails() -> None:
     assert len(step.batches) == 1 + 2 * 4  # stopped at the third checkpoint, with the rest
 
 
-class _GrowingDataset(SleepDataset):
-    """Each item keeps 64 KiB more of this process's memory: a slow, steady leak."""
-
-    def __init__(self) -> None:
-        super().__init__(length=100_000, latency=0.003)
-        self.kept: list[torch.Tensor] = []
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        self.kept.append(torch.ones(1 << 14))  # written: resident
-        return super().__getitem__(index)
-
-
 @pytest.mark.parametrize("others_hang_for", [0.0, 1000.0])
 def test_a_rank_whose_tree_outgrows_its_budget_reports_that_where_another_hung(
     others_hang_for: float,
 ) -> None:
     # Another rank of the node hung on a batch 1,000 s overdue, where this rank watches
-    # the node's tree: growing about 20 MB/s (less on a busy machine), it passes the
+    # the node's tree: 64 KiB an item, about 30 MB/s (less on a busy machine), it passes the
     # budget's 300 MiB head-room within those 1,000 s, not within the trial's 5 s, so its
     # own watch did not stop it. The job's outcome prefers the memory fault to the hang
     # (NOTE [ Memory growth against the hang deadline ]); any other failure of another
     # rank stops this one as before.
-    dataset = _GrowingDataset()
+    dataset = LeakingDataset(64 << 10, in_workers_only=False)
     budget = tree_memory(psutil.Process()) + (300 << 20)
     runner = TrialRunner(
         dataset, _CountingStep(), batch_size=4, memory_budget=budget, target_relative_error=0.0

@@ -253,15 +253,19 @@ def hanging_step(batch: object) -> None:
 
 
 class LeakingDataset(SleepDataset):
-    """Each worker keeps ``leak_bytes`` of fresh memory per item it reads: a steady leak."""
+    """Each worker keeps ``leak_bytes`` of fresh memory per item it reads: a steady leak
+    (``in_workers_only=False``: the main process too, reading without workers)."""
 
-    def __init__(self, leak_bytes: int, length: int = 100_000) -> None:
+    def __init__(
+        self, leak_bytes: int, length: int = 100_000, *, in_workers_only: bool = True
+    ) -> None:
         super().__init__(length, latency=0.002)
         self.leak_bytes = leak_bytes
+        self.in_workers_only = in_workers_only
         self._kept: list[torch.Tensor] = []
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if get_worker_info() is not None:
+        if not self.in_workers_only or get_worker_info() is not None:
             self._kept.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32))
         return super().__getitem__(index)
 
