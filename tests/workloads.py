@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import time
@@ -254,7 +255,10 @@ def hanging_step(batch: object) -> None:
 
 class LeakingDataset(SleepDataset):
     """Each worker keeps ``leak_bytes`` of fresh memory per item it reads: a steady leak
-    (``in_workers_only=False``: the main process too, reading without workers)."""
+    (``in_workers_only=False``: the main process too, reading without workers). Fresh:
+    pages of an anonymous map of its own, written, where torch's allocator could hand
+    back heap that earlier tests freed and is still resident, growing nothing (it did,
+    after test_measure.py, in the main process)."""
 
     def __init__(
         self, leak_bytes: int, length: int = 100_000, *, in_workers_only: bool = True
@@ -262,11 +266,13 @@ class LeakingDataset(SleepDataset):
         super().__init__(length, latency=0.002)
         self.leak_bytes = leak_bytes
         self.in_workers_only = in_workers_only
-        self._kept: list[torch.Tensor] = []
+        self._kept: list[mmap.mmap] = []
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if not self.in_workers_only or get_worker_info() is not None:
-            self._kept.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32))
+            kept = mmap.mmap(-1, self.leak_bytes)
+            kept.write(b"\x01" * self.leak_bytes)
+            self._kept.append(kept)
         return super().__getitem__(index)
 
 
