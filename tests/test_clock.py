@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from autoloader.measure import Measurement
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon, pace_limit
 
 
@@ -33,6 +34,39 @@ def test_the_warm_up_skips_the_start_up_burst_or_stops_at_its_share_of_the_trial
     assert capped.burst_left == 3  # three of the burst's four left queued when timing began
 
 
+def _estimate(clock: TrialClock) -> Measurement:
+    return clock.estimate(
+        time_to_first_batch=1.0,
+        restarts=[],
+        duration=10.0,
+        peak_memory=0,
+        batch_bytes=0,
+        epochs_samples_per_second=None,
+    )
+
+
+def test_batches_of_the_burst_queued_when_timing_began_are_charged_the_later_wait() -> None:
+    """Two windows of two 4-sample batches a second, timing begun with one batch of the
+    burst queued. Where that first batch timed came without waiting and the three after
+    it waited 0.4 s each, it would have waited 0.4 s more at the loader's pace: 16
+    samples in 2.4 s. Where it waited as long as the later ones (a loader loading the
+    burst at its own pace), or the later ones no longer (a loader that keeps up), the
+    rate is as timed."""
+    for first, later, added in ((0.0, 0.4, 0.4), (0.4, 0.4, 0.0), (0.0, 0.0, 0.0)):
+        clock = _clock(workers=2, prefetch=2, min_window_seconds=0.0)
+        clock.first_batch(at=0.0, deadline=1.0)
+        clock.to_skip = 1  # what the warm-up's cap left to skip
+        for window, waits in enumerate(((first, later), (later, later))):
+            clock.open(float(window))
+            for end, wait in zip((0.5, 1.0), waits, strict=True):
+                clock.add(Totals(samples=4, batches=1, step=0.5 - wait, wait=wait), window + end)
+            clock.close(window + 1.0)
+        measured = _estimate(clock)
+        assert (measured.burst_left, measured.burst_seconds) == (1, pytest.approx(added))
+        assert measured.samples_per_second == pytest.approx(16 / (2.0 + added))
+        assert not measured.burst_undrained  # three batches timed after the burst's one
+
+
 def test_a_window_closes_after_a_batch_a_worker_and_its_shortest_time() -> None:
     clock = _clock(workers=3, min_window_seconds=1.0)
     clock.open(0.0)
@@ -57,24 +91,21 @@ def test_an_epochs_edge_is_off_the_open_windows_clock() -> None:
     assert later.window_start == 10.0 and later.burst_left == 0
 
 
-def test_the_rate_is_known_after_enough_windows_that_agree() -> None:
+@pytest.mark.parametrize("burst_left", [0, 2])
+def test_the_rate_is_known_after_enough_windows_that_agree(burst_left: int) -> None:
+    """Unless timing began with half the batches it timed still queued at start-up:
+    too few after them to tell how much sooner those came."""
     clock = _clock(workers=2, min_window_seconds=0.0, min_windows=2)
+    clock.to_skip = burst_left  # what the warm-up left queued
     for start in (0.0, 1.0):
         clock.open(start)
         clock.add(_batch(), start + 0.5)
         clock.add(_batch(), start + 1.0)
         clock.close(start + 1.0)
-        estimate = clock.estimate(
-            time_to_first_batch=0.1,
-            restarts=[],
-            duration=start + 1.0,
-            peak_memory=0,
-            batch_bytes=0,
-            epochs_samples_per_second=None,
-        )
+    estimate = _estimate(clock)
     assert estimate.samples_per_second == pytest.approx(8.0)
     assert estimate.relative_error == 0.0
-    assert clock.converged(estimate)
+    assert clock.converged(estimate) is (burst_left == 0)
 
 
 def test_a_trial_without_a_window_falls_back_to_its_first_batch() -> None:

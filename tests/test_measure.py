@@ -36,6 +36,7 @@ from .workloads import (
     failing_step,
     noop_step,
     oom_step,
+    sleep_10ms_step,
     sleep_step,
     slow_start,
 )
@@ -121,15 +122,22 @@ def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
     assert m.epochs_samples_per_second is not None
 
 
-def test_a_trial_that_starts_timing_before_the_start_up_burst_drains_is_too_short() -> None:
-    """4 workers x prefetch 8: 32 batches queued at start-up, each worker's taking 80 ms.
-    A 1 s trial's warm-up (capped at 0.5 s) drains a score of them; the clock then counts
-    batches loaded before it started. A 6 s trial drains them all."""
-    runner = _runner(SleepDataset(1024, latency=0.02), noop_step)
-    params = _params(4, prefetch_factor=8)
-    short = runner.measure(params, max_seconds=1)
+def test_a_trial_that_starts_timing_before_the_start_up_burst_drains() -> None:
+    """A trial's warm-up cap (half its time) starts the clock with part of the start-up
+    burst still queued. 4 workers slower than the step (80 ms a batch each, 50 batches a
+    second), prefetch 15, a 2 s trial: about 10 of the 60 queued are left after a
+    second, loaded at that pace as they are taken, and the rate counts. A 10 ms step
+    that 4 workers keep up with, prefetch 32, a 1 s trial: 128 queued, more than twice
+    half a second's 50 batches timed, too few after them to tell how much sooner they
+    came: too short. A 6 s trial drains them all."""
+    slow = _runner(SleepDataset(1024, latency=0.02), noop_step)
+    bounded = slow.measure(_params(4, prefetch_factor=15), max_seconds=2)
+    assert bounded.burst_left > 0 and not bounded.too_short, bounded
+    fast = _runner(SleepDataset(4096, latency=0.0005), sleep_10ms_step)
+    params = _params(4, prefetch_factor=32)
+    short = fast.measure(params, max_seconds=1)
     assert short.burst_left > 0 and short.burst_undrained and short.too_short, short
-    long = runner.measure(params, max_seconds=6)
+    long = fast.measure(params, max_seconds=6)
     assert long.burst_left == 0 and not long.too_short, long
 
 

@@ -154,6 +154,7 @@ def job_measurement(measurements: Sequence[Measurement]) -> Measurement:
         load_thread_cpu_seconds=statistics.fmean(m.load_thread_cpu_seconds for m in measurements),
         epochs_samples_per_second=optional("epochs_samples_per_second", min),
         burst_left=most("burst_left"),
+        burst_seconds=most("burst_seconds"),
     )
 
 

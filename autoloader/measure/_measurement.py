@@ -22,7 +22,8 @@ class Measurement:
     """What one trial measured of the training loop ``next(loader)`` then ``step_fn``.
 
     Attributes:
-        samples_per_second: steady-state rate of the loop, warm-up excluded.
+        samples_per_second: steady-state rate of the loop, warm-up excluded, over the
+            time timed and ``burst_seconds``.
         relative_error: half-width of the 95% confidence interval of that rate, as a
             fraction of it (``inf`` when too few windows were measured to tell).
         data_wait_fraction: share of the loop's time spent blocked in ``next()``.
@@ -33,6 +34,10 @@ class Measurement:
         epoch_restart_seconds: the same for a later epoch, if the trial crossed one.
         burst_left: batches of the start-up burst (``num_workers x prefetch_factor``)
             not yet drained when the warm-up's time cap started the timing.
+        burst_seconds: what the first ``burst_left`` batches timed would have waited
+            more at the mean wait of those after them (queued before the clock started,
+            they came sooner), added to the time of ``samples_per_second`` (``NOTE [
+            Warm-up ]``).
         epochs_samples_per_second: the rate over whole epochs, timed from the first
             batch after warm-up to the same batch of the next epoch (see
             ``NOTE [ Whole epochs ]``), if the trial got that far; ``None`` if not.
@@ -72,6 +77,7 @@ class Measurement:
     step_cpu_seconds: float = 0.0
     epochs_samples_per_second: float | None = None
     burst_left: int = 0
+    burst_seconds: float = 0.0
     step_thread_cpu_seconds: float = 0.0
     load_thread_cpu_seconds: float = 0.0
 
@@ -84,12 +90,13 @@ class Measurement:
 
     @property
     def burst_undrained(self) -> bool:
-        """Whether timing began with so much of the start-up burst still queued (a
-        tenth of the batches timed or more) that the rate counts batches loaded before
-        the clock started, and no whole epoch was timed to stand in for it. A loader
-        slower than the step then looks as fast as the step: 7 workers x prefetch 8 on
-        an epoch of 63 batches measured 1,810 samples/s, and ran 1,134 in training."""
-        undrained = self.burst_left > 0 and self.burst_left >= 0.1 * self.batches
+        """Whether timing began with so much of the start-up burst still queued (half
+        the batches timed or more) that the batches timed after it are too few to tell
+        how long the burst's would have waited (``NOTE [ Warm-up ]``), and no whole epoch
+        was timed to stand in for it. Counted as they came, they make a loader slower
+        than the step look as fast as the step: 7 workers x prefetch 8 on an epoch of 63
+        batches measured 1,810 samples/s, and ran 1,134 in training."""
+        undrained = self.burst_left > 0 and self.burst_left >= 0.5 * self.batches
         return undrained and self.epochs_samples_per_second is None
 
     def as_dict(self) -> dict[str, Any]:

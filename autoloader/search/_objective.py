@@ -95,9 +95,10 @@ def too_short_reason(measurement: Measurement) -> str:
     if measurement.burst_undrained:
         return (
             f"{PruneKind.TOO_SHORT.value}: timing had to begin with {measurement.burst_left} "
-            "of the batches queued at start-up not yet drained, and they would count as "
-            f"loaded in the {measurement.batches} batches timed, so its rate is "
-            "not counted (a larger time_budget gives each trial time to drain them)"
+            "of the batches queued at start-up not yet drained, too many of the "
+            f"{measurement.batches} batches timed to tell how much sooner they came than "
+            "batches loaded while timed, so its rate is not counted (a larger time_budget "
+            "gives each trial time to drain them)"
         )
     return (
         f"{PruneKind.TOO_SHORT.value}: the trial's {measurement.duration:.1f} s ran out before "
