@@ -384,3 +384,41 @@ def test_the_interpreter_exit_with_an_epoch_under_way_leaves_nothing(tmp_path: P
         time.sleep(0.05)
     assert not any(psutil.pid_exists(pid) for pid in workers)
     assert time.monotonic() - started < 60
+
+
+def test_workers_killed_in_trials_leave_no_temporary_directory(tmp_path: Path) -> None:
+    """A worker that hands tensors over listens on a socket in a /tmp/pymp-* directory of
+    its own; killed, it left it behind. Forked from a process that has one, it shares
+    that, which multiprocessing removes at the process's exit (NOTE [ The workers'
+    temporary directory ]): a run whose workers from index 1 up are SIGKILLed after 8
+    items leaves nothing in its TMPDIR."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(_ROOT)!r})
+        import autoloader
+        from tests.workloads import FaultInWorkersDataset, noop_step
+
+        result = autoloader.tune(
+            FaultInWorkersDataset("SIGKILL", length=4096, from_worker=1, after=8),
+            noop_step,
+            batch_size=4,
+            time_budget=6,
+            search_space={{"num_workers": (2, 3), "worker_kind": ("processes",)}},
+            show_progress=False,
+        )
+        print("killed", sum(t.kind == "killed" for t in result.trials), flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(temporary)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split("killed")[-1]) > 0, done.stdout  # workers were killed
+    assert sorted(p.name for p in temporary.iterdir() if p.name.startswith("pymp-")) == []
