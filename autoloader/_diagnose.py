@@ -36,6 +36,7 @@ from autoloader.checks import (
     start_method,
 )
 from autoloader.measure import (
+    ChildrenRunDelay,
     Deadlines,
     Measurement,
     MemoryBudgetExceeded,
@@ -104,9 +105,10 @@ class Diagnosis:
             the CPU.
         step_threads: ``torch.get_num_threads()`` of this process when measured: the
             threads of torch's intra-op pool the step's ops run on.
-        workers_cpus: CPUs the worker processes kept busy during the loop (their CPU
-            seconds per second of it); ``None`` without worker processes
-            (``num_workers=0``, or thread workers).
+        workers_cpus: CPUs the worker processes asked for during the loop (their CPU
+            seconds, and seconds waiting for a CPU, per second of it: ``NOTE [ CPU
+            demand ]``); ``None`` without worker processes (``num_workers=0``, or thread
+            workers).
     """
 
     verdict: str
@@ -395,7 +397,7 @@ def _checks(
 class _Loops:
     """What diagnose() measured: the loop, the loader alone, the step alone (the loop
     itself unless the step was timed on one batch again), and the CPU seconds the
-    workers' processes spent during the loop."""
+    workers' processes asked for during the loop (NOTE [ CPU demand ])."""
 
     loop: Measurement
     alone: Measurement
@@ -423,10 +425,13 @@ class _Loops:
 
         deadlines = Deadlines.per_batch(_HANG_FACTOR * seconds, workers=loader.num_workers)
         children_before = _children_cpu()
-        loop = runner(step_fn, device).measure_loader(
-            loader, max_seconds=_LOOP_SHARE * seconds, deadlines=deadlines
-        )
-        children_cpu = _children_cpu() - children_before
+        # What the workers asked of the CPUs: their CPU time once reaped, and what they
+        # waited for one (NOTE [ CPU demand ]).
+        with ChildrenRunDelay() as waited:
+            loop = runner(step_fn, device).measure_loader(
+                loader, max_seconds=_LOOP_SHARE * seconds, deadlines=deadlines
+            )
+        children_cpu = _children_cpu() - children_before + waited.seconds
         alone = runner(_no_step, None).measure_loader(
             loader, max_seconds=(1 - _LOOP_SHARE) * seconds, deadlines=deadlines
         )

@@ -96,3 +96,33 @@ def test_without_schedstat_the_demand_is_the_cpu_time(monkeypatch: pytest.Monkey
     _, _, own = demand.read()
     assert on_cpu <= own <= thread_time()
     demand.close()
+
+
+_PINNED_FOR = (
+    "import os, sys, time; os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+    "until = time.perf_counter() + float(sys.argv[2])\n"
+    "while time.perf_counter() < until: pass"
+)
+
+
+def test_children_computing_on_one_shared_cpu_gather_the_run_delay_they_waited() -> None:
+    """Two children started while it runs, each computing 0.6 s on the same CPU: each
+    waits for it about half that time, runnable. A child started before is not
+    counted, though it shares the CPU too."""
+    cpu = min(os.sched_getaffinity(0))
+    # This process, and a busy child started before.
+    with _sharing_a_cpu(), _cpu_demand.ChildrenRunDelay(interval=0.02) as waited:
+        started = perf_counter()
+        children = [
+            subprocess.Popen([sys.executable, "-c", _PINNED_FOR, str(cpu), "0.6"]) for _ in range(2)
+        ]
+        for child in children:
+            child.wait()
+        wall = perf_counter() - started
+    # Three busy processes on one CPU for the children's 0.6 s each: they waited at
+    # least as long as they ran, less the reads' interval and the start-up before it.
+    assert waited.seconds >= 0.6, (waited.seconds, wall)
+    assert waited.seconds <= 2 * wall
+    with _cpu_demand.ChildrenRunDelay() as idle:
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3)"], check=True)
+    assert idle.seconds < 0.1

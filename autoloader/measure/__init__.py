@@ -23,6 +23,7 @@ Modules, from the top down, one job each::
 """
 
 from autoloader.measure._clock import measurable_batches
+from autoloader.measure._cpu_demand import ChildrenRunDelay
 from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines, TrialTimeout, time_limit
 from autoloader.measure._device import accelerator, resolve_device
 from autoloader.measure._errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "MIN_WINDOWS",
     "STARTUP_PER_WORKER",
     "Checkpoint",
+    "ChildrenRunDelay",
     "Deadlines",
     "LiveTrial",
     "Lockstep",

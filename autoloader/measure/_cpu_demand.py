@@ -20,6 +20,14 @@ Each thread's file is kept open and read again with one ``pread`` (about a micro
 the process's threads are listed again at most every ``_RELIST`` seconds. A thread is
 counted from when it is first seen, and a thread that ends loses what it gathered since
 the last read: the demand is never overstated.
+
+Worker processes are other processes: their CPU time is counted once they are reaped
+(``os.times()``), but not their run delay, which ends with them. ``ChildrenRunDelay``
+reads it from ``/proc/<pid>/task/<tid>/schedstat`` of each child started while it
+runs, on a thread of its own, every ``interval``: a child's last read before it exits
+counts, and what it waited in its last ``interval`` is lost (never overstated). With
+one worker burning CPU and two test processes on two cores, ``diagnose()`` measured
+the worker on a CPU a third of the loop and called it waiting on I/O.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import math
 import os
 import threading
 from time import perf_counter, process_time, thread_time
+
+import psutil
 
 _TASKS = "/proc/self/task"
 _RELIST = 0.1
@@ -125,3 +135,76 @@ def _run_delay(fd: int) -> int | None:
         return int(fields[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+class ChildrenRunDelay:
+    """The run delay of this process's children started while it runs: ``with`` it
+    around what starts them, then read :attr:`seconds` (``NOTE [ CPU demand ]``). It
+    only reads their ``/proc`` files; where those are missing (not Linux), 0.
+
+    Args:
+        interval: seconds between reads.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self._process = psutil.Process()
+        self._before: set[int] = set()
+        self._delays: dict[int, int] = {}  # child pid: its threads' run delay (ns)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def seconds(self) -> float:
+        """The children's run delay gathered up to their last read."""
+        return sum(self._delays.values()) / 1e9
+
+    def __enter__(self) -> ChildrenRunDelay:
+        self._before = {child.pid for child in self._children()}
+        self._thread = threading.Thread(target=self._run, name="autoloader-run-delay", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            self._read()
+            if self._stop.wait(self.interval):
+                return
+
+    def _read(self) -> None:
+        for child in self._children():
+            if child.pid in self._before:
+                continue
+            delay = _process_run_delay(child.pid)
+            if delay is not None:
+                self._delays[child.pid] = max(delay, self._delays.get(child.pid, 0))
+
+    def _children(self) -> list[psutil.Process]:
+        try:
+            children: list[psutil.Process] = self._process.children()
+        except psutil.Error:
+            return []
+        return children
+
+
+def _process_run_delay(pid: int) -> int | None:
+    """The run delay (ns) of the threads of process ``pid``; ``None`` if unreadable."""
+    tasks = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(tasks)
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"{tasks}/{tid}/schedstat", "rb") as file:
+                total += int(file.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
