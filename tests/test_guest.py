@@ -422,3 +422,52 @@ def test_workers_killed_in_trials_leave_no_temporary_directory(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split("killed")[-1]) > 0, done.stdout  # workers were killed
     assert sorted(p.name for p in temporary.iterdir() if p.name.startswith("pymp-")) == []
+
+
+def test_a_worker_whose_process_is_killed_as_it_starts_exits(tmp_path: Path) -> None:
+    """A process (a torchrun rank, standing in) killed while its loader's worker runs the
+    user's worker_init_fn: torch's watchdog, made after it, would take init for the
+    worker's parent and wait on forever, holding the rank's sockets; the worker exits
+    instead (NOTE [ A worker whose parent died as it started ])."""
+    started = tmp_path / "worker"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {str(_ROOT)!r})
+        from autoloader.loader import build_loader, merge_loader_kwargs
+        from tests.workloads import SleepDataset
+
+        def slow_init(worker_id):
+            with open({str(started)!r}, "w") as file:
+                file.write(str(os.getpid()))
+            time.sleep(2)
+
+        options = merge_loader_kwargs(
+            {{"num_workers": 1}}, batch_size=4, fixed={{"worker_init_fn": slow_init}}
+        )
+        next(iter(build_loader(SleepDataset(64), options)))
+        """
+    )
+    rank = subprocess.Popen([sys.executable, "-c", script])
+    worker = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker = int(started.read_text())
+        rank.kill()
+        rank.wait()
+        # Its init sleeps 2 s, then the worker finds its parent gone.
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(worker) and time.monotonic() < deadline:
+            if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.05)
+        assert not psutil.pid_exists(worker) or (
+            psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+        ), f"worker {worker} still runs, its parent gone"
+    finally:
+        rank.kill()
+        rank.wait()
+        if worker and psutil.pid_exists(worker):
+            os.kill(worker, signal.SIGKILL)

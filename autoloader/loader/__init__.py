@@ -11,6 +11,8 @@ Modules, from the top down, one job each::
     _batched         a whole batch fetched with one indexing (NOTE [ Batched fetch ])
     _thread_loader   ThreadLoader: a DataLoader whose workers are threads
     _worker_threads  LimitThreads: native thread pools held to one thread per worker
+    _worker_process  what forked workers take from their process: its temporary
+                     directory, and a parent they exit without
     _step_threads    step_threads(): the training process's own torch threads, for a
                      block (NOTE [ Step threads ])
     _params          the settings autoloader tunes, in their canonical form

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.util
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +13,7 @@ from autoloader._exceptions import InvalidInputError
 from autoloader.loader._batched import batched_loader_kwargs
 from autoloader.loader._params import normalize_params
 from autoloader.loader._thread_loader import ThreadLoader
+from autoloader.loader._worker_process import forked_worker_kwargs
 from autoloader.loader._worker_threads import LimitThreads
 
 # Tuned settings that are not DataLoader options but change how the loader is built.
@@ -58,32 +58,6 @@ def build_loader(dataset: Dataset[Any], options: Mapping[str, Any]) -> DataLoade
     )
 
 
-# NOTE [ The workers' temporary directory ]
-# A worker process that hands a tensor to the main process over a file descriptor
-# (torch's default sharing strategy) listens on a socket in multiprocessing's
-# per-process temporary directory, /tmp/pymp-*, made at its first use and removed at
-# its process's exit. A worker that is killed (the memory watch, a hang, the OOM
-# killer) or crashes leaves its own behind: a full test run left 50. A forked worker
-# takes the directory of the process it was forked from where that has one, and
-# removes nothing of it: so the training process makes its own (multiprocessing's,
-# removed at its exit) before it forks workers, and nothing a worker dies with stays.
-# Spawned and forkserver workers start without it, and are left as they are.
-def _share_temporary_directory(kwargs: Mapping[str, Any]) -> None:
-    """Give the process the temporary directory its forked workers will share (NOTE [
-    The workers' temporary directory ])."""
-    if not kwargs.get("num_workers"):
-        return
-    context = kwargs.get("multiprocessing_context")
-    if isinstance(context, str):
-        method = context
-    elif context is not None:
-        method = context.get_start_method()
-    else:
-        method = default_start_method()
-    if method == "fork":
-        multiprocessing.util.get_temp_dir()
-
-
 def new_loader(
     dataset: Dataset[Any], kwargs: Mapping[str, Any], *, threads: bool = False
 ) -> DataLoader[Any]:
@@ -91,7 +65,7 @@ def new_loader(
     torch's warning about more workers than cores: trials use them on purpose, and a
     tuned count was measured to pay."""
     if not threads:
-        _share_temporary_directory(kwargs)
+        kwargs = forked_worker_kwargs(kwargs, default_start_method())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         if threads:
