@@ -258,12 +258,11 @@ def test_a_hang_on_one_node_ends_the_trial_on_both(tmp_path: Path) -> None:
 def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
     job = nodes.start(["-m", "tests.torchrun_job", str(tmp_path), "long"], cwd=tmp_path, env=_ENV)
     victim = _rank_pid(tmp_path, 3)  # on node-b
-    # Not while it forks its workers: a worker whose watchdog (torch's ManagerWatchdog)
-    # reads its parent's pid after the parent died takes init for its parent and never
-    # exits, holding the rank's gloo sockets open, so no rank sees the death until
-    # torchrun kills the blocked ranks, 30 s after its SIGTERM on each node (32 s and
-    # 62 s, with workers left behind, in full-suite runs). Not fixed yet:
-    # docs/multi_node.md.
+    # Once its trials run. A kill as it forked its workers left a worker taking init for
+    # its parent (torch's watchdog reads the parent's pid after worker_init_fn), holding
+    # the rank's gloo sockets open: no rank saw the death until torchrun killed the
+    # blocked ranks, 30 s after its SIGTERM (32, 33 and 62 s in full-suite runs). Such a
+    # worker now exits (NOTE [ A worker whose parent died as it started ]).
     _wait_for_trials(tmp_path, victim, settled=1.0)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
