@@ -71,6 +71,10 @@ def test_tune_survives_a_worker_fault_and_reports_the_start_up(
         # 12 s budget ended before their first batch, and no crash was met.
         time_budget=20.0,
         loader_kwargs={"multiprocessing_context": method},
+        # A range of its own, which the workers' measured start-up does not cap: in a full
+        # run spawn's start-up once capped the default range at 1 worker, and no trial met
+        # the crash of worker 1.
+        search_space={"num_workers": (0, 3)},
         show_progress=False,
     )
     assert result.params["num_workers"] <= 1
