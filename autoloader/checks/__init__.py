@@ -30,9 +30,9 @@ from autoloader.checks._validation import (
     check_step_fn,
     count_batches,
     env_int,
-    start_method,
     unpicklable,
 )
+from autoloader.loader import start_method
 
 __all__ = [
     "ISOLATIONS",

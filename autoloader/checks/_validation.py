@@ -10,7 +10,12 @@ from typing import Any, Literal, get_args
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from autoloader._exceptions import InvalidInputError, UnpicklableError
-from autoloader.loader import BASELINE_PARAMS, TUNED_KEYS, build_loader, merge_loader_kwargs
+from autoloader.loader import (
+    BASELINE_PARAMS,
+    TUNED_KEYS,
+    build_loader,
+    merge_loader_kwargs,
+)
 from autoloader.measure import _dumps, describe_unpicklable
 
 # Start methods that pickle the dataset and collate_fn into each worker; under "fork"
@@ -186,16 +191,6 @@ def count_batches(dataset: Dataset[Any], batch_size: int, fixed: Mapping[str, An
         return len(loader)
     except TypeError:
         return None
-
-
-def start_method(fixed: Mapping[str, Any], default: str) -> str:
-    context = fixed.get("multiprocessing_context")
-    if context is None:
-        return default
-    if isinstance(context, str):
-        return context
-    name: str = context.get_start_method()
-    return name
 
 
 def unpicklable(objects: Mapping[str, object], method: str) -> str | None:

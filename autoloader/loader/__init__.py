@@ -46,6 +46,7 @@ from autoloader.loader._params import (
 )
 from autoloader.loader._step_threads import kept_threads, set_step_threads, step_threads
 from autoloader.loader._thread_loader import THREAD_WORKER_PREFIX, ThreadLoader
+from autoloader.loader._worker_process import start_method
 
 __all__ = [
     "BASELINE_PARAMS",
@@ -70,5 +71,6 @@ __all__ = [
     "normalize_params",
     "persistent",
     "set_step_threads",
+    "start_method",
     "step_threads",
 ]

@@ -81,22 +81,25 @@ def _running(pid: int) -> bool:
     return True
 
 
+def start_method(options: Mapping[str, Any], default: str) -> str:
+    """The start method workers of a loader with ``options`` get: its
+    ``multiprocessing_context``'s, by name or context, else ``default``."""
+    context = options.get("multiprocessing_context")
+    if context is None:
+        return default
+    if isinstance(context, str):
+        return context
+    name: str = context.get_start_method()
+    return name
+
+
 def forked_worker_kwargs(kwargs: Mapping[str, Any], default_method: str) -> Mapping[str, Any]:
     """``DataLoader`` arguments ``kwargs`` made ready for workers forked from this
     process: its temporary directory made (``NOTE [ The workers' temporary directory
     ]``) and ``worker_init_fn`` wrapped in :class:`ExitWithParent`. Unchanged without
     workers, or where they start otherwise (``default_method`` where ``kwargs`` names
     no ``multiprocessing_context``)."""
-    if not kwargs.get("num_workers"):
-        return kwargs
-    context = kwargs.get("multiprocessing_context")
-    if isinstance(context, str):
-        method = context
-    elif context is not None:
-        method = context.get_start_method()
-    else:
-        method = default_method
-    if method != "fork":
+    if not kwargs.get("num_workers") or start_method(kwargs, default_method) != "fork":
         return kwargs
     multiprocessing.util.get_temp_dir()
     init = kwargs.get("worker_init_fn")

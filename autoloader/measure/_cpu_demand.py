@@ -203,8 +203,11 @@ def _process_run_delay(pid: int) -> int | None:
     total = 0
     for tid in tids:
         try:
-            with open(f"{tasks}/{tid}/schedstat", "rb") as file:
-                total += int(file.read().split()[1])
-        except (OSError, IndexError, ValueError):
+            fd = os.open(f"{tasks}/{tid}/schedstat", os.O_RDONLY)
+        except OSError:
             continue
+        try:
+            total += _run_delay(fd) or 0
+        finally:
+            os.close(fd)
     return total
