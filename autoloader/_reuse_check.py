@@ -31,6 +31,27 @@ slower in a test) leaves the setting, which still feeds it, reused; a step faste
 which loading now keeps the loop waiting, is tuned again, by its wait. Under torchrun
 the ranks reuse the file unchecked: a trial there is every rank's at once, which the
 reuse does not start.
+
+NOTE [ The defaults' loop first ]
+A setting with process workers cannot be timed in 2% of a short budget: four workers
+took 0.4 s to deliver a first batch on the 2-core VM, and the check of a 20 s budget
+cost 5.0% (benchmarks/reuse_check.py). But what the check must see, loading and the
+step as they were when tuned, the saved baseline trial measured too, with no workers
+to start: ``num_workers=0``, each batch loaded in this process, then the step. So
+``tune()`` first times that loop, in ``_SHARE`` of the budget (``_LEAST_SECONDS`` at
+least), timing as many batches as fit in that at the saved baseline trial's pace after
+the two its clock does not time, ``_PROBE_TIMED`` at least (or it is not run), and
+compares it with that trial. Where the wait for data grew by no more than the band,
+the step is not faster by more than it (a faster step may outrun the setting's
+workers), and the CPUs the setting's workers and loop would use were free meanwhile
+but for ``_CPU_SLACK`` of one (``_CpuUse``: a neighbour busy on them slows the workers,
+which a loop of one thread does not see), the setting is reused, its notes saying so.
+A probe too short for an error of its own is allowed ``_TOO_SHORT_BAND``, as the
+setting's check is (a single batch of the images pipeline at a 20 s budget); one that
+timed no batch tells nothing. Otherwise, or where it did not hold, the setting's own
+check decides as above: the probe only ever makes a reuse cheaper, never tunes again
+by itself. On the images pipeline at 20 s the reusing call took 0.44-0.55 s (2.2-2.8%:
+three batches of the defaults at 0.11-0.14 s), where the setting's check took 1.0-1.7 s.
 """
 
 from __future__ import annotations
@@ -38,8 +59,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from autoloader.measure import (
     Deadlines,
@@ -70,6 +95,15 @@ _TOO_SHORT_BAND = 0.5
 # when it stalled 0.2 s on a busy machine, and a good saved setting was tuned again.
 _HUNG = 20.0
 _LEAST_HUNG = 3.0
+# The probe of the defaults' loop (NOTE [ The defaults' loop first ]): the share of a
+# CPU other processes may use of those the setting would use (the machine's own
+# daemons, a shell) before the CPUs count as taken.
+_CPU_SLACK = 0.5
+# Batches the probe must time to judge at all: at the saved baseline's pace, they must
+# fit in the probe's seconds after the first two (the first, and the one the runner's
+# clock opens its first window after: NOTE [ Warm-up ]).
+_PROBE_TIMED = 1
+_PROBE_UNTIMED = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,14 +235,18 @@ def _batch_seconds(saved: TrialRecord) -> float:
 
 
 def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) -> TuneResult | None:
-    """``result``, reused from ``path``, once one short trial of its setting found the
-    loop waiting for data within its band, its notes saying so; ``None`` where it did
-    not, or failed: then the run tunes again, and a warning says why (``NOTE [ A
-    reused setting checked ]``)."""
+    """``result``, reused from ``path``, once the loop of the defaults found loading and
+    the step as when tuned (``NOTE [ The defaults' loop first ]``), or else one short
+    trial of its setting found the loop waiting for data within its band, its notes
+    saying so; ``None`` where it did not, or failed: then the run tunes again, and a
+    warning says why (``NOTE [ A reused setting checked ]``)."""
     saved = saved_trial(result)
     if saved is None:
         _logger.info("reusing %s unchecked: it keeps no measurement of its setting", path)
         return result
+    probed = _defaults_probe(result, runner, budget=budget, path=path)
+    if probed is not None:
+        return probed
     seconds = check_seconds(budget, saved)
     workers = int(result.params.get("num_workers") or 0)
     hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(saved))
@@ -232,6 +270,174 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
     if not _told(check, path, who=""):
         return None
     return dataclasses.replace(result, notes=(*result.notes, check.note()))
+
+
+def saved_baseline(result: TuneResult) -> TrialRecord | None:
+    """The saved trial of the defaults (``num_workers=0``) that the probe compares with:
+    the latest complete one with its wait for data and step, or ``None``."""
+    found = [
+        t
+        for t in result.trials
+        if t.phase == "baseline"
+        and t.state == "complete"
+        and not t.params.get("num_workers")
+        and t.samples_per_second
+        and t.load_seconds is not None
+        and t.step_seconds is not None
+    ]
+    return found[-1] if found else None
+
+
+def probe_length(budget: float, baseline: TrialRecord) -> tuple[float, int] | None:
+    """Seconds the probe of the defaults' loop may run, and the batches it times
+    (``NOTE [ The defaults' loop first ]``): ``_SHARE`` of the budget
+    (``_LEAST_SECONDS`` at least), and as many batches at the saved baseline's pace as
+    fit in it after the ``_PROBE_UNTIMED`` untimed; ``None`` where fewer than
+    ``_PROBE_TIMED`` fit."""
+    seconds, batch = max(_SHARE * budget, _LEAST_SECONDS), _batch_seconds(baseline)
+    timed = math.floor(seconds / batch) - _PROBE_UNTIMED if batch > 0 else _PROBE_TIMED
+    return (seconds, timed) if timed >= _PROBE_TIMED else None
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultsProbe:
+    """The defaults' loop timed now, against the saved baseline trial (``NOTE [ The
+    defaults' loop first ]``).
+
+    Attributes:
+        check: the loop's wait for data and step, now and when tuned.
+        measured_well: whether the probe timed ``_PROBE_TIMED`` batches or more (a
+            probe of fewer than two windows is allowed ``_TOO_SHORT_BAND``, as the
+            setting's check is).
+        free_cpus: CPUs no other process used meanwhile, and ``needed_cpus``: those the
+            setting's workers and loop would use.
+    """
+
+    check: ReuseCheck
+    measured_well: bool
+    free_cpus: float
+    needed_cpus: float
+
+    @property
+    def holds(self) -> bool:
+        """Whether loading and the step are as when tuned, and the CPUs free."""
+        check = self.check
+        batch = check.load_then + check.step_then
+        faster = check.step_then - check.step_now
+        return (
+            self.measured_well
+            and check.holds
+            and faster <= check.band * batch
+            and self.free_cpus >= self.needed_cpus - _CPU_SLACK
+        )
+
+    def why_not(self) -> str:
+        """Why the probe does not hold, in words."""
+        if not self.measured_well:
+            return "too short to tell"
+        if self.free_cpus < self.needed_cpus - _CPU_SLACK:
+            return (
+                f"other processes used the CPUs meanwhile ({self.free_cpus:.1f} of "
+                f"{self.needed_cpus:.0f} needed free)"
+            )
+        return self.check.moved()
+
+    def note(self) -> str:
+        """The probe, for the result's notes."""
+        check = self.check
+        return (
+            f"checked before reuse by the defaults' loop (num_workers=0): {check.now:,.0f} "
+            f"samples/s in {format_seconds(check.seconds)}, {check.then:,.0f} when tuned; "
+            f"loading {format_seconds(check.load_now)} a batch "
+            f"({format_seconds(check.load_then)} when tuned), the step "
+            f"{format_seconds(check.step_now)} ({format_seconds(check.step_then)}): reused"
+        )
+
+
+def _defaults_probe(
+    result: TuneResult, runner: Runner, *, budget: float, path: Path
+) -> TuneResult | None:
+    """``result``, reused, where the defaults' loop timed now holds against the saved
+    baseline trial (``NOTE [ The defaults' loop first ]``); ``None`` where it was not
+    timed, or does not hold: the setting's own check decides."""
+    baseline = saved_baseline(result)
+    length = None if baseline is None else probe_length(budget, baseline)
+    if baseline is None or length is None:
+        return None
+    seconds, timed = length
+    # The search's hang deadlines, as the setting's check: a batch (its step included)
+    # cut short by the probe's own length would be the user's step interrupted.
+    hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(baseline))
+    cpus = _CpuUse()
+    try:
+        measured = runner.measure(
+            baseline.params,
+            max_seconds=seconds,
+            on_window=lambda window, estimate: decided(baseline, window, estimate),
+            deadlines=Deadlines.per_batch(hung, workers=0),
+            max_batches=timed,
+        )
+    except (TrialError, MemoryBudgetExceeded) as error:
+        _logger.info(
+            "%s: the defaults' loop does not settle the check (it failed: %s): checking "
+            "the setting",
+            path,
+            error,
+        )
+        return None
+    workers = int(result.params.get("num_workers") or 0)
+    probe = DefaultsProbe(
+        compared(baseline, measured, seconds=measured.duration),
+        measured_well=measured.batches >= _PROBE_TIMED and measured.samples_per_second > 0,
+        free_cpus=cpus.free(),
+        needed_cpus=min(float(cpus.usable), workers + 1.0),
+    )
+    if not probe.holds:
+        _logger.info(
+            "%s: the defaults' loop does not settle the check (%s): checking the setting",
+            path,
+            probe.why_not(),
+        )
+        return None
+    _logger.info("%s: %s", path, probe.note())
+    return dataclasses.replace(result, notes=(*result.notes, probe.note()))
+
+
+class _CpuUse:
+    """CPU time used by other processes than this one and its children, from here to
+    :meth:`free`, read from the machine's and this process's counters."""
+
+    def __init__(self) -> None:
+        self.usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.started = time.perf_counter()
+        self.machine = _busy_seconds()
+        self.own = _own_seconds()
+
+    def free(self) -> float:
+        """CPUs no other process used since this was made, on average (never below 0)."""
+        wall = time.perf_counter() - self.started
+        if wall <= 0:
+            return float(self.usable)
+        machine = _busy_seconds() - self.machine
+        own = _own_seconds() - self.own
+        others = max(0.0, machine - own) / wall
+        total = float(psutil.cpu_count() or self.usable)
+        return max(0.0, min(float(self.usable), total - others))
+
+
+def _busy_seconds() -> float:
+    """Seconds the machine's CPUs spent on anything but idling, a hypervisor's stolen
+    time included (as ``psutil.cpu_percent`` counts them; on Linux a guest's time is
+    in ``user`` already)."""
+    times = psutil.cpu_times()
+    idle = sum(getattr(times, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
+    return float(sum(times) - idle)
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and its reaped children."""
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system + times.children_user + times.children_system)
 
 
 def _told(check: ReuseCheck, path: Path, *, who: str) -> bool:

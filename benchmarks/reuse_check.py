@@ -179,6 +179,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     row.update(entry=args.entry, run=args.one, reuse=_reuse_said(lines.lines))
     row["trials_here"] = sum(1 for _, message in lines.lines if message.startswith("trial "))
     row["warnings"] = [m for level, m in lines.lines if level == "WARNING"]
+    row["probe"] = [m for _, m in lines.lines if "the defaults' loop does not settle" in m]
     return row
 
 
@@ -213,8 +214,11 @@ def describe(row: dict[str, Any], budget: float) -> None:
             f"             the reusing call: {row['seconds']:.2f} s, "
             f"{row['seconds'] / budget:.1%} of the {budget:g} s budget (target <= 2%)"
         )
+        for line in row.get("probe", []):
+            print(f"             {line.split(': ', 1)[1]}")
         for note in row.get("notes", []):
-            print(f"             the check: {note.split('checked before reuse: ')[1]}")
+            if note.startswith("checked before reuse"):
+                print(f"             the check: {note.removeprefix('checked before reuse')[1:]}")
     if "autoloader_epochs" in row:
         ours, theirs = sum(row["autoloader_epochs"]), sum(row["dataloader_epochs"])
         print(

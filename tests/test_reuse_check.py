@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,15 @@ from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import AutoLoader, SearchSpace
-from autoloader._reuse_check import ReuseCheck, check_seconds, checked
-from autoloader.measure import TrialRunner, resolve_memory_budget
+from autoloader._reuse_check import (
+    DefaultsProbe,
+    ReuseCheck,
+    _CpuUse,
+    check_seconds,
+    checked,
+    probe_length,
+)
+from autoloader.measure import Measurement, TrialRunner, resolve_memory_budget
 from autoloader.results import TrialRecord
 
 from .workloads import FailingDataset, SleepDataset, noop_step
@@ -50,7 +59,9 @@ def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
         again = _tune(path, 0.002)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert again.params == first.params and again.trials == first.trials  # the file's
-    (note,) = [n for n in again.notes if n.startswith("checked before reuse: ")]
+    # By the defaults' loop, or, where other processes held the CPUs meanwhile, by the
+    # setting's own trial (NOTE [ The defaults' loop first ]).
+    (note,) = [n for n in again.notes if n.startswith("checked before reuse")]
     assert note.endswith(": reused")
 
     caplog.clear()
@@ -251,3 +262,130 @@ def test_the_check_counts_the_wait_for_data_and_names_what_moved() -> None:
     assert _check(load=(0.03, 0.01)).moved() == "loading 3x faster than when tuned"
     assert _check(step=0.04).holds
     assert _check(step=0.04).moved() == "the step 4x slower than when tuned"
+
+
+class _Seen:
+    """A runner that records the settings it measures, measured by ``runner``."""
+
+    def __init__(self, runner: TrialRunner) -> None:
+        self.runner = runner
+        self.measured: list[dict[str, Any]] = []
+        self.kwargs: list[dict[str, Any]] = []
+
+    def measure(self, params: Any, **kwargs: Any) -> Measurement:
+        self.measured.append(dict(params))
+        self.kwargs.append(kwargs)
+        return self.runner.measure(params, **kwargs)
+
+
+def _runner(latency: float) -> _Seen:
+    return _Seen(
+        TrialRunner(
+            SleepDataset(256, latency=latency),
+            noop_step,
+            batch_size=8,
+            memory_budget=resolve_memory_budget(None),
+        )
+    )
+
+
+def test_an_unchanged_setting_is_checked_by_the_defaults_loop_without_its_workers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ The defaults' loop first ]: loading and the step as when tuned, and the
+    CPUs free (read as free here: the suite may run beside a busy process), the setting
+    is reused without starting its workers, in its share of the budget."""
+    monkeypatch.setattr(_CpuUse, "free", lambda self: float(self.usable))
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.002, space=dataclasses.replace(SPACE, num_workers=2))
+    assert result.params["num_workers"] == 2
+    runner = _runner(0.002)
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        again = checked(result, runner, budget=20, path=path)  # type: ignore[arg-type]
+    assert again is not None and again.params == result.params
+    assert [p["num_workers"] for p in runner.measured] == [0]  # the defaults' loop alone
+    (probe,) = runner.kwargs
+    assert probe["max_seconds"] == pytest.approx(0.4)  # 2% of the budget
+    (note,) = [n for n in again.notes if n.startswith("checked before reuse")]
+    assert note.startswith("checked before reuse by the defaults' loop (num_workers=0): ")
+    assert note.endswith(": reused")
+
+
+def test_a_neighbour_on_the_cpus_leaves_the_check_to_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The defaults' loop runs on one CPU: where other processes held the ones the
+    setting's workers need, only the setting's own trial can tell whether it still
+    feeds the loop."""
+    monkeypatch.setattr(_CpuUse, "free", lambda self: 0.0)
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.002, space=dataclasses.replace(SPACE, num_workers=2))
+    runner = _runner(0.002)
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        checked(result, runner, budget=20, path=path)  # type: ignore[arg-type]
+    assert [p["num_workers"] for p in runner.measured] == [0, 2]
+    assert "the defaults' loop does not settle the check (other processes used the CPUs" in (
+        caplog.text
+    )
+
+
+def test_a_dataset_slower_than_the_probe_leaves_the_check_to_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of the defaults slower than the probe's whole share ends it: the probe
+    never tunes again by itself; the setting's check does, saying what moved."""
+    monkeypatch.setattr(_CpuUse, "free", lambda self: float(self.usable))
+    path = tmp_path / "loader.json"
+    result = _tune(path, 0.002, space=dataclasses.replace(SPACE, num_workers=2))
+    runner = _runner(0.06)  # 0.5 s a batch of 8, where it was 16 ms: the probe has 0.4 s
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(result, runner, budget=20, path=path) is None  # type: ignore[arg-type]
+    assert [p["num_workers"] for p in runner.measured] == [0, 2]
+    assert f"not reusing {path}: loading " in caplog.text
+
+
+def _probe(
+    *,
+    load: tuple[float, float] = (0.01, 0.01),
+    step: float = 0.01,
+    free: float = 2.0,
+    timed: bool = True,
+) -> DefaultsProbe:
+    return DefaultsProbe(
+        _check(load=load, step=step), measured_well=timed, free_cpus=free, needed_cpus=2.0
+    )  # fmt: skip
+
+
+def test_the_defaults_loop_holds_where_loading_the_step_and_the_cpus_are_as_when_tuned() -> None:
+    assert _probe().holds
+    assert not _probe(load=(0.01, 0.0151)).holds  # loading slower than the band allows
+    assert _probe(step=0.03).holds  # a slower step: the setting still feeds it
+    assert not _probe(step=0.0049).holds  # a faster one may outrun the workers
+    assert _probe(step=0.0051).holds
+    assert not _probe(free=1.4).holds and _probe(free=1.6).holds  # half a CPU of slack
+    assert _probe(free=1.4).why_not() == (
+        "other processes used the CPUs meanwhile (1.4 of 2 needed free)"
+    )
+    assert not _probe(timed=False).holds and _probe(timed=False).why_not() == "too short to tell"
+
+
+def test_the_probe_times_what_fits_in_its_share_after_two_untimed_batches() -> None:
+    baseline = TrialRecord(
+        0, "baseline", {"num_workers": 0}, "complete", load_seconds=0.09, step_seconds=0.02
+    )
+    assert probe_length(20, baseline) == (pytest.approx(0.4), 1)  # 3 batches of 0.11 s
+    assert probe_length(60, baseline) == (pytest.approx(1.2), 8)
+    assert probe_length(20, dataclasses.replace(baseline, load_seconds=0.12)) is None
+
+
+def test_the_cpus_other_processes_use_are_not_free() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # its start-up, before the reading
+        cpus = _CpuUse()
+        time.sleep(0.5)
+        free = cpus.free()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert free <= cpus.usable - 0.5
