@@ -49,6 +49,29 @@ def _tune(
     )
 
 
+WORKERS = SearchSpace(
+    num_workers=2, prefetch_factor=2, persistent_workers=True, worker_kind="processes"
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[autoloader.TuneResult, Path]:
+    """One tuned result of 2 process workers, and its file, for the checks below to
+    check (each takes the result, and never writes the file)."""
+    path = tmp_path_factory.mktemp("saved") / "loader.json"
+    result = _tune(path, 0.002, space=WORKERS)
+    assert result.params["num_workers"] == 2 and result.chosen_trial is not None
+    return result, path
+
+
+def _without_baseline(result: autoloader.TuneResult) -> autoloader.TuneResult:
+    """``result`` with no baseline trial: no probe of the defaults' loop (NOTE [ The
+    defaults' loop first ]), the setting's own check alone."""
+    return dataclasses.replace(
+        result, trials=tuple(t for t in result.trials if t.phase != "baseline")
+    )
+
+
 def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -78,10 +101,9 @@ def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
 
 
 def test_a_setting_that_fails_its_check_is_tuned_again(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = tmp_path / "loader.json"
-    result = _tune(path, 0.001)
+    result, path = saved
     runner = TrialRunner(
         FailingDataset(256, latency=0.001, bad=20),
         noop_step,
@@ -90,6 +112,8 @@ def test_a_setting_that_fails_its_check_is_tuned_again(
     )
     with caplog.at_level(logging.INFO, logger="autoloader"):
         assert checked(result, runner, budget=4, path=path) is None
+    # The defaults' loop failed first: it only ever hands the verdict to the setting's.
+    assert "the defaults' loop does not settle the check (it failed: " in caplog.text
     assert f"not reusing {path}: its setting failed when checked" in caplog.text
 
 
@@ -106,13 +130,13 @@ class _StallsOnce:
 
 
 def test_a_step_that_stalls_a_second_in_the_check_is_no_hang(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The check's batches may take as long as the search's before they are hung (3 s at
     least): a deadline of the check's own length (0.2 s here) failed a good setting
     whose step stalled once on a busy machine, and the run tuned again."""
-    path = tmp_path / "loader.json"
-    result = _tune(path, 0.001)
+    result, path = saved
+    result = _without_baseline(result)  # the stall in the setting's check, not the probe
     step = _StallsOnce(at=2, seconds=1.0)
     runner = TrialRunner(
         SleepDataset(256, latency=0.001),
@@ -139,16 +163,13 @@ def test_the_check_takes_its_share_of_the_budget_or_what_the_setting_needs_uncha
 
 
 def test_a_check_in_which_no_batch_came_tunes_again(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its first batch took longer than an unchanged setting's start-up twice over and
     a few batches: the check saw none, and the run tunes again, saying so."""
-    path = tmp_path / "loader.json"
-    workers = SearchSpace(
-        num_workers=2, prefetch_factor=2, persistent_workers=True, worker_kind="processes"
-    )
-    result = _tune(path, 0.001, space=workers)
-    assert result.params["num_workers"] == 2 and result.chosen_trial is not None
+    result, path = saved
+    result = _without_baseline(result)
+    assert result.chosen_trial is not None
     runner = TrialRunner(
         SleepDataset(256, latency=0.4),  # 3.2 s a batch of 8
         noop_step,
@@ -162,10 +183,9 @@ def test_a_check_in_which_no_batch_came_tunes_again(
 
 
 def test_a_result_without_a_measurement_of_its_setting_is_reused_unchecked(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = tmp_path / "loader.json"
-    result = _tune(path, 0.001)
+    result, path = saved
     bare = dataclasses.replace(result, trials=())
     runner = TrialRunner(FailingDataset(256, bad=0), noop_step, batch_size=8, memory_budget=1)
     with caplog.at_level(logging.INFO, logger="autoloader"):
@@ -290,15 +310,15 @@ def _runner(latency: float) -> _Seen:
 
 
 def test_an_unchanged_setting_is_checked_by_the_defaults_loop_without_its_workers(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    saved: tuple[autoloader.TuneResult, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NOTE [ The defaults' loop first ]: loading and the step as when tuned, and the
     CPUs free (read as free here: the suite may run beside a busy process), the setting
     is reused without starting its workers, in its share of the budget."""
     monkeypatch.setattr(_CpuUse, "free", lambda self: float(self.usable))
-    path = tmp_path / "loader.json"
-    result = _tune(path, 0.002, space=dataclasses.replace(SPACE, num_workers=2))
-    assert result.params["num_workers"] == 2
+    result, path = saved
     runner = _runner(0.002)
     with caplog.at_level(logging.INFO, logger="autoloader"):
         again = checked(result, runner, budget=20, path=path)  # type: ignore[arg-type]
@@ -312,14 +332,15 @@ def test_an_unchanged_setting_is_checked_by_the_defaults_loop_without_its_worker
 
 
 def test_a_neighbour_on_the_cpus_leaves_the_check_to_the_setting(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    saved: tuple[autoloader.TuneResult, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The defaults' loop runs on one CPU: where other processes held the ones the
     setting's workers need, only the setting's own trial can tell whether it still
     feeds the loop."""
     monkeypatch.setattr(_CpuUse, "free", lambda self: 0.0)
-    path = tmp_path / "loader.json"
-    result = _tune(path, 0.002, space=dataclasses.replace(SPACE, num_workers=2))
+    result, path = saved
     runner = _runner(0.002)
     with caplog.at_level(logging.INFO, logger="autoloader"):
         checked(result, runner, budget=20, path=path)  # type: ignore[arg-type]
@@ -330,13 +351,14 @@ def test_a_neighbour_on_the_cpus_leaves_the_check_to_the_setting(
 
 
 def test_a_dataset_slower_than_the_probe_leaves_the_check_to_the_setting(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    saved: tuple[autoloader.TuneResult, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A batch of the defaults slower than the probe's whole share ends it: the probe
     never tunes again by itself; the setting's check does, saying what moved."""
     monkeypatch.setattr(_CpuUse, "free", lambda self: float(self.usable))
-    path = tmp_path / "loader.json"
-    result = _tune(path, 0.002, space=dataclasses.replace(SPACE, num_workers=2))
+    result, path = saved
     runner = _runner(0.06)  # 0.5 s a batch of 8, where it was 16 ms: the probe has 0.4 s
     with caplog.at_level(logging.INFO, logger="autoloader"):
         assert checked(result, runner, budget=20, path=path) is None  # type: ignore[arg-type]
