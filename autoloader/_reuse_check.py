@@ -59,13 +59,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from autoloader.checks import usable_cpus
 from autoloader.measure import (
     Deadlines,
     Measurement,
@@ -408,7 +408,7 @@ class _CpuUse:
     :meth:`free`, read from the machine's and this process's counters."""
 
     def __init__(self) -> None:
-        self.usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.usable = usable_cpus()  # its affinity, capped by the cgroup's quota
         self.started = time.perf_counter()
         self.machine = _busy_seconds()
         self.own = _own_seconds()
