@@ -50,14 +50,14 @@ class Stamped(Dataset[torch.Tensor]):
         return torch.tensor([index, loader], dtype=torch.float64)
 
 
-def _autoloader(dataset: Dataset[Any]) -> AutoLoader[Any]:
+def _autoloader(dataset: Dataset[Any], space: dict[str, Any] = SPACE) -> AutoLoader[Any]:
     return AutoLoader(
         dataset,
         batch_size=BATCH,
         shuffle=True,
         generator=torch.Generator().manual_seed(7),
         time_budget=6,
-        search_space=SPACE,
+        search_space=space,
         verbose=False,
     )
 
@@ -87,7 +87,10 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
     batch of the loader before it: switched one after the other, they could not have,
     its workers starting only once the loader before had delivered its last batch."""
     dataset = Stamped(tmp_path / "loads")
-    loader = _autoloader(dataset)
+    # Each worker 8 batches ahead: drains of 16-32 steps, 80-160 ms, longer than workers
+    # take to start on a busy machine (with 4 ahead, 40-80 ms, the next loader's first
+    # load came 49 ms after the last drained batch in one full run).
+    loader = _autoloader(dataset, {**SPACE, "prefetch_factor": 8})
     seen: list[list[int]] = []
     received: list[tuple[int, float]] = []  # each batch's loader, and when the loop got it
     epochs = 0
