@@ -325,17 +325,19 @@ class DefaultsProbe:
         batch = check.load_then + check.step_then
         faster = check.step_then - check.step_now
         return (
-            self.measured_well
-            and check.holds
-            and faster <= check.band * batch
-            and self.free_cpus >= self.needed_cpus - _CPU_SLACK
+            self.measured_well and check.holds and faster <= check.band * batch and self.cpus_free
         )
+
+    @property
+    def cpus_free(self) -> bool:
+        """Whether the CPUs the setting would use were free, but for ``_CPU_SLACK``."""
+        return self.free_cpus >= self.needed_cpus - _CPU_SLACK
 
     def why_not(self) -> str:
         """Why the probe does not hold, in words."""
         if not self.measured_well:
             return "too short to tell"
-        if self.free_cpus < self.needed_cpus - _CPU_SLACK:
+        if not self.cpus_free:
             return (
                 f"other processes used the CPUs meanwhile ({self.free_cpus:.1f} of "
                 f"{self.needed_cpus:.0f} needed free)"
