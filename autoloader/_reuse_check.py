@@ -39,8 +39,9 @@ cost 5.0% (benchmarks/reuse_check.py). But what the check must see, loading and 
 step as they were when tuned, the saved baseline trial measured too, with no workers
 to start: ``num_workers=0``, each batch loaded in this process, then the step. So
 ``tune()`` first times that loop, in ``_SHARE`` of the budget (``_LEAST_SECONDS`` at
-least), timing as many batches as fit in that at the saved baseline trial's pace after
-the two its clock does not time, ``_PROBE_TIMED`` at least (or it is not run), and
+least), timing as many batches as fit in ``_PROBE_FILL`` of that at the saved baseline
+trial's pace after the first batch (untimed: its saved time to come and a step), the
+rest left to the call's own work, ``_PROBE_TIMED`` at least (or it is not run), and
 compares it with that trial. Where the wait for data grew by no more than the band,
 the step is not faster by more than it (a faster step may outrun the setting's
 workers), and the CPUs the setting's workers and loop would use were free meanwhile
@@ -100,10 +101,11 @@ _LEAST_HUNG = 3.0
 # daemons, a shell) before the CPUs count as taken.
 _CPU_SLACK = 0.5
 # Batches the probe must time to judge at all: at the saved baseline's pace, they must
-# fit in the probe's seconds after the first two (the first, and the one the runner's
-# clock opens its first window after: NOTE [ Warm-up ]).
+# fit after the first (timed alone: NOTE [ Warm-up ]) in _PROBE_FILL of the probe's
+# seconds, the rest left to the reusing call's own work (the runner's set-up, the file,
+# the CPU reading: 0.03-0.05 s on the images pipeline).
 _PROBE_TIMED = 1
-_PROBE_UNTIMED = 2
+_PROBE_FILL = 0.75
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,10 +294,12 @@ def probe_length(budget: float, baseline: TrialRecord) -> tuple[float, int] | No
     """Seconds the probe of the defaults' loop may run, and the batches it times
     (``NOTE [ The defaults' loop first ]``): ``_SHARE`` of the budget
     (``_LEAST_SECONDS`` at least), and as many batches at the saved baseline's pace as
-    fit in it after the ``_PROBE_UNTIMED`` untimed; ``None`` where fewer than
-    ``_PROBE_TIMED`` fit."""
+    fit in ``_PROBE_FILL`` of it after the first batch (its saved time to come, and a
+    step); ``None`` where fewer than ``_PROBE_TIMED`` fit."""
     seconds, batch = max(_SHARE * budget, _LEAST_SECONDS), _batch_seconds(baseline)
-    timed = math.floor(seconds / batch) - _PROBE_UNTIMED if batch > 0 else _PROBE_TIMED
+    first = (baseline.time_to_first_batch or 0.0) + (baseline.step_seconds or 0.0)
+    left = _PROBE_FILL * seconds - first
+    timed = math.floor(left / batch) if batch > 0 else _PROBE_TIMED
     return (seconds, timed) if timed >= _PROBE_TIMED else None
 
 

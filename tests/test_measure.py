@@ -196,6 +196,29 @@ def test_max_batches_ends_the_trial_at_a_batch_count() -> None:
     assert m.batches == 10
 
 
+class _Counted(torch.utils.data.Dataset[torch.Tensor]):
+    """Items counted as this process loads them (no workers)."""
+
+    def __init__(self) -> None:
+        self.loaded = 0
+
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.loaded += 1
+        return torch.zeros(2)
+
+
+def test_without_workers_the_clock_starts_after_the_first_batch() -> None:
+    """No burst to drain (NOTE [ Warm-up ]): the batch after the first is timed, and a
+    trial of one timed batch loads two (the reuse check's probe, at a 20 s budget)."""
+    dataset = _Counted()
+    m = _runner(dataset, noop_step).measure(_params(0), max_seconds=30, max_batches=1)
+    assert m.batches == 1
+    assert dataset.loaded == 2 * 4
+
+
 def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> None:
     """The second worker delivers 400 items, then hangs; the others keep going. The
     baseline's deadline is 60 s; the trial's pace (a few ms a batch) cuts it to the

@@ -391,13 +391,21 @@ def test_the_defaults_loop_holds_where_loading_the_step_and_the_cpus_are_as_when
     assert not _probe(timed=False).holds and _probe(timed=False).why_not() == "too short to tell"
 
 
-def test_the_probe_times_what_fits_in_its_share_after_two_untimed_batches() -> None:
+def test_the_probe_times_what_fits_in_three_quarters_of_its_share_after_the_first_batch() -> None:
     baseline = TrialRecord(
-        0, "baseline", {"num_workers": 0}, "complete", load_seconds=0.09, step_seconds=0.02
+        0, "baseline", {"num_workers": 0}, "complete", load_seconds=0.09, step_seconds=0.02,
+        time_to_first_batch=0.1,
+    )  # fmt: skip
+    # 0.4 s at 20 s: 0.3 s to plan, less the first batch's 0.12 s, is one batch of 0.11 s.
+    assert probe_length(20, baseline) == (pytest.approx(0.4), 1)
+    assert probe_length(60, baseline) == (pytest.approx(1.2), 7)  # (0.9 - 0.12) / 0.11
+    assert probe_length(20, dataclasses.replace(baseline, load_seconds=0.17)) is None
+    assert probe_length(20, dataclasses.replace(baseline, time_to_first_batch=0.2)) is None
+    # No saved time to the first batch: its step alone is planned for it.
+    assert probe_length(20, dataclasses.replace(baseline, time_to_first_batch=None)) == (
+        pytest.approx(0.4),
+        2,
     )
-    assert probe_length(20, baseline) == (pytest.approx(0.4), 1)  # 3 batches of 0.11 s
-    assert probe_length(60, baseline) == (pytest.approx(1.2), 8)
-    assert probe_length(20, dataclasses.replace(baseline, load_seconds=0.12)) is None
 
 
 def test_the_cpus_other_processes_use_are_not_free() -> None:

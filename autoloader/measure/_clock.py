@@ -30,7 +30,10 @@ WARMUP_SHARE = 0.5
 # excluded, or an under-provisioned setting would look fast in a short trial. The
 # exclusion is capped at WARMUP_SHARE of the trial's time once its first batch came
 # (workers that take seconds to start, spawned, leave it the rest), so a slow loader
-# still leaves time to measure.
+# still leaves time to measure. Without workers there is no burst, and the first window
+# opens once the first batch (timed alone: time_to_first_batch) is stepped; it opened a
+# batch later before, which cost the reuse check's probe of the defaults a batch of its
+# 2% (NOTE [ The defaults' loop first ], in _reuse_check.py).
 # Where the cap starts the clock with burst_left of the burst still queued, some may
 # have been loaded before it, and would count as loaded in the time: they come with
 # less waiting than the batches after the burst. So the first burst_left batches timed

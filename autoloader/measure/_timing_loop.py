@@ -231,6 +231,10 @@ class TimingLoop:
         except _NotStarted:
             return self._unstarted()
         agreed = self._checkpoint()
+        if not agreed.time_up and self.clock.warmup == 0:
+            # No burst to drain (no workers): the clock starts after the first batch.
+            self.warming = False
+            self._open_window(perf_counter())
         while not agreed.time_up:
             now, ready, last = self._next_batch()
             self.since_checkpoint += 1
