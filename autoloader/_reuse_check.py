@@ -51,8 +51,10 @@ A probe too short for an error of its own is allowed ``_TOO_SHORT_BAND``, as the
 setting's check is (a single batch of the images pipeline at a 20 s budget); one that
 timed no batch tells nothing. Otherwise, or where it did not hold, the setting's own
 check decides as above: the probe only ever makes a reuse cheaper, never tunes again
-by itself. On the images pipeline at 20 s the reusing call took 0.44-0.55 s (2.2-2.8%:
-three batches of the defaults at 0.11-0.14 s), where the setting's check took 1.0-1.7 s.
+by itself. On the images pipeline at 20 s the reusing call took 0.29-0.32 s (1.5-1.6%:
+the first batch and one timed, at 0.11-0.14 s each; 0.44-0.55 s when the clock left a
+second batch untimed and the probe planned for the whole share), where the setting's
+check took 1.0-1.7 s.
 """
 
 from __future__ import annotations
