@@ -444,18 +444,17 @@ def tuned_line(
     if resumed:
         return (
             f"AutoLoader: resuming with {describe_params(chosen)}, tuned before the "
-            f"checkpoint ({result.speedup:.2f}x the defaults); nothing to tune"
+            f"checkpoint ({result.versus_defaults()}); nothing to tune"
         )
     if reused_from is not None:
         return (
             f"AutoLoader: reusing {describe_params(chosen)} from {reused_from}, "
-            f"tuned for this problem on this machine ({result.speedup:.2f}x the "
-            "defaults)"
+            f"tuned for this problem on this machine ({result.versus_defaults()})"
         )
     assert started is not None
     saved = f"; saved to {path}" if path is not None else ""
     return (
         f"AutoLoader: tuned in {perf_counter() - started:.0f} s of training, "
         f"{len(result.trials)} trials: {describe_params(chosen)}, "
-        f"{result.speedup:.2f}x the defaults{saved}"
+        f"{result.versus_defaults()}{saved}"
     )

@@ -70,6 +70,17 @@ def test_report_shows_settings_against_defaults_speedup_wait_and_bottleneck() ->
     assert autoloader.report is report  # the public name
 
 
+def test_defaults_that_timed_no_batch_give_no_ratio_not_an_infinite_one() -> None:
+    """A budget spent before the defaults' first batch came (a starved machine): the
+    defaults are returned, at a rate of 0, and no line says "infx the defaults"."""
+    starved = _trial(0, "baseline", {}, 0.0)
+    result = _result([starved], {}, throughput=0.0, baseline=0.0)
+    assert result.versus_defaults() == "no ratio to the defaults (they timed no batch)"
+    assert "with the defaults: no ratio (they timed no batch)" in " ".join(report(result).split())
+    assert "inf" not in report(result)
+    assert _result([BASELINE], {}).versus_defaults() == "1.00x the defaults"
+
+
 def _spawned(*, persistent: bool = False, **changes: Any) -> TuneResult:
     """6 workers started every epoch: 1,440 samples/s once started, 1,200 over an epoch."""
     tuned = {"num_workers": 6, "prefetch_factor": 2, "persistent_workers": persistent}

@@ -56,8 +56,7 @@ def plot(result: TuneResult, path: str | os.PathLike[str] | None = None) -> Figu
     _draw_history(history, result)
     figure.suptitle(
         f"autoloader: batch size {result.batch_size}, {result.environment.usable_cpus} CPUs, "
-        f"tuned {result.throughput:,.0f} samples/s over an epoch = {result.speedup:.2f}x the "
-        "defaults"
+        f"tuned {result.throughput:,.0f} samples/s over an epoch = {result.versus_defaults()}"
     )
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

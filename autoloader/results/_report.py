@@ -128,7 +128,12 @@ def report(result: TuneResult) -> str:
         (
             "throughput",
             f"{result.throughput:,.0f} samples/s over an epoch, start-up included, against "
-            f"{result.baseline:,.0f} with the defaults: {result.speedup:.2f}x",
+            f"{result.baseline:,.0f} with the defaults: "
+            + (
+                f"{result.speedup:.2f}x"
+                if result.baseline > 0
+                else "no ratio (they timed no batch)"
+            ),
         ),
         *_steady_rows(result),
         *_worker_start_row(result),

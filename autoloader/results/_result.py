@@ -130,6 +130,13 @@ class TuneResult:
         """``throughput / baseline``: over a training epoch, start-up included."""
         return self.throughput / self.baseline if self.baseline > 0 else math.inf
 
+    def versus_defaults(self) -> str:
+        """The speedup in words: ``"2.57x the defaults"``, or where the defaults timed
+        no batch (a budget spent before any came), that no ratio was measured."""
+        if self.baseline > 0:
+            return f"{self.speedup:.2f}x the defaults"
+        return "no ratio to the defaults (they timed no batch)"
+
     @property
     def chosen_trial(self) -> TrialRecord | None:
         """The latest complete measurement of the tuned setting (a runoff one if any)."""
