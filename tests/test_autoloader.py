@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import autoloader
 import autoloader._session
+import autoloader.measure._supervision
 from autoloader import AutoLoader, InvalidInputError
 from autoloader.loader._feed import EpochBatches, Feed
 from autoloader.measure import LiveTrial
@@ -264,6 +267,63 @@ def _trial_of_one_second(dataset: Dataset[Any]) -> tuple[LiveTrial, Feed]:
         loader, feed, params, batch_size=4, memory_budget=None, max_seconds=1.0, deadlines=None
     )
     return trial, feed
+
+
+class _SignalledAtStart(DataLoader[Any]):
+    """A loader whose iterator, once started, gets a SIGCHLD as a worker's death sends
+    (the death itself is faked by the test)."""
+
+    def __iter__(self) -> Any:
+        iterator = super().__iter__()
+        os.kill(os.getpid(), signal.SIGCHLD)
+        return iterator
+
+
+def test_a_prestart_that_fails_hands_its_batches_to_the_next_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker of the next trial dies as its loader starts ahead of the loop (NOTE [
+    Overlapped start-up ]): the start fails, after it was handed its 2 workers x 2
+    batches, and its workers are killed, not waited for (an abandoned shutdown waits 5 s
+    for each live one). The first next() starts the loader again: those batches come
+    first, in order, none lost (left in the feed, the new start asked for the ones after
+    them: the loop got batches 4 to 11 alone)."""
+    feed = Feed(EpochBatches(iter(torch.arange(48).view(12, 4).tolist()), length=12))
+    params = {"num_workers": 2, "prefetch_factor": 2}
+    loader = _SignalledAtStart(SleepDataset(48, latency=0.0), batch_sampler=feed, **params)
+    trial = LiveTrial(
+        loader, feed, params, batch_size=4, memory_budget=None, max_seconds=60.0, deadlines=None
+    )
+    deaths: list[bool] = []
+    killed: list[int] = []
+
+    def a_worker_died() -> None:  # at the first start; none after
+        if not deaths:
+            deaths.append(True)
+            assert feed.in_flight == 4  # the workers were handed their first batches
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+    def kill(pids: Any) -> None:
+        pids = list(pids)
+        killed.extend(pids)
+        real_kill(pids)
+
+    supervision = autoloader.measure._supervision
+    real_kill = supervision.kill
+    monkeypatch.setattr(supervision, "raise_if_any_worker_failed", a_worker_died)
+    monkeypatch.setattr(supervision, "kill", kill)
+    seen = []
+    try:
+        trial.prestart()
+        assert trial.iterator is None and feed.in_flight == 0
+        with pytest.raises(StopIteration):
+            while True:
+                seen.append(_ids(trial.next()))
+    finally:
+        trial.end()
+        trial.close()
+    assert len(killed) == 2  # the failed start's two workers
+    assert seen == torch.arange(48).view(12, 4).tolist()
 
 
 def test_a_live_trials_time_starts_at_its_first_batch() -> None:

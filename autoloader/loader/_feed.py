@@ -149,6 +149,13 @@ class Feed:
         """Hand out no more; the loader delivers those it has (NOTE [ Draining a trial ])."""
         self._open = False
 
+    def requeue(self) -> None:
+        """The iterator the batches in flight were handed to is gone without delivering
+        them (its start failed): they go back to the epoch, ahead of the rest, for the
+        loader's next iterator, which the feed goes on handing batches to."""
+        self.epoch.give_back(self._handed)
+        self._handed.clear()
+
     def close(self) -> None:
         """Hand out no more, and give the undelivered batches back to the epoch."""
         self._open = False

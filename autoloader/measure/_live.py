@@ -229,7 +229,8 @@ class LiveTrial:
         ``_loop_overlap.py``): they load the batches the feed hands them meanwhile. The
         trial's time starts at that first next(), as any trial's; its start-up counts
         from here. Where starting fails, the first next() starts them again, the fault
-        then the trial's."""
+        then the trial's; the batches the failed start was handed go back first (lost
+        otherwise: the next iterator asks the feed afresh)."""
         assert self.iterator is None and self.returned_at is None, "a trial not begun"
         self.prestarted = perf_counter()
         self.begins = True
@@ -237,6 +238,7 @@ class LiveTrial:
             self._start()
         except Exception:
             self.iterator = None
+            self.feed.requeue()
 
     # The loop's next() ----------------------------------------------------------------
 

@@ -104,6 +104,9 @@ class WorkerDeaths:
             try:
                 raise_if_any_worker_failed()
             except BaseException:
+                # Killed first: an abandoned shutdown waits 5 s for each live worker
+                # (DataLoader's join timeout), which is never told to stop.
+                kill(w.pid for w in worker_processes(iterator) if w.pid and _unreaped(w))
                 shutdown_workers(iterator, loader, abandon=True)
                 raise
         return iterator
