@@ -98,6 +98,11 @@ def _unusual(params: dict[str, object]) -> list[tuple[str, str]]:
     ]
 
 
+def _ratio(result: TuneResult) -> str:
+    """The speedup over the defaults, or where they timed no batch, that there is none."""
+    return f"{result.speedup:.2f}x" if result.baseline > 0 else "no ratio (they timed no batch)"
+
+
 def report(result: TuneResult) -> str:
     """A readable report of ``result`` (what ``autoloader show`` prints): the settings
     against the defaults, the speedup, the bottleneck, and advice, each line backed by
@@ -128,12 +133,7 @@ def report(result: TuneResult) -> str:
         (
             "throughput",
             f"{result.throughput:,.0f} samples/s over an epoch, start-up included, against "
-            f"{result.baseline:,.0f} with the defaults: "
-            + (
-                f"{result.speedup:.2f}x"
-                if result.baseline > 0
-                else "no ratio (they timed no batch)"
-            ),
+            f"{result.baseline:,.0f} with the defaults: {_ratio(result)}",
         ),
         *_steady_rows(result),
         *_worker_start_row(result),
