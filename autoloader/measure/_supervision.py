@@ -106,7 +106,7 @@ class WorkerDeaths:
             except BaseException:
                 # Killed first: an abandoned shutdown waits 5 s for each live worker
                 # (DataLoader's join timeout), which is never told to stop.
-                kill(w.pid for w in worker_processes(iterator) if w.pid and _unreaped(w))
+                kill(_unreaped_pids(worker_processes(iterator)))
                 shutdown_workers(iterator, loader, abandon=True)
                 raise
         return iterator
@@ -212,11 +212,17 @@ class Guard:
     def worker_pids(self) -> list[int]:
         """The pids of :meth:`workers` not reaped yet: a pid that can still be signalled
         without reaching another process. From any thread: nothing is waited for."""
-        return [w.pid for w in self.workers() if w.pid is not None and _unreaped(w)]
+        return _unreaped_pids(self.workers())
 
     def kill_workers(self) -> None:
         """SIGKILL the trial's workers that are still there, and what they started."""
         kill(self.worker_pids())
+
+
+def _unreaped_pids(workers: list[BaseProcess]) -> list[int]:
+    """The pids of ``workers`` that can still be signalled without reaching another
+    process (:func:`_unreaped`)."""
+    return [w.pid for w in workers if w.pid is not None and _unreaped(w)]
 
 
 def _unreaped(worker: BaseProcess) -> bool:

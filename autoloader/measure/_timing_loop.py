@@ -233,7 +233,6 @@ class TimingLoop:
         agreed = self._checkpoint()
         if not agreed.time_up and self.clock.warmup == 0:
             # No burst to drain (no workers): the clock starts after the first batch.
-            self.warming = False
             self._open_window(perf_counter())
         while not agreed.time_up:
             now, ready, last = self._next_batch()
