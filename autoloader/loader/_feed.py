@@ -159,8 +159,7 @@ class Feed:
     def close(self) -> None:
         """Hand out no more, and give the undelivered batches back to the epoch."""
         self._open = False
-        self.epoch.give_back(self._handed)
-        self._handed.clear()
+        self.requeue()
 
     def point_at(self, epoch: EpochBatches) -> None:
         """Feed the next epoch's batches (a persistent loader's next epoch)."""
