@@ -90,12 +90,13 @@ TARGETS = {FIRST: 1.08, SECOND: 1.03}
 AT_REVISION = (TUNE, FIRST, SECOND)
 
 
-def units(before: str | None) -> list[tuple[str, ...]]:
-    """The rotation's units, with those of revision ``before`` where given."""
+def units(before: str | None, skip: Iterable[str] = ()) -> list[tuple[str, ...]]:
+    """The rotation's units, with those of revision ``before`` where given, less the
+    variants named in ``skip`` (``defaults``, ``tune()+train``: the targets need neither)."""
     found = list(UNITS)
     if before:
         found += [(f"{TUNE} @{before}",), (f"{FIRST} @{before}", f"{SECOND} @{before}")]
-    return found
+    return [unit for unit in found if base(unit[0]) not in set(skip)]
 
 
 RESULT = "RESULT "  # the child's line of figures on stdout
@@ -410,7 +411,7 @@ def run_pipeline(name: str, args: argparse.Namespace) -> dict[str, list[dict[str
         HAND: ["--workers", str(workers), "--threads", str(threads or 0)],
         TUNE: ["--time-budget", str(args.time_budget)],
     }
-    rotation = units(args.before)
+    rotation = units(args.before, [name for name in args.skip.split(",") if name])
     by_variant: dict[str, list[dict[str, Any]]] = {v: [] for unit in rotation for v in unit}
     for round_number in range(args.rounds):
         shift = round_number % len(rotation)
@@ -430,7 +431,34 @@ def run_pipeline(name: str, args: argparse.Namespace) -> dict[str, list[dict[str
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print("\n" + table(name, by_variant), flush=True)
+    print(paired(by_variant), flush=True)
     return by_variant
+
+
+def paired(by_variant: dict[str, list[dict[str, Any]]]) -> str:
+    """Each variant's time per sample over the best hand run's of the same round, the
+    median and each round's: the machine's pace drifts by 10-30% over an hour here, and a
+    ratio of medians taken from different rounds carries that drift; a ratio within a
+    round, minutes apart, carries less of it."""
+    hand = by_variant.get(HAND, [])
+    lines = ["Per round, over the same round's best hand run (median; each round's):"]
+    for variant, rows in by_variant.items():
+        if variant == HAND:
+            continue
+        ratios = [
+            row["seconds"] / row["samples"] / (mate["seconds"] / mate["samples"])
+            for row, mate in zip(rows, hand, strict=True)
+            if "error" not in row and "error" not in mate
+        ]
+        if not ratios:
+            continue
+        target = TARGETS.get(base(variant))
+        lines.append(
+            f"  {variant:<26} {statistics.median(ratios):.3f}"
+            + (f" (target <= {target:g})" if target is not None else "")
+            + f"; {', '.join(format(r, '.3f') for r in ratios)}"
+        )
+    return "\n".join(lines)
 
 
 def say(round_number: int, row: dict[str, Any]) -> None:
@@ -493,6 +521,11 @@ def main() -> None:
     parser.add_argument("--crash-epochs", type=int, default=8)
     parser.add_argument("--crash-budget", type=float, default=10.0)
     parser.add_argument("--no-crash", dest="crash", action="store_false")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help=f"variants left out, e.g. '{DEFAULTS},{TUNE}' (the targets need neither)",
+    )
     parser.add_argument("--data", type=Path, default=Path("/tmp/benchdata"))
     parser.add_argument("--child-timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None)
