@@ -22,7 +22,7 @@ import autoloader._session
 import autoloader.measure._supervision
 from autoloader import AutoLoader, InvalidInputError
 from autoloader.loader._feed import EpochBatches, Feed
-from autoloader.measure import LiveTrial
+from autoloader.measure import LiveTrial, TrialEnded, TrialError
 from autoloader.search._objective import trial_seconds
 from tests.workloads import (
     FailingDataset,
@@ -324,6 +324,44 @@ def test_a_prestart_that_fails_hands_its_batches_to_the_next_start(
         trial.close()
     assert len(killed) == 2  # the failed start's two workers
     assert seen == torch.arange(48).view(12, 4).tolist()
+
+
+class _EndsShort(DataLoader[Any]):
+    """A loader whose iterator asks its sampler for every batch and delivers the first
+    five alone, as DataLoader's iterator does when it skips a dead worker's tasks."""
+
+    def __iter__(self) -> Any:
+        batches = [self.collate_fn([self.dataset[i] for i in ids]) for ids in self.batch_sampler]
+        return iter(batches[:5])
+
+
+def test_a_loader_that_ends_short_fails_and_gives_its_batches_back() -> None:
+    """NOTE [ A loader that ends short ]: its end, passed up, ended the loop's epoch at
+    batch 5 of 12; it is the setting's failure, and the 7 batches go back to the epoch."""
+    epoch = EpochBatches(iter(torch.arange(48).view(12, 4).tolist()), length=12)
+    feed = Feed(epoch)
+    loader = _EndsShort(SleepDataset(48, latency=0.0), batch_sampler=feed)
+    trial = LiveTrial(
+        loader,
+        feed,
+        {"num_workers": 0},
+        batch_size=4,
+        memory_budget=None,
+        max_seconds=60.0,
+        deadlines=None,
+    )
+    seen = []
+    try:
+        with pytest.raises(TrialEnded):
+            while True:
+                seen.append(_ids(trial.next()))
+    finally:
+        trial.end()
+        trial.close()
+    assert seen == torch.arange(20).view(5, 4).tolist()
+    assert isinstance(trial.outcome, TrialError)
+    assert "ended with 7 batch(es) it was handed not delivered" in str(trial.outcome)
+    assert [epoch.take() for _ in range(7)] == torch.arange(20, 48).view(7, 4).tolist()
 
 
 def test_a_live_trials_time_starts_at_its_first_batch() -> None:

@@ -338,6 +338,8 @@ class LiveTrial:
             batch = self._fetch()
         except StopIteration:
             self.draining = False
+            if self.feed.in_flight:  # NOTE [ A loader that ends short ]
+                self.outcome = self._ended_short()
             raise TrialEnded from None
         except (TrialError, MemoryBudgetExceeded) as failure:
             self.draining = False
@@ -354,6 +356,9 @@ class LiveTrial:
             self.watch.check()  # a watch not sampling never finds the budget passed
             batch = self._fetch()
         except StopIteration:
+            if self.feed.in_flight:  # NOTE [ A loader that ends short ]
+                self.outcome = self._ended_short()
+                raise TrialEnded from None
             if self.feed.limit is not None and self.feed.handed_count >= self.feed.limit:
                 self.outcome = self._finish()
                 raise TrialEnded from None  # the batches it was given are delivered
@@ -366,6 +371,23 @@ class LiveTrial:
             raise TrialEnded from None
         self.feed.delivered()
         return batch
+
+    # NOTE [ A loader that ends short ]
+    # A loader's iterator ends (StopIteration) once it has delivered every batch its feed
+    # handed it: DataLoader's and the thread loader's deliver what they asked for before
+    # they end. One that ends with batches handed out and not delivered has dropped them
+    # (DataLoader's iterator skips the tasks of a worker it marked dead, if asked again
+    # after raising that death), and passed up, its end would end the loop's epoch short,
+    # those batches never seen. So it is the setting's failure: the batches go back to
+    # the epoch, the last good setting loads them, and the failure is logged and recorded.
+
+    def _ended_short(self) -> TrialError:
+        """The failure of a loader that ended with batches undelivered."""
+        lost = self.feed.in_flight
+        error = RuntimeError(
+            f"the loader's iterator ended with {lost} batch(es) it was handed not delivered"
+        )
+        return TrialError("loading a batch", error, self.watch.peak)
 
     def _fetch(self) -> Any:
         """The loader's next batch, within its deadline, its faults as trial errors."""
