@@ -33,7 +33,7 @@ from autoloader.distributed._joint import (
     node_memory_budget,
 )
 from autoloader.distributed._ranks import Ranks, job_timeout
-from autoloader.measure._deadlines import TrialTimeout
+from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
 from autoloader.measure._measurement import Measurement
@@ -476,3 +476,37 @@ def test_each_rank_runs_its_step_on_the_trials_threads_from_its_share_of_the_nod
         runner.measure({"num_workers": 0, "step_threads": 1}, max_seconds=5.0, lockstep=lockstep)
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == before
+
+
+class _WaitingStep(_CountingStep):
+    """A step whose third call waits ``wait`` s in its collectives for a rank whose
+    fetch is slow."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__()
+        self.wait = wait
+
+    def __call__(self, batch: torch.Tensor) -> None:
+        super().__call__(batch)
+        if len(self.batches) == 3:
+            time.sleep(self.wait)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_a_step_waits_for_another_ranks_fetch_within_its_deadline(joint: bool) -> None:
+    """A step waits in its collectives while another rank fetches its batch, for up to
+    that fetch's deadline: in a joint trial its deadline is a fetch's and a step's
+    (NOTE [ Joint trials ]). A step 1.5 s long with a batch's deadline of 1 s hangs
+    alone; in a joint trial it waited for a rank that fetched within its own 1 s."""
+    step = _WaitingStep(1.5)
+    runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
+    deadlines = Deadlines(first=1.0, each=1.0)
+    lockstep = _FakeLockstep(torch.zeros(4, 8)) if joint else None
+    if not joint:
+        with pytest.raises(TrialError, match="running step_fn"):
+            runner.measure({"num_workers": 0}, max_seconds=3.0, deadlines=deadlines)
+        return
+    measured = runner.measure(
+        {"num_workers": 0}, max_seconds=3.0, deadlines=deadlines, lockstep=lockstep
+    )
+    assert measured.batches > 3

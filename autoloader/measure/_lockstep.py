@@ -19,8 +19,11 @@ from autoloader.measure._measurement import Measurement
 # deadline) does not leave the loop at once: it steps a spare batch (the last good one)
 # until the next checkpoint, so that the others' collectives are matched, and there
 # every rank abandons the trial together. A worker's death is reported at the next
-# fetch, never in the middle of a step (whose collectives might be half done). Alone,
-# every batch is a checkpoint and nothing is exchanged: the loop is what it always was.
+# fetch, never in the middle of a step (whose collectives might be half done). A step
+# waits in its collectives for the slowest rank's fetch: its deadline is a fetch's and
+# a step's (TimingLoop._step_limit), or a rank starved of CPU would be blamed on the
+# step of the rank waiting for it. Alone, every batch is a checkpoint and nothing is
+# exchanged: the loop is what it always was.
 
 
 @dataclass(frozen=True, slots=True)

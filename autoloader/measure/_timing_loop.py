@@ -453,7 +453,7 @@ class TimingLoop:
             with contextlib.suppress(Exception):
                 self._train(batch)
             return
-        self.guard.alarm.arm("running step_fn", self.each_limit)
+        self.guard.alarm.arm("running step_fn", self._step_limit())
         try:
             self._train(batch)
             self.guard.watch.check()
@@ -466,6 +466,18 @@ class TimingLoop:
                 self.lockstep.spare = batch
         finally:
             self.guard.alarm.disarm()
+
+    def _step_limit(self) -> float | None:
+        """How long a step may take before it counts as hung. In a joint trial the
+        step's collectives wait for every rank's batch: on a rank that steps at once,
+        the step takes as long as the slowest rank's fetch, which may take up to its own
+        deadline (the first batch's, an epoch's first on a rank that restarts workers)
+        before it counts as hung there (``NOTE [ Joint trials ]``). Held to the
+        batch's deadline alone, a rank starved of CPU beside a loading one failed the
+        job's baseline as a hung step ("no progress for 3 s while running step_fn")."""
+        if not self.lockstep.joint or self.each_limit is None:
+            return self.each_limit
+        return self.each_limit + (self.first_limit or self.each_limit)
 
     def _train(self, batch: Any) -> None:
         """Move ``batch`` to the device, as a training loop would, and run ``step_fn``."""
