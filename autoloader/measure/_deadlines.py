@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from autoloader.loader._torch_compat import awaited_batch
 
@@ -229,3 +230,28 @@ def time_limit(seconds: float, stage: str) -> Iterator[None]:
             yield
         finally:
             alarm.disarm()
+
+
+def alarm_unused() -> bool:
+    """Whether this is the main thread and nothing else has set a SIGALRM handler or
+    the process's real-time timer."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    handler = signal.getsignal(signal.SIGALRM)
+    return handler in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+# SIGALRM handlers of trials closed outside the main thread, which could not put back
+# the SIG_DFL they found (a trial holds the alarm only where it found SIG_DFL): the next
+# trial does, in the main thread (NOTE [ Nothing outlives the loop ], in
+# autoloader/_loop_epoch.py).
+stale_alarms: list[Any] = []
+
+
+def put_back_stale_alarms() -> None:
+    """Put back the SIG_DFL that trials closed outside the main thread could not."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    while stale_alarms:
+        if signal.getsignal(signal.SIGALRM) == stale_alarms.pop():
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)

@@ -36,7 +36,14 @@ from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.measure._batches import batch_length, tensor_bytes
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon
 from autoloader.measure._cpu_demand import CpuDemand
-from autoloader.measure._deadlines import Alarm, Deadlines, TrialTimeout
+from autoloader.measure._deadlines import (
+    Alarm,
+    Deadlines,
+    TrialTimeout,
+    alarm_unused,
+    put_back_stale_alarms,
+    stale_alarms,
+)
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch
@@ -207,8 +214,8 @@ class LiveTrial:
         self.alarm = Alarm()
         # Where nothing else uses SIGALRM, its handler is installed for the whole trial
         # (about 20 us a batch less than for each fetch); it fires only while armed.
-        _put_back_stale_alarms()
-        self._alarm_held = deadlines is not None and _alarm_unused()
+        put_back_stale_alarms()
+        self._alarm_held = deadlines is not None and alarm_unused()
         if self._alarm_held:
             self._handlers.enter_context(self.alarm.installed())
         self._alarm_handler = signal.getsignal(signal.SIGALRM)
@@ -578,32 +585,9 @@ class LiveTrial:
                     stop_workers(self.guard, abandon=failed)
         finally:
             if not main and self._alarm_held:
-                _stale_alarms.append(self._alarm_handler)
+                stale_alarms.append(self._alarm_handler)
             with contextlib.nullcontext() if main else contextlib.suppress(ValueError):
                 self._handlers.close()
-
-
-def _alarm_unused() -> bool:
-    """Whether this is the main thread and nothing else has set a SIGALRM handler or
-    the process's real-time timer."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    handler = signal.getsignal(signal.SIGALRM)
-    return handler in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
-
-
-# SIGALRM handlers of trials closed outside the main thread, which could not put back
-# the SIG_DFL they found (a trial holds the alarm only where it found SIG_DFL): the next
-# trial does, in the main thread (NOTE [ Nothing outlives the loop ] in _loop_epoch.py).
-_stale_alarms: list[Any] = []
-
-
-def _put_back_stale_alarms() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    while _stale_alarms:
-        if signal.getsignal(signal.SIGALRM) == _stale_alarms.pop():
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
 def release(loader: DataLoader[Any]) -> None:
