@@ -64,7 +64,8 @@ def _epoch(loader: Any) -> list[list[int]]:
     return [batch.view(-1).tolist() for batch in loader]
 
 
-@pytest.mark.parametrize("seedable", [True, False])
+# The fast tier keeps one sampler; the full suite both.
+@pytest.mark.parametrize("seedable", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_prepared_autoloader_tunes_and_loads_the_batches_accelerate_would(
     seedable: bool,
 ) -> None:
@@ -297,6 +298,7 @@ def test_a_trainers_autoloader_prepared_by_the_route_tunes_in_train(tmp_path: Pa
     assert len({tuple(items) for items in per_epoch}) == epochs  # shuffled anew each epoch
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_trainers_autoloader_given_to_accelerate_is_refused_when_train_starts(
     tmp_path: Path,
 ) -> None:

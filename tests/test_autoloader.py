@@ -131,6 +131,7 @@ def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -
     assert loader.report().startswith("autoloader report: batch size 16,")
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_shuffled_from_the_global_generator_every_epoch_is_dataloaders() -> None:
     """Without a generator, the sampler's permutations and the workers' base seeds come
     from torch's global generator: the checks before the search (which load batches)
@@ -199,8 +200,11 @@ class _HeldToTheNextEpoch:
 
 @pytest.mark.parametrize(
     "loop",
-    [_epochs, _HeldToTheNextEpoch],
-    ids=["asks-past-the-end", "held-to-the-next-epoch"],
+    # The fast tier keeps the loop that asks past the end; the full suite both.
+    [
+        pytest.param(_epochs, id="asks-past-the-end"),
+        pytest.param(_HeldToTheNextEpoch, id="held-to-the-next-epoch", marks=pytest.mark.slow),
+    ],
 )
 def test_trials_span_epochs_shorter_than_their_start_up_burst(loop: Any) -> None:
     """12 batches an epoch, fewer than 2 to 4 workers x prefetch 4 hold at once, and a
@@ -542,6 +546,7 @@ def test_an_error_of_the_dataset_under_every_setting_reaches_the_loop_as_dataloa
 # Saved and reused ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_next_run_reuses_the_saved_settings_and_a_changed_dataset_tunes_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -589,6 +594,7 @@ def _next_run(dataset: Dataset[Any], kwargs: dict[str, Any]) -> tuple[AutoLoader
         loader.close()
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_run_shorter_than_the_budget_leaves_its_search_for_the_next_to_continue(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -621,6 +627,7 @@ def test_a_run_shorter_than_the_budget_leaves_its_search_for_the_next_to_continu
     assert "autoloader-heartbeat" not in [t.name for t in threading.enumerate()]
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_next_run_continues_the_search_though_its_workers_start_slower(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -218,6 +218,7 @@ def _special_file(tmp_path: Path, kind: str) -> Path:
         ("nested", "is not a result: its JSON is nested deeper than any result's"),
     ],
 )
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_result_path_that_is_not_a_regular_file_is_refused_promptly(
     tmp_path: Path, kind: str, said: str
 ) -> None:
@@ -250,6 +251,7 @@ def test_a_result_path_that_is_not_a_regular_file_is_refused_promptly(
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "nested"])
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_autoloader_show_refuses_a_file_that_is_not_a_result_promptly(
     tmp_path: Path, kind: str
 ) -> None:
@@ -275,6 +277,7 @@ def test_a_result_file_larger_than_any_result_is_refused_unread(tmp_path: Path) 
 # What autoloader show prints ------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_show_prints_a_lone_surrogate_escaped(tmp_path: Path) -> None:
     """A string of the file that stdout cannot encode (a lone surrogate, from a "\\ud800"
     escape) raised UnicodeEncodeError while printing."""
@@ -309,6 +312,7 @@ def torchrun_rank_0() -> Iterator[dict[str, str]]:
 
 
 @pytest.mark.parametrize("command", ["show", "plot"])
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_command_that_reads_a_file_never_waits_for_other_ranks(
     tmp_path: Path, torchrun_rank_0: dict[str, str], command: str
 ) -> None:
@@ -335,6 +339,7 @@ def test_a_command_that_reads_a_file_never_waits_for_other_ranks(
         ("MASTER_PORT", "http", "must be an int from 1 to 65535"),
     ],
 )
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_bad_torchrun_variable_is_named_in_one_line(
     tmp_path: Path, torchrun_rank_0: dict[str, str], variable: str, value: str, rule: str
 ) -> None:

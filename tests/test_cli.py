@@ -165,6 +165,7 @@ def test_show_of_a_missing_or_broken_file_is_one_line_and_exit_1(
         assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_library_errors_are_one_line_and_exit_1(tmp_path: Path) -> None:
     done = _run("demo", "--batch-size", "0", cwd=tmp_path)
     assert done.returncode == 1
@@ -215,6 +216,7 @@ def test_tune_saves_the_result_before_it_prints_the_report(
     assert autoloader.load(out).params == _result().params
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_sigterm_saves_the_finished_trials_to_out_and_exits_143(tmp_path: Path) -> None:
     """SIGTERM (a scheduler stopping the job) after the first trials: they are saved to
     ``--out``, marked partial, and the command exits with 143 (NOTE [ SIGTERM while
@@ -274,6 +276,7 @@ def test_an_out_holding_another_file_is_refused_before_any_trial(tmp_path: Path)
         "pipe.py/best.json",  # under a file
     ],
 )
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_an_out_that_cannot_be_written_is_refused_before_any_trial(
     tmp_path: Path, out: str
 ) -> None:

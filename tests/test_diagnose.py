@@ -74,6 +74,7 @@ def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
     assert "memory budget" in diagnosis.reason and "fewer workers" in diagnosis.reason
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -> None:
     from autoloader.measure._memory import tree_memory
 
@@ -139,6 +140,7 @@ def test_a_broken_loop_says_what_raised() -> None:
         autoloader.diagnose(DataLoader(SleepDataset(8), batch_size=2), failing_step, seconds=1)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_worker_that_hangs_costs_diagnose_its_deadline_not_forever() -> None:
     """Twice the measuring time per batch; the first also has 3 s for its worker to start."""
     loader = DataLoader(HangsIn("workers", length=64), batch_size=4, num_workers=1)
@@ -155,6 +157,7 @@ def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> N
     assert diagnosis.step_cpus is not None and diagnosis.step_cpus < 0.3, str(diagnosis)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() -> None:
     dataset = SleepDataset(1 << 17, latency=0.0, width=4)
     loader = DataLoader(dataset, batch_size=64, num_workers=2)

@@ -141,6 +141,7 @@ def _skipping_bad(loader: Any, epochs: int) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_loop_that_skips_a_bad_batch_gets_every_other_one_while_tuning_and_after(
     workers: int,
 ) -> None:
@@ -218,6 +219,7 @@ class _SharedCounter(torch.utils.data.Dataset[torch.Tensor]):
         return torch.tensor([index])
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_dataset_holding_a_multiprocessing_value_pickles_as_into_a_worker() -> None:
     dataset = _SharedCounter()
     assert unpicklable({"dataset": dataset}, "spawn") is None
@@ -231,6 +233,7 @@ def test_a_dataset_holding_a_multiprocessing_value_pickles_as_into_a_worker() ->
     assert unpicklable({"collate_fn": local}, "fork") is None
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_an_unpicklable_dataset_under_spawn_is_loaded_without_workers() -> None:
     """DataLoader with num_workers=0 pickles nothing: AutoLoader neither refuses it nor
     fails a setting on it; it tunes without workers, and says why."""
@@ -276,6 +279,7 @@ def test_an_unpicklable_dataset_under_spawn_is_loaded_without_workers() -> None:
 # Quiet where the application configured no logging -------------------------------------------
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_nothing_reaches_stderr_with_verbose_false_and_no_logging_configured() -> None:
     script = textwrap.dedent(
         """

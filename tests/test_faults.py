@@ -157,6 +157,7 @@ def _tune_where_a_second_worker_meets(
     return result
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_crashing_settings_fail_the_run_goes_on_and_nothing_is_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

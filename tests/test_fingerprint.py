@@ -11,6 +11,7 @@ import sys
 import textwrap
 from typing import Any
 
+import pytest
 from torch.utils.data import ConcatDataset, Subset
 
 from autoloader.search import NOT_FINGERPRINTED, dataset_code, step_code
@@ -64,6 +65,7 @@ def _codes(made: dict[str, Any]) -> tuple[str, str]:
     return dataset_code(made["Items"]()), step_code(made["make_step"]([]))
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_fingerprints_are_the_same_in_another_process() -> None:
     here = _codes(_made())
     script = textwrap.dedent(

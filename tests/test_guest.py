@@ -68,6 +68,7 @@ def _workers_left(before: set[int], *, wait: bool = True) -> list[int]:
 # Only the trial's own processes ---------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_child_the_loop_starts_while_autoloader_tunes_is_left_alone(
     users_child: list[subprocess.Popen[bytes]],
 ) -> None:
@@ -326,6 +327,7 @@ def test_two_autoloaders_tuning_at_once_put_back_the_handlers_found() -> None:
     assert _autoloader_threads() == []
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_interpreter_exit_with_an_epoch_under_way_leaves_nothing(tmp_path: Path) -> None:
     """A script that exits with an AutoLoader's epoch under way (held in a global): by
     the time its own first exit hook runs, autoloader's thread and handlers are gone; its
@@ -386,6 +388,7 @@ def test_the_interpreter_exit_with_an_epoch_under_way_leaves_nothing(tmp_path: P
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_workers_killed_in_trials_leave_no_temporary_directory(tmp_path: Path) -> None:
     """A worker that hands tensors over listens on a socket in a /tmp/pymp-* directory of
     its own; killed, it left it behind. Forked from a process that has one, it shares
@@ -424,6 +427,7 @@ def test_workers_killed_in_trials_leave_no_temporary_directory(tmp_path: Path) -
     assert sorted(p.name for p in temporary.iterdir() if p.name.startswith("pymp-")) == []
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_worker_whose_process_is_killed_as_it_starts_exits(tmp_path: Path) -> None:
     """A process (a torchrun rank, standing in) killed while its loader's worker runs the
     user's worker_init_fn: torch's watchdog, made after it, would take init for the

@@ -415,6 +415,7 @@ def test_no_process_group_means_tuning_alone() -> None:
     assert Ranks.join() is None
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_world_of_one_tunes_alone(tmp_path: Path) -> None:
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -493,6 +494,7 @@ class _WaitingStep(_CountingStep):
 
 
 @pytest.mark.parametrize("joint", [True, False])
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_step_waits_for_another_ranks_fetch_within_its_deadline(joint: bool) -> None:
     """A step waits in its collectives while another rank fetches its batch, for up to
     that fetch's deadline: in a joint trial its deadline is a fetch's and a step's

@@ -79,6 +79,7 @@ def test_crossing_epochs_records_the_restart() -> None:
     assert m.epochs_samples_per_second is not None
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_trial_spans_epochs_shorter_than_its_start_up_burst() -> None:
     """12 batches an epoch, 16 in flight (8 workers x prefetch 2): the warm-up alone
     outlasts an epoch. The trial goes on across epochs and closes its windows there
@@ -96,6 +97,7 @@ def _slow_restart(worker_id: int) -> None:
     time.sleep(0.5)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_an_epochs_edge_is_timed_apart_from_the_steady_rate() -> None:
     """Workers that take 0.5 s to start, started again each epoch of 8 batches of 1 ms
     items: the restarts are kept off the timing windows' clock and timed apart, so the
@@ -122,6 +124,7 @@ def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
     assert m.epochs_samples_per_second is not None
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_trial_that_starts_timing_before_the_start_up_burst_drains() -> None:
     """A trial's warm-up cap (half its time) starts the clock with part of the start-up
     burst still queued. 4 workers slower than the step (80 ms a batch each, 50 batches a
@@ -219,6 +222,7 @@ def test_without_workers_the_clock_starts_after_the_first_batch() -> None:
     assert dataset.loaded == 2 * 4
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> None:
     """The second worker delivers 400 items, then hangs; the others keep going. The
     baseline's deadline is 60 s; the trial's pace (a few ms a batch) cuts it to the
@@ -301,6 +305,7 @@ def test_siblings_that_deliver_do_not_call_a_hang_on_a_slow_but_working_worker()
     assert m.batches > 0
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_memory_that_grows_while_a_batch_is_overdue_is_a_memory_fault() -> None:
     """A worker stuck filling memory at 200 MB/s passes its 2.5 s deadline before the
     budget (700 MB over what the tree uses), and before the end of the trial (2.6 s), to
@@ -505,6 +510,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_resource_tracker_started_by_a_trial_outlives_it(tmp_path: Path) -> None:
     """Spawned workers' queues start multiprocessing's resource tracker on first use; the
     trial's clean-up must leave it running, as it serves the whole session."""

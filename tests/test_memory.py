@@ -185,6 +185,7 @@ def test_a_burst_is_not_growth() -> None:
     assert growth.rate() is None
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_watch_under_budget_with_a_flat_tree_is_not_stopped_by_projection() -> None:
     budget = tree_memory() + 300 * 1024**2
     with MemoryWatch(budget, interval=0.05, ends_at=time.monotonic() + 60) as watch:

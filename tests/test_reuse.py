@@ -51,6 +51,7 @@ def _tune(path: Path, step: CountingStep, *, batch_size: int = 8) -> autoloader.
     )
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_same_problem_reuses_the_file_and_another_tunes_again_saying_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -300,6 +301,7 @@ class BlockingStep(CountingStep):
         super().__call__(batch)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_result_that_cannot_be_saved_is_returned_with_a_warning(tmp_path: Path) -> None:
     folder = tmp_path / "results"
     folder.mkdir()

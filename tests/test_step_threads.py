@@ -64,6 +64,7 @@ def test_a_trial_runs_the_step_on_its_threads_and_puts_them_back() -> None:
 
 
 @needs_two_cpus
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_tune_searches_the_threads_of_a_step_on_the_cpu_and_returns_the_users() -> None:
     step = ThreadSettingStep()  # it even sets them itself
     # Items that wait 5 ms: the defaults spend 20 ms loading each batch, which workers

@@ -221,6 +221,7 @@ def test_a_trial_with_thread_workers_is_measured_and_leaves_no_thread() -> None:
     assert _worker_threads() == []
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_hung_read_in_a_thread_fails_the_trial_as_a_timeout() -> None:
     """The thread's read cannot be interrupted: the trial fails at its deadline, and the
     thread ends when its read returns (here after 3 s)."""

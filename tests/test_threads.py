@@ -25,6 +25,7 @@ def _reports(dataset: Any, method: str, **params: Any) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_worker_threads_limit_every_native_pool_inside_workers(method: str) -> None:
     limited = _reports(ThreadsInWorker(), method, num_workers=2, worker_threads=1)
     # Each row: BLAS pool threads, torch threads, OMP_NUM_THREADS, in one worker.
@@ -42,6 +43,7 @@ def test_without_worker_threads_the_blas_pool_is_as_wide_as_the_machine() -> Non
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_users_worker_init_fn_still_runs(method: str) -> None:
     fixed = {"worker_init_fn": mark_worker, "multiprocessing_context": method}
     params = normalize_params({"num_workers": 2, "worker_threads": 1})

@@ -157,7 +157,11 @@ ROUTES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
+# The fast tier keeps the first route; the full suite every one.
+@pytest.mark.parametrize(
+    "route",
+    [next(iter(ROUTES)), *(pytest.param(r, marks=pytest.mark.slow) for r in list(ROUTES)[1:])],
+)
 def test_training_after_tuning_is_bit_identical_and_uses_the_tuned_loader(
     route: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -206,6 +210,7 @@ def test_training_after_tuning_is_bit_identical_and_uses_the_tuned_loader(
         assert type(base) is torch.utils.data.DataLoader
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_saved_result_is_reused_without_tuning(tmp_path: Path) -> None:
     path = tmp_path / "loader.json"
     space = {"worker_kind": "threads"}
@@ -307,6 +312,7 @@ def test_arguments_that_cannot_apply_are_refused(
     assert words in _refused(_trainer(tmp_path), monkeypatch, **kwargs)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_importing_autoloader_imports_no_framework() -> None:
     code = (
         "import sys, autoloader, autoloader.transformers, autoloader.accelerate\n"

@@ -202,6 +202,7 @@ def test_bad_input_is_rejected_before_any_work(
         assert dataset.reads == 0
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_unpicklable_objects_are_fine_under_fork() -> None:
     result = _tune(
         LambdaDataset(),
@@ -269,6 +270,7 @@ def test_tune_returns_measured_settings(tmp_path: Path) -> None:
     assert again.throughput == result.throughput
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_tensor_dataset_is_tuned_with_batched_fetch(tmp_path: Path) -> None:
     dataset = TensorDataset(torch.randn(4096, 16), torch.arange(4096))
     result = _tune(dataset, noop_step, batch_size=64, time_budget=6.0)
@@ -372,6 +374,7 @@ def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
     assert result.memory_budget == budget
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_out_of_memory_errors_prune_the_setting() -> None:
     result = _tune(
         OutOfMemoryInWorkersDataset(256),
@@ -388,6 +391,7 @@ def test_out_of_memory_errors_prune_the_setting() -> None:
     assert result.params["num_workers"] == 0
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:
     result = _tune(
         FailsInWorkersDataset(256),
@@ -434,6 +438,7 @@ def test_a_broken_step_stops_at_the_baseline() -> None:
         _tune(step=failing_step)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_iterable_datasets_are_tuned() -> None:
     result = _tune(
         ShardedStream(512), noop_step, time_budget=4.0, search_space={"num_workers": (0, 2)}
@@ -455,6 +460,7 @@ def test_an_iterable_dataset_whose_workers_repeat_samples_is_refused() -> None:
         _tune(Stream(shard=False))
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_probe_that_hangs_costs_its_share_and_the_run_still_searches() -> None:
     """The checks before the search get a tenth of the budget; the probe its share of
     that, and what the checks before it left of theirs."""
@@ -499,6 +505,7 @@ def test_device_batches_reach_the_step_on_that_device() -> None:
     assert devices == {torch.device("meta")}
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_with_an_accelerator_pin_memory_is_searched() -> None:
     with (
         mock.patch("autoloader.checks._environment.accelerator", return_value=torch.device("cuda")),
@@ -617,6 +624,7 @@ def test_thread_workers_are_measured_and_a_tuned_thread_loader_holds_every_sampl
         assert sorted(ids) == list(range(512)) and ids != sorted(ids)
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_dataset_that_reads_otherwise_from_threads_is_tuned_with_processes_only() -> None:
     result = _tune(SharedBufferDataset(256), noop_step, time_budget=4.0)
     assert all(t.params["worker_kind"] == "processes" for t in result.trials)
