@@ -206,28 +206,13 @@ def _tuning_loader(**kwargs: Any) -> AutoLoader[Any]:
 def _into_a_trial_with_workers(loader: AutoLoader[Any]) -> Iterator[Any]:
     """An epoch of ``loader``, iterated until a setting with workers loads it."""
     before = {p.pid for p in psutil.Process().children()}
-    for _ in range(20):  # epochs: on a slow machine the checks and baseline take one
-        epoch = iter(loader)
-        for _batch in epoch:
-            setting = loader.setting
-            if setting and setting["num_workers"] and _workers_left(before, wait=False):
-                return epoch
-    raise AssertionError("no trial with workers started")
-
-
-def _break_out_in_a_trial_with_workers(loader: AutoLoader[Any]) -> bool:
-    """An epoch of ``loader``, left by ``break`` once a setting with workers loads it
-    (its memory watch running); ``False`` where none did before the epoch's end."""
-    for number, _ in enumerate(loader):
+    epoch = iter(loader)
+    for _ in range(2000):
+        next(epoch)
         setting = loader.setting
-        if (
-            number > 20
-            and setting
-            and setting["num_workers"]
-            and "autoloader-memory" in (_autoloader_threads())
-        ):
-            return True
-    return False
+        if setting and setting["num_workers"] and _workers_left(before, wait=False):
+            return epoch
+    raise AssertionError("no trial with workers started")
 
 
 def test_a_loop_that_breaks_out_of_an_epoch_leaves_nothing_running() -> None:
@@ -235,8 +220,14 @@ def test_a_loop_that_breaks_out_of_an_epoch_leaves_nothing_running() -> None:
     before = {p.pid for p in psutil.Process().children()}
     loader = _tuning_loader()
     try:
-        for _ in range(20):  # epochs: on a slow machine the checks and baseline take one
-            if _break_out_in_a_trial_with_workers(loader):
+        for number, _ in enumerate(loader):
+            setting = loader.setting
+            if (
+                number > 20
+                and setting
+                and setting["num_workers"]
+                and "autoloader-memory" in (_autoloader_threads())
+            ):
                 break
         else:
             raise AssertionError("no trial with workers started")
@@ -263,10 +254,9 @@ def test_ctrl_c_in_the_loop_then_del_loader_leaves_nothing_running() -> None:
     loader = _tuning_loader()
     collected = weakref.ref(loader)
     with pytest.raises(KeyboardInterrupt):
-        for _ in range(20):  # epochs: on a slow machine the checks and baseline take one
-            for number, _batch in enumerate(loader):
-                if number > 20 and loader.setting and loader.setting["num_workers"]:
-                    signal.raise_signal(signal.SIGINT)
+        for number, _ in enumerate(loader):
+            if number > 20 and loader.setting and loader.setting["num_workers"]:
+                signal.raise_signal(signal.SIGINT)
     del loader
     assert collected() is None, "the loader outlived its last reference"
     assert _autoloader_threads() == []
