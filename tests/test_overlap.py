@@ -35,11 +35,12 @@ class Stamped(Dataset[torch.Tensor]):
     worker loaded it (its workers' base seed; -1 in the main process); each load is
     written to ``log`` as ``loader time`` (monotonic, the same clock in every process)."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, length: int = LENGTH) -> None:
         self.log = str(log)
+        self.length = length
 
     def __len__(self) -> int:
-        return LENGTH
+        return self.length
 
     def __getitem__(self, index: int) -> torch.Tensor:
         time.sleep(0.002)
@@ -62,19 +63,20 @@ def _autoloader(dataset: Dataset[Any], space: dict[str, Any] = SPACE) -> AutoLoa
     )
 
 
-def _reference(dataset: Dataset[Any], epochs: int | list[int]) -> list[list[int]]:
-    """DataLoader's batches over ``epochs`` epochs, or as many as the list has, the loop
-    leaving each after its count of batches (a loop that leaves an epoch early draws
-    less from the generator: the sampler is not asked past its end)."""
+def _reference(epochs: int | list[int], length: int = LENGTH) -> list[list[int]]:
+    """DataLoader's batches of indices of a dataset of ``length`` items over ``epochs``
+    epochs, or as many as the list has, the loop leaving each after its count of batches
+    (a loop that leaves an epoch early draws less from the generator: the sampler is not
+    asked past its end). The order is the sampler's: a dataset of indices gives it."""
     loader = DataLoader(
-        dataset, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7)
+        range(length), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7)
     )
-    counts = [LENGTH // BATCH] * epochs if isinstance(epochs, int) else epochs
+    counts = [length // BATCH] * epochs if isinstance(epochs, int) else epochs
     batches = []
     for count in counts:
         for number, batch in enumerate(loader):
-            batches.append([int(i) for i in batch[:, 0]])
-            if number + 1 == count and count < LENGTH // BATCH:
+            batches.append([int(i) for i in batch])
+            if number + 1 == count and count < length // BATCH:
                 break
     return batches
 
@@ -86,7 +88,10 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
     workers first loaded. Some loader's workers loaded before the loop received the last
     batch of the loader before it: switched one after the other, they could not have,
     its workers starting only once the loader before had delivered its last batch."""
-    dataset = Stamped(tmp_path / "loads")
+    # Epochs of 180 batches: a loader without persistent workers starts new ones at each
+    # epoch's start, where no drain precedes them; with 60-batch epochs, a full run saw
+    # 3 worker loaders, the second and third each an epoch's first: no switch to look at.
+    dataset = Stamped(tmp_path / "loads", length=3 * LENGTH)
     # Each worker 8 batches ahead: drains of 16-32 steps, 80-160 ms, longer than workers
     # take to start on a busy machine (with 4 ahead, 40-80 ms, the next loader's first
     # load came 49 ms after the last drained batch in one full run).
@@ -104,7 +109,7 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
     finally:
         loader.close()
     assert loader.tuned, loader.report()
-    assert seen == _reference(Stamped(tmp_path / "reference"), epochs)
+    assert seen == _reference(epochs, length=3 * LENGTH)
 
     first_load: dict[int, float] = {}
     for line in (tmp_path / "loads").read_text().splitlines():
@@ -123,7 +128,7 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
             continue
         if key not in last_received:
             order.append(key)
-            starts_an_epoch[key] = number % (LENGTH // BATCH) == 0
+            starts_an_epoch[key] = number % (3 * LENGTH // BATCH) == 0
         last_received[key] = at
     switches = [
         (before, after) for before, after in itertools.pairwise(order) if not starts_an_epoch[after]
@@ -178,7 +183,7 @@ def test_a_drain_that_fails_gives_back_its_batches_before_the_next_settings(
     finally:
         loader.close()
     assert killed, "a drain with a successor"
-    assert seen == _reference(Stamped(tmp_path / "reference"), epochs)
+    assert seen == _reference(epochs)
     # The setting failed (its workers' death read as a death, or as a pipe reset by it).
     (failure,) = loader.failures
     assert failure.startswith(f"{workers} workers"), failure
@@ -230,7 +235,7 @@ def test_an_epoch_left_during_a_drain_stops_the_next_settings_workers(tmp_path: 
         len(counts) - 1
     ), counts
     seen = [batch for epoch in per_epoch for batch in epoch]
-    assert seen == _reference(Stamped(tmp_path / "reference"), counts)
+    assert seen == _reference(counts)
 
 
 class Pids(Dataset[torch.Tensor]):
@@ -289,4 +294,4 @@ def test_the_chosen_setting_goes_on_with_the_workers_that_measured_it_last(
     last_trial = set(pids[tuned_at - 4 : tuned_at])
     assert os.getpid() not in last_trial  # the last trial's batches came from workers
     assert set(pids[tuned_at:]) <= last_trial, (last_trial, set(pids[tuned_at:]), report)
-    assert seen == _reference(Pids(), epochs)
+    assert seen == _reference(epochs)
