@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -67,3 +68,15 @@ def torch_threads_as_found() -> Iterator[None]:
     after = torch.get_num_threads()
     torch.set_num_threads(before)
     assert after == before, f"test left torch's threads at {after}, not {before}"
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt here, as in a terminal: a job started in the
+    background by a shell (`cmd &`), and pytest-xdist's workers, ignore it, and Python
+    then installs no handler of its own (`signal.raise_signal` did nothing)."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, found)

@@ -248,18 +248,6 @@ def test_a_loop_that_breaks_out_of_an_epoch_leaves_nothing_running() -> None:
     assert _autoloader_threads() == [] and _workers_left(before) == []
 
 
-@pytest.fixture
-def ctrl_c_raises() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt here, as in a terminal: a job started in the
-    background by a shell (`cmd &`), and so the test process, ignores it, and Python
-    then installs no handler of its own (`signal.raise_signal` did nothing)."""
-    found = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, found)
-
-
 @pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_in_the_loop_then_del_loader_leaves_nothing_running() -> None:
     before_handlers = _handlers()

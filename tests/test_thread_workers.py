@@ -151,6 +151,7 @@ def test_break_and_del_stop_the_threads() -> None:
     assert _worker_threads() == []
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_while_waiting_stops_the_threads() -> None:
     """A real SIGINT while the main thread waits for a batch."""
     loader = ThreadLoader(SleepDataset(length=64, latency=0.3), batch_size=8, num_workers=2)
