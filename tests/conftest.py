@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import fcntl
 import multiprocessing.resource_tracker
+import os
 import signal
 import threading
 import time
@@ -14,6 +16,51 @@ import torch
 # standard library's resource tracker once, for the rest of the test session: it is not
 # something a test left behind.
 multiprocessing.resource_tracker.ensure_running()
+
+
+# Tests side by side (the full suite runs under pytest-xdist, `-n 2`): a test marked
+# `alone` measures the machine, or holds a deadline that another test's processes on the
+# same cores could break, and runs with no other test beside it. Every test holds the
+# room, shared or, marked `alone`, exclusive; each passes the gate to ask for it, and an
+# `alone` test holds the gate while it waits, so that no shared holder comes in after it.
+# The files are in the run's temporary directory, which every worker shares.
+
+
+@pytest.fixture(scope="session")
+def _room(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int] | None]:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield None
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N, above popen-gwN
+    gate = os.open(shared / "alone.gate", os.O_CREAT | os.O_RDWR, 0o600)
+    room = os.open(shared / "alone.room", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        yield gate, room
+    finally:
+        os.close(gate)
+        os.close(room)
+
+
+@pytest.fixture(autouse=True)
+def alone_if_marked(
+    request: pytest.FixtureRequest, _room: tuple[int, int] | None
+) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` waits until no other test runs, and
+    no other test starts until it ends; elsewhere nothing."""
+    if _room is None:
+        yield
+        return
+    gate, room = _room
+    alone = request.node.get_closest_marker("alone") is not None
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -105,6 +105,7 @@ _PINNED_FOR = (
 )
 
 
+@pytest.mark.alone  # another test's processes on the shared CPU add run delay
 def test_children_computing_on_one_shared_cpu_gather_the_run_delay_they_waited() -> None:
     """Two children started while it runs, each computing 0.6 s on the same CPU: each
     waits for it about half that time, runnable. A child started before is not

@@ -25,6 +25,10 @@ from .workloads import (
     slow_step,
 )
 
+# diagnose() measures the loop and the machine's CPUs: another test's processes beside it
+# turned a latency-bound loop into a CPU-bound one.
+pytestmark = pytest.mark.alone
+
 
 def test_a_loop_that_waits_on_reads_is_latency_bound() -> None:
     loader = DataLoader(SleepDataset(256, latency=0.005), batch_size=4)

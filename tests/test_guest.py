@@ -389,6 +389,7 @@ def test_the_interpreter_exit_with_an_epoch_under_way_leaves_nothing(tmp_path: P
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.alone  # kills workers in a trial a busier machine may not reach
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_workers_killed_in_trials_leave_no_temporary_directory(tmp_path: Path) -> None:
     """A worker that hands tensors over listens on a socket in a /tmp/pymp-* directory of

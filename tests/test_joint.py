@@ -277,6 +277,7 @@ def test_a_rank_stops_with_the_others_when_another_fails() -> None:
     assert len(step.batches) == 1 + 2 * 4  # stopped at the third checkpoint, with the rest
 
 
+@pytest.mark.alone  # the memory watch must see the tree grow before the hang deadline
 @pytest.mark.parametrize("others_hang_for", [0.0, 1000.0])
 def test_a_rank_whose_tree_outgrows_its_budget_reports_that_where_another_hung(
     others_hang_for: float,

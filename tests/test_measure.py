@@ -124,6 +124,7 @@ def test_a_trial_times_a_whole_epoch_where_one_fits_in_its_time() -> None:
     assert m.epochs_samples_per_second is not None
 
 
+@pytest.mark.alone  # the burst's drain against the clock
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_trial_that_starts_timing_before_the_start_up_burst_drains() -> None:
     """A trial's warm-up cap (half its time) starts the clock with part of the start-up

@@ -30,6 +30,7 @@ def _with_parameters(notebook: nbformat.NotebookNode, source: str) -> None:
     notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(source))
 
 
+@pytest.mark.alone  # its diagnosis and speed-up measure the machine
 @pytest.mark.timeout(400)
 def test_the_tutorial_runs_top_to_bottom_and_tunes_the_loop_faster(tmp_path: Path) -> None:
     notebook = nbformat.read(NOTEBOOK, as_version=4)

@@ -86,6 +86,7 @@ def test_a_tuned_loader_yields_every_sample_once(
         assert all(t.params["step_threads"] is None for t in result.trials)
 
 
+@pytest.mark.alone  # settings with workers must measure faster than the baseline
 def test_a_dataset_that_ran_torchs_thread_pool_is_tuned_not_left_at_the_defaults(
     corpus: Callable[[str], Pipeline], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -199,6 +200,7 @@ def _two_cpus() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.alone  # diagnose() measures the machine's CPUs
 def test_diagnose_says_a_cpu_training_step_competes_with_workers(
     corpus: Callable[[str], Pipeline],
 ) -> None:

@@ -60,6 +60,7 @@ def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int
     raise AssertionError("no trial started within 60 s")
 
 
+@pytest.mark.alone  # kills the run between trials, by the clock
 def test_a_killed_run_resumes_from_its_storage(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -101,6 +101,7 @@ def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
     assert autoloader.load(path).trials == slowed.trials  # the file holds the new run
 
 
+@pytest.mark.alone  # which check fails first depends on the machine's pace
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_setting_that_fails_its_check_is_tuned_again(
     saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture

@@ -137,6 +137,7 @@ def _wait_for_trials(out: Path, rank_pid: int, *, settled: float = 0.0) -> None:
     raise AssertionError("the job never ran a trial with workers")
 
 
+@pytest.mark.alone  # every rank must stop within 30 s
 def test_ctrl_c_stops_every_rank_and_leaves_no_process(tmp_path: Path) -> None:
     job = _start(_torchrun(2, "-m", "tests.torchrun_job", str(tmp_path), "long"), tmp_path)
     _wait_for_trials(tmp_path, _rank_pid(tmp_path, 1))
@@ -254,6 +255,7 @@ def test_a_hang_on_one_node_ends_the_trial_on_both(tmp_path: Path) -> None:
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.alone  # both nodes must stop within 30 s
 @pytest.mark.usefixtures("two_nodes")
 def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
     job = nodes.start(["-m", "tests.torchrun_job", str(tmp_path), "long"], cwd=tmp_path, env=_ENV)
@@ -368,6 +370,7 @@ def test_autoloader_trials_span_epochs_shorter_than_the_workers_hold(tmp_path: P
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.alone  # the failure's time is bounded by the group's timeout
 def test_a_stopped_rank_ends_the_trial_within_the_process_groups_timeout(tmp_path: Path) -> None:
     """Rank 1 stopped (SIGSTOP) mid-trial, while rank 0's DDP step all-reduces with it:
     rank 0 waits in DDP's C++ (where no alarm reaches) for the process group's timeout

@@ -270,6 +270,7 @@ def test_tune_returns_measured_settings(tmp_path: Path) -> None:
     assert again.throughput == result.throughput
 
 
+@pytest.mark.alone  # batched fetch must measure faster than per-item loading
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_tensor_dataset_is_tuned_with_batched_fetch(tmp_path: Path) -> None:
     dataset = TensorDataset(torch.randn(4096, 16), torch.arange(4096))
