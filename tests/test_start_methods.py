@@ -55,6 +55,9 @@ def test_the_checks_start_workers_as_the_users_loader_does(method: str) -> None:
     assert facts["copy_on_read"] is None
 
 
+# Beside another test (pytest-xdist), a spawned worker stopped while it still started
+# printed "terminate called without an active exception" once in three runs.
+@pytest.mark.alone
 @pytest.mark.parametrize("method", METHODS)
 def test_tune_survives_a_worker_fault_and_reports_the_start_up(
     method: str, capfd: pytest.CaptureFixture[str]
