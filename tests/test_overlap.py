@@ -91,7 +91,8 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
     # Epochs of 180 batches: a loader without persistent workers starts new ones at each
     # epoch's start, where no drain precedes them; with 60-batch epochs, a full run saw
     # 3 worker loaders, the second and third each an epoch's first: no switch to look at.
-    dataset = Stamped(tmp_path / "loads", length=3 * LENGTH)
+    length = 3 * LENGTH
+    dataset = Stamped(tmp_path / "loads", length=length)
     # Each worker 8 batches ahead: drains of 16-32 steps, 80-160 ms, longer than workers
     # take to start on a busy machine (with 4 ahead, 40-80 ms, the next loader's first
     # load came 49 ms after the last drained batch in one full run).
@@ -109,7 +110,7 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
     finally:
         loader.close()
     assert loader.tuned, loader.report()
-    assert seen == _reference(epochs, length=3 * LENGTH)
+    assert seen == _reference(epochs, length=length)
 
     first_load: dict[int, float] = {}
     for line in (tmp_path / "loads").read_text().splitlines():
@@ -128,7 +129,7 @@ def test_the_next_settings_workers_load_while_the_loop_takes_the_drained_batches
             continue
         if key not in last_received:
             order.append(key)
-            starts_an_epoch[key] = number % (3 * LENGTH // BATCH) == 0
+            starts_an_epoch[key] = number % (length // BATCH) == 0
         last_received[key] = at
     switches = [
         (before, after) for before, after in itertools.pairwise(order) if not starts_an_epoch[after]
