@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,49 +19,120 @@ import torch
 multiprocessing.resource_tracker.ensure_running()
 
 
-# Tests side by side (the full suite runs under pytest-xdist, `-n 2`): a test marked
-# `alone` measures the machine, or holds a deadline that another test's processes on the
-# same cores could break, and runs with no other test beside it. Every test holds the
-# room, shared or, marked `alone`, exclusive; each passes the gate to ask for it, and an
-# `alone` test holds the gate while it waits, so that no shared holder comes in after it.
-# The files are in the run's temporary directory, which every worker shares.
+# Tests side by side (the full suite runs under pytest-xdist, `-n 6`). The workers share
+# six seats, a third of a core each here: a test takes two, so that three run at once; a
+# test marked `heavy` (it keeps more than a core busy: its trials' workers, its step, a
+# job of several processes) takes three; one marked `light` (it mostly waits: on
+# sleeps, a subprocess's deadline, a hang's timeout) takes one; one marked `alone` (it
+# measures the machine, or holds a deadline that another test's processes on the same
+# cores could break) takes all six, and runs with no other test beside it. The `alone`
+# tests are collected first, together, and one followed by another on the same worker
+# keeps its seats: the others wait once for the run of them, not once for each; while
+# one waits for its seats it holds a gate that the others pass to take theirs, so none
+# comes in first. Seats are taken before pytest-timeout's clock starts: the wait is not
+# the test's time. The files are in the run's temporary directory, which every worker
+# shares.
+SEATS = 6
+_NEEDED = {"alone": SEATS, "heavy": 3, "light": 1}
 
 
-@pytest.fixture(scope="session")
-def _room(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int] | None]:
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield None
-        return
-    shared = tmp_path_factory.getbasetemp().parent  # pytest-N, above popen-gwN
-    gate = os.open(shared / "alone.gate", os.O_CREAT | os.O_RDWR, 0o600)
-    room = os.open(shared / "alone.room", os.O_CREAT | os.O_RDWR, 0o600)
+class _Seats:
+    """The seats of a pytest-xdist run: ``flock``-ed files."""
+
+    def __init__(self, folder: Path) -> None:
+        self.gate = os.open(folder / "seats.gate", os.O_CREAT | os.O_RDWR, 0o600)
+        self.seats = [
+            os.open(folder / f"seat{n}", os.O_CREAT | os.O_RDWR, 0o600) for n in range(SEATS)
+        ]
+        self.held: list[int] = []
+
+    def needed(self, item: pytest.Item) -> int:
+        for marker, seats in _NEEDED.items():  # `alone` first: it wins over the others
+            if item.get_closest_marker(marker) is not None:
+                return seats
+        return 2
+
+    def take(self, item: pytest.Item) -> None:
+        """Wait for ``item``'s seats, unless they are held on from the test before."""
+        count = self.needed(item)
+        if len(self.held) == count:
+            return
+        self.give_back()  # held on for an `alone` test that another worker took
+        while True:
+            fcntl.flock(self.gate, fcntl.LOCK_EX)
+            try:
+                while not self._try(count) and count == SEATS:
+                    time.sleep(0.02)  # an `alone` test waits at the gate
+                if self.held:
+                    return
+            finally:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+            time.sleep(0.02)  # the others pass it, and ask again
+
+    def _try(self, count: int) -> bool:
+        for seat in self.seats:
+            if len(self.held) == count:
+                break
+            try:
+                fcntl.flock(seat, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            self.held.append(seat)
+        if len(self.held) == count:
+            return True
+        self.give_back()  # all or none: a half-seated test would hold the others back
+        return False
+
+    def leave(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        if not (_is_alone(item) and _is_alone(nextitem)):
+            self.give_back()
+
+    def give_back(self) -> None:
+        for seat in self.held:
+            fcntl.flock(seat, fcntl.LOCK_UN)
+        self.held = []
+
+    def close(self) -> None:
+        for fd in (self.gate, *self.seats):
+            os.close(fd)
+
+
+def _is_alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
+_SEATS = pytest.StashKey[_Seats]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        temporary = session.config._tmp_path_factory  # type: ignore[attr-defined]
+        folder = temporary.getbasetemp().parent  # pytest-N, above popen-gwN
+        session.config.stash[_SEATS] = _Seats(folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    seats = session.config.stash.get(_SEATS, None)
+    if seats is not None:
+        seats.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the `alone` tests first, in their order."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: not _is_alone(item))  # stable
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    seats = item.config.stash.get(_SEATS, None)
+    if seats is None:
+        return (yield)
+    seats.take(item)
     try:
-        yield gate, room
+        return (yield)
     finally:
-        os.close(gate)
-        os.close(room)
-
-
-@pytest.fixture(autouse=True)
-def alone_if_marked(
-    request: pytest.FixtureRequest, _room: tuple[int, int] | None
-) -> Iterator[None]:
-    """Under pytest-xdist, a test marked ``alone`` waits until no other test runs, and
-    no other test starts until it ends; elsewhere nothing."""
-    if _room is None:
-        yield
-        return
-    gate, room = _room
-    alone = request.node.get_closest_marker("alone") is not None
-    fcntl.flock(gate, fcntl.LOCK_EX)
-    try:
-        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-    finally:
-        fcntl.flock(gate, fcntl.LOCK_UN)
-    try:
-        yield
-    finally:
-        fcntl.flock(room, fcntl.LOCK_UN)
+        seats.leave(item, nextitem)  # `nextitem`: what this worker runs next, unless stolen
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
-"""The full suite runs two tests at a time (pytest-xdist, ``-n 2``); a test marked
-``alone`` runs with no other beside it (``tests/conftest.py``). Checked with a real
-pytest-xdist run of a few sleeping tests that write when they ran."""
+"""The full suite runs six workers (pytest-xdist, ``-n 6``) on six seats
+(``tests/conftest.py``): a test takes two of them, a ``heavy`` one three, a ``light`` one
+one, an ``alone`` one all. Checked with a real pytest-xdist run of a few sleeping tests
+that write when they ran."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a pytest-xdist run of its own, two workers importing torch
+pytestmark = pytest.mark.slow  # a pytest-xdist run of its own, four workers importing torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,29 +30,42 @@ def _ran(name, seconds):
 
 @pytest.mark.parametrize("n", range(6))
 def test_shared(n):
-    _ran(f"shared{n}", 0.4)
+    _ran(f"shared{n}", 0.5)
+
+@pytest.mark.light
+@pytest.mark.parametrize("n", range(6))
+def test_light(n):
+    _ran(f"light{n}", 0.5)
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("n", range(3))
+def test_heavy(n):
+    _ran(f"heavy{n}", 0.5)
 
 @pytest.mark.alone
-@pytest.mark.parametrize("n", range(2))
+@pytest.mark.parametrize("n", range(3))
 def test_alone(n):
-    _ran(f"alone{n}", 0.6)
+    _ran(f"alone{n}", 1.0)
 """
 
+_SEATS = {"shared": 2, "light": 1, "heavy": 3, "alone": 6}
 
-def test_an_alone_test_runs_with_no_other_beside_it_and_the_others_in_pairs(
-    tmp_path: Path,
-) -> None:
+
+def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
     (tmp_path / "conftest.py").write_text(
-        "from tests.conftest import _room, alone_if_marked  # noqa: F401\n"
+        "from tests.conftest import (  # noqa: F401\n"
+        "    pytest_collection_modifyitems, pytest_runtest_protocol, pytest_sessionfinish,\n"
+        "    pytest_sessionstart,\n)\n"
     )
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(_TESTS))
     (tmp_path / "pytest.ini").write_text(
-        "[pytest]\naddopts = --strict-markers\nmarkers =\n    alone: alone\n"
+        "[pytest]\naddopts = --strict-markers\nmarkers =\n    alone: alone\n    heavy: heavy\n"
+        "    light: light\n"
     )
     ran = tmp_path / "ran.jsonl"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-         "--basetemp", str(tmp_path / "temp"), str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4",
+         "--timeout", "2.5", "--basetemp", str(tmp_path / "temp"), str(tmp_path)],
         cwd=tmp_path,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RAN": str(ran)},
         capture_output=True,
@@ -59,10 +73,15 @@ def test_an_alone_test_runs_with_no_other_beside_it_and_the_others_in_pairs(
         timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    spans = {
-        name: (start, end) for name, start, end in map(json.loads, ran.read_text().splitlines())
-    }
-    assert len(spans) == 8, spans
+    lines = ran.read_text().splitlines()
+    return {name: (start, end) for name, start, end in map(json.loads, lines)}
+
+
+def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: Path) -> None:
+    # Each test has 2.5 s (pytest-timeout), and the alone ones take 3 s together: the
+    # others' wait for their seats is not counted in their time.
+    spans = _run_inner(tmp_path)
+    assert len(spans) == 18, spans
 
     def overlap(a: str, b: str) -> bool:
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
@@ -70,6 +89,16 @@ def test_an_alone_test_runs_with_no_other_beside_it_and_the_others_in_pairs(
     for a, b in combinations(spans, 2):
         if a.startswith("alone") or b.startswith("alone"):
             assert not overlap(a, b), (a, b, spans)
-    # Without the lock's shared side, two workers: some shared tests ran side by side.
-    shared = [name for name in spans if name.startswith("shared")]
-    assert any(overlap(a, b) for a, b in combinations(shared, 2)), spans
+    # At each start, the tests running then hold no more than the six seats.
+    most = 0
+    for name, (start, _) in spans.items():
+        running = [other for other, (s, e) in spans.items() if s <= start < e]
+        seats = sum(_SEATS[other.rstrip("0123456789")] for other in running)
+        assert seats <= 6, (name, running, spans)
+        most = max(most, len(running))
+    # More than two side by side: the seats are not all taken by each test.
+    assert most >= 3, spans
+    # The alone tests are collected first: the first two, on one worker, ran one after
+    # the other with their seats kept, no other test let in between.
+    gap = (spans["alone0"][1], spans["alone1"][0])
+    assert not any(gap[0] < start < gap[1] for start, _ in spans.values()), spans
