@@ -26,10 +26,12 @@ from .workloads import (
 )
 
 # diagnose() measures the loop and the machine's CPUs: another test's processes beside it
-# turned a latency-bound loop into a CPU-bound one.
-pytestmark = pytest.mark.alone
+# turned a latency-bound loop into a CPU-bound one. The tests that read its verdict or
+# its CPU figures run alone; those of its arguments, its errors and its sentences do not.
+ALONE = pytest.mark.alone
 
 
+@ALONE
 def test_a_loop_that_waits_on_reads_is_latency_bound() -> None:
     loader = DataLoader(SleepDataset(256, latency=0.005), batch_size=4)
     diagnosis = autoloader.diagnose(loader, noop_step, seconds=3)
@@ -42,6 +44,7 @@ def test_a_loop_that_waits_on_reads_is_latency_bound() -> None:
     assert diagnosis.peak_memory > 0 and diagnosis.memory_budget > diagnosis.peak_memory
 
 
+@ALONE
 def test_a_loop_whose_workers_burn_cpu_is_cpu_bound() -> None:
     loader = DataLoader(BusyDataset(256, cpu_seconds=0.01), batch_size=4, num_workers=1)
     diagnosis = autoloader.diagnose(loader, noop_step, seconds=3)
@@ -50,6 +53,7 @@ def test_a_loop_whose_workers_burn_cpu_is_cpu_bound() -> None:
     assert "the worker on the CPU" in diagnosis.reason
 
 
+@ALONE
 def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> None:
     loader = DataLoader(SleepDataset(64, latency=0.0), batch_size=4, num_workers=1)
     diagnosis = autoloader.diagnose(loader, slow_step, seconds=2)
@@ -67,6 +71,7 @@ def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> 
     assert sum(len(batch) for batch in loader) == 64
 
 
+@ALONE
 def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
     from autoloader.measure._memory import tree_memory
 
@@ -78,6 +83,7 @@ def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
     assert "memory budget" in diagnosis.reason and "fewer workers" in diagnosis.reason
 
 
+@ALONE
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -> None:
     from autoloader.measure._memory import tree_memory
@@ -94,6 +100,7 @@ def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -
     assert "copy-on-read" in str(diagnosis)
 
 
+@ALONE
 def test_a_main_process_busy_receiving_batches_is_cpu_bound() -> None:
     # Free items and no step: the workers wait on the main process, which spends its
     # time receiving batches. Epochs long enough not to be all worker start-up.
@@ -144,6 +151,7 @@ def test_a_broken_loop_says_what_raised() -> None:
         autoloader.diagnose(DataLoader(SleepDataset(8), batch_size=2), failing_step, seconds=1)
 
 
+@pytest.mark.light  # waits for the hang's deadline
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_worker_that_hangs_costs_diagnose_its_deadline_not_forever() -> None:
     """Twice the measuring time per batch; the first also has 3 s for its worker to start."""
@@ -152,6 +160,7 @@ def test_a_worker_that_hangs_costs_diagnose_its_deadline_not_forever() -> None:
         autoloader.diagnose(loader, noop_step, seconds=1)
 
 
+@ALONE
 def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> None:
     """torch's OpenMP threads spin for a while after each op of the loading in this
     process: a step that only waits must not be charged for their spinning."""
@@ -161,6 +170,7 @@ def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> N
     assert diagnosis.step_cpus is not None and diagnosis.step_cpus < 0.3, str(diagnosis)
 
 
+@ALONE
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() -> None:
     dataset = SleepDataset(1 << 17, latency=0.0, width=4)
@@ -293,6 +303,7 @@ def _computes_for_a_third_of_a_second(batch: object) -> None:
         pass
 
 
+@ALONE
 def test_a_step_too_slow_to_time_alone_keeps_the_cpus_the_loop_measured() -> None:
     # NOTE [ Spinning threads ]: the step alone gets 15% of 2 s, less than one step.
     loader = DataLoader(SleepDataset(64, latency=0.0), batch_size=4)

@@ -97,6 +97,7 @@ def _slow_restart(worker_id: int) -> None:
     time.sleep(0.5)
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_an_epochs_edge_is_timed_apart_from_the_steady_rate() -> None:
     """Workers that take 0.5 s to start, started again each epoch of 8 batches of 1 ms
@@ -223,6 +224,7 @@ def test_without_workers_the_clock_starts_after_the_first_batch() -> None:
     assert dataset.loaded == 2 * 4
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> None:
     """The second worker delivers 400 items, then hangs; the others keep going. The
@@ -238,6 +240,7 @@ def test_a_worker_that_hangs_mid_trial_is_found_from_the_trials_own_pace() -> No
     assert "no progress for 2 s" in str(info.value.error)
 
 
+@pytest.mark.light  # mostly waits
 def test_a_hung_worker_is_found_from_its_siblings_pace_before_any_timing_window() -> None:
     """Workers 2 and up hang on their first item while workers 0 and 1 deliver: the
     batch of worker 2 is called hung a second after the siblings' later batches came
@@ -306,6 +309,10 @@ def test_siblings_that_deliver_do_not_call_a_hang_on_a_slow_but_working_worker()
     assert m.batches > 0
 
 
+# Its worker fills memory against a deadline: beside other tests and a busy loop, the
+# filling (page faults, CPU) was too slow to pass the budget in time, and a hang was
+# recorded.
+@pytest.mark.alone
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_memory_that_grows_while_a_batch_is_overdue_is_a_memory_fault() -> None:
     """A worker stuck filling memory at 200 MB/s passes its 2.5 s deadline before the
@@ -323,6 +330,7 @@ def test_memory_that_grows_while_a_batch_is_overdue_is_a_memory_fault() -> None:
     assert _children() <= before
 
 
+@pytest.mark.light  # mostly waits
 def test_a_hang_without_memory_growth_stays_a_hang() -> None:
     runner = _runner(FaultInWorkersDataset("hang"))
     with pytest.raises(TrialError) as info:
@@ -330,6 +338,7 @@ def test_a_hang_without_memory_growth_stays_a_hang() -> None:
     assert isinstance(info.value.error, TrialTimeout)
 
 
+@pytest.mark.light  # mostly waits
 def test_workers_slower_to_start_than_the_trial_leave_nothing_measured() -> None:
     """Workers that take 30 s to start (a slow worker_init_fn) against a 1 s trial: the
     trial ends at its time with no batch (judged too short), not at the 60 s deadline,

@@ -158,6 +158,7 @@ ROUTES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 # The fast tier keeps the first route; the full suite every one.
+@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.parametrize(
     "route",
     [next(iter(ROUTES)), *(pytest.param(r, marks=pytest.mark.slow) for r in list(ROUTES)[1:])],
@@ -210,6 +211,9 @@ def test_training_after_tuning_is_bit_identical_and_uses_the_tuned_loader(
         assert type(base) is torch.utils.data.DataLoader
 
 
+# The reuse check times the saved setting against the defaults' loop: beside other
+# tests and a busy loop it found the setting slower and tuned again.
+@pytest.mark.alone
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_saved_result_is_reused_without_tuning(tmp_path: Path) -> None:
     path = tmp_path / "loader.json"
