@@ -65,6 +65,7 @@ def _epoch(loader: Any) -> list[list[int]]:
 
 
 # The fast tier keeps one sampler; the full suite both.
+@pytest.mark.light  # mostly waits
 @pytest.mark.parametrize("seedable", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_prepared_autoloader_tunes_and_loads_the_batches_accelerate_would(
     seedable: bool,
@@ -169,6 +170,7 @@ def test_an_autoloader_told_of_another_device_than_accelerates_is_refused(
     assert prepared.base_dataloader is loader and prepared.device is None
 
 
+@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.slow
 def test_two_processes_tune_together_and_load_every_item_once_an_epoch(tmp_path: Path) -> None:
     """A 2-process torchrun job, DDP on gloo: each process loads its share of every
@@ -264,6 +266,7 @@ def _trainer(tmp_path: Path, route: str, epochs: int) -> Any:
     )
 
 
+@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.slow
 def test_a_trainers_autoloader_prepared_by_the_route_tunes_in_train(tmp_path: Path) -> None:
     """get_train_dataloader() gives an AutoLoader through autoloader.accelerate.prepare():

@@ -105,6 +105,7 @@ def test_a_stopped_feed_keeps_what_its_loader_holds_for_the_loop() -> None:
 # Batch for batch DataLoader's ----------------------------------------------------------
 
 
+@pytest.mark.light  # mostly waits
 def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -> None:
     """Shuffled with a generator and drop_last, over enough epochs for tuning to end
     mid-way: the same batches in the same order as DataLoader's, and the generator
@@ -131,6 +132,7 @@ def test_every_epoch_is_dataloaders_batch_for_batch_while_it_tunes_and_after() -
     assert loader.report().startswith("autoloader report: batch size 16,")
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_shuffled_from_the_global_generator_every_epoch_is_dataloaders() -> None:
     """Without a generator, the sampler's permutations and the workers' base seeds come
@@ -198,6 +200,7 @@ class _HeldToTheNextEpoch:
         return seen
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.parametrize(
     "loop",
     # The fast tier keeps the loop that asks past the end; the full suite both.
@@ -368,6 +371,7 @@ def test_a_loader_that_ends_short_fails_and_gives_its_batches_back() -> None:
     assert [epoch.take() for _ in range(7)] == torch.arange(20, 48).view(7, 4).tolist()
 
 
+@pytest.mark.light  # mostly waits
 def test_a_live_trials_time_starts_at_its_first_batch() -> None:
     """A trial of 1 s whose first batch takes 1.5 s still has its 1 s to measure in
     (NOTE [ A live trial's time starts at its first batch ])."""
@@ -382,6 +386,7 @@ def test_a_live_trials_time_starts_at_its_first_batch() -> None:
         trial.close()
 
 
+@pytest.mark.light  # mostly waits
 def test_the_loops_work_between_epochs_is_off_a_trials_time() -> None:
     """A trial of 1 s, an epoch of 12 instant batches, then 1.5 s of the loop's own work
     (a validation): the trial waits at the epoch's edge and goes on with the next
@@ -443,6 +448,7 @@ def test_a_distributed_sampler_set_epoch_orders_as_with_dataloader() -> None:
 # Faults stay out of the loop -------------------------------------------------------------
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGKILL"])
 def test_workers_that_die_above_one_worker_lose_no_batch(fault: str) -> None:
@@ -473,6 +479,7 @@ def test_workers_that_die_above_one_worker_lose_no_batch(fault: str) -> None:
     assert loader.result is not None and loader.result.params["num_workers"] <= 1
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_a_hanging_worker_is_stopped_and_its_batches_loaded_by_the_last_good_setting() -> None:
     dataset = FaultInWorkersDataset("hang", length=160, from_worker=1, after=3)

@@ -221,6 +221,7 @@ def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
         assert out["first"]["workers"] == out["second"]["workers"] == [chosen, chosen]
 
 
+@pytest.mark.light  # mostly waits
 def test_predict_and_validate_load_through_the_users_autoloader() -> None:
     """Lightning rebuilds a loader to predict with its index-recording batch sampler:
     the copy tunes, through the tuning of the loader the user gave, and predicts every
@@ -375,6 +376,7 @@ CONTEXT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy  # keeps more than a core busy
 def test_a_multiprocessing_context_starts_every_settings_worker_processes(
     tmp_path: Path,
 ) -> None:

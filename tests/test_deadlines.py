@@ -72,6 +72,7 @@ def _blocked_in(dataset_type: type) -> list[str]:
     return blocked
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_dataset_that_blocks_forever_fails_the_baseline_in_seconds_naming_its_line(
     release: threading.Event,
@@ -135,6 +136,7 @@ def test_diagnose_from_another_thread_is_refused_before_any_read(
     assert dataset.reads == 0
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_trial_whose_thread_workers_block_names_the_thread_and_its_line(
     release: threading.Event,
@@ -155,6 +157,7 @@ def test_a_trial_whose_thread_workers_block_names_the_thread_and_its_line(
     assert raised.value.where == where
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_timeout_that_user_code_swallows_fires_again(release: threading.Event) -> None:
     # On the code before the fix this blocks until the timer releases it.

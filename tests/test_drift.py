@@ -78,6 +78,7 @@ def _watched_past(loader: AutoLoader[Any], windows: int) -> bool:
     return watch is not None and time.perf_counter() > watch.counts_from + 2.0 * windows
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_loading_that_slows_down_mid_training_is_searched_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -137,6 +138,7 @@ def test_loading_that_does_not_change_is_never_searched_again(
     assert loader.result is first
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_retune_false_never_searches_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -79,6 +79,7 @@ def test_worker_faults_are_classified(fault: str, state: str, reason: str) -> No
     assert re.search(reason, recorded.reason), recorded.reason
 
 
+@pytest.mark.light  # mostly waits
 def test_a_hung_worker_times_out() -> None:
     error = _fail(FaultInWorkersDataset("hang"), deadlines=Deadlines(first=1, each=1))
     assert isinstance(error.error, TrialTimeout)
@@ -87,6 +88,7 @@ def test_a_hung_worker_times_out() -> None:
     assert recorded.reason.startswith("timeout: no progress for 1 s while loading a batch")
 
 
+@pytest.mark.light  # mostly waits
 def test_a_hung_step_times_out() -> None:
     error = _fail(SleepDataset(64), hanging_step, deadlines=Deadlines(first=10, each=1))
     assert isinstance(error.error, TrialTimeout)

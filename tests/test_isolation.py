@@ -104,6 +104,7 @@ def test_the_death_of_the_trial_process_is_recorded(fault: str, state: str, reas
     assert re.search(reason, fault_.reason), fault_.reason
 
 
+@pytest.mark.light  # mostly waits
 def test_a_hang_the_trial_cannot_break_is_killed_from_outside() -> None:
     with pytest.raises(TrialError) as info:
         _isolated(SleepDataset(512), StepWithFault("blocked-hang")).measure(

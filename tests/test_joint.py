@@ -416,6 +416,7 @@ def test_no_process_group_means_tuning_alone() -> None:
     assert Ranks.join() is None
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_world_of_one_tunes_alone(tmp_path: Path) -> None:
     torch.distributed.init_process_group(

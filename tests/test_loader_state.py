@@ -129,6 +129,7 @@ def test_a_loop_stopped_while_tuning_resumes_batch_for_batch_and_tunes_on() -> N
         second.close()
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_loop_stopped_after_tuning_resumes_with_the_chosen_setting() -> None:
     dataset = SleepDataset(length=160, latency=0.001)

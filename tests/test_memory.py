@@ -186,6 +186,7 @@ def test_a_burst_is_not_growth() -> None:
     assert growth.rate() is None
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_watch_under_budget_with_a_flat_tree_is_not_stopped_by_projection() -> None:
     budget = tree_memory() + 300 * 1024**2

@@ -152,6 +152,7 @@ def test_a_killed_run_resumes_from_its_storage(
             assert queued == measured
 
 
+@pytest.mark.light  # mostly waits
 def test_a_run_of_another_machine_holds_the_study_until_its_heartbeat_lapses(
     tmp_path: Path,
 ) -> None:

@@ -72,6 +72,7 @@ def _without_baseline(result: autoloader.TuneResult) -> autoloader.TuneResult:
     )
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -132,6 +133,7 @@ class _StallsOnce:
             time.sleep(self.seconds)
 
 
+@pytest.mark.light  # mostly waits
 def test_a_step_that_stalls_a_second_in_the_check_is_no_hang(
     saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -219,6 +221,7 @@ def _loader(path: Path, latency: float) -> AutoLoader[Any]:
     )
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_an_autoloader_times_its_first_batches_and_tunes_again_where_loading_slowed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -353,6 +356,7 @@ def test_a_neighbour_on_the_cpus_leaves_the_check_to_the_setting(
     )
 
 
+@pytest.mark.light  # mostly waits
 def test_a_dataset_slower_than_the_probe_leaves_the_check_to_the_setting(
     saved: tuple[autoloader.TuneResult, Path],
     caplog: pytest.LogCaptureFixture,

@@ -147,6 +147,7 @@ TOGETHER = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy  # keeps more than a core busy
 def test_of_two_runs_started_together_on_a_new_database_one_runs(tmp_path: Path) -> None:
     """Both find the study free and claim it: the one whose claim stands runs, the other
     is refused (``NOTE [ The study's lease ]``); and both open the new database, which
@@ -208,6 +209,7 @@ def test_the_cli_refuses_a_second_run_on_a_study_in_use(tmp_path: Path) -> None:
     assert not (tmp_path / "second.json").exists()
 
 
+@pytest.mark.light  # mostly waits
 def test_a_run_that_raises_gives_the_study_back(tmp_path: Path) -> None:
     """The lease and its thread end with tune(), however it ends: the next run on the
     study, in the same (live) process, is not refused."""
@@ -239,6 +241,7 @@ def _breakable_step(batch: object) -> None:
 TORN = b'{"op_code":5,"worker_id":"a-1","trial_id":3,"user_attr":{"outc'
 
 
+@pytest.mark.light  # mostly waits
 def test_a_journal_with_a_torn_last_line_is_repaired_by_the_next_run(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -259,6 +262,7 @@ def test_a_journal_with_a_torn_last_line_is_repaired_by_the_next_run(
     assert _tune(journal, space=FAST).throughput > 0  # and the next one
 
 
+@pytest.mark.light  # mostly waits
 def test_a_journal_broken_inside_names_its_line_and_is_left_as_it_is(tmp_path: Path) -> None:
     """A torn record another record was glued to, with more after it (what Optuna left
     before the repair): the error says which line, and what to do."""
@@ -281,6 +285,7 @@ def test_a_file_that_is_not_a_journal_is_refused_and_left_as_it_is(tmp_path: Pat
     assert notes.read_text() == "my notes\n"
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_the_heartbeat_renews_the_lease_and_keeps_the_running_trial_alive(tmp_path: Path) -> None:
     """Faster than a run's 10 s, the same thread: the lease's heartbeat moves, and the

@@ -131,6 +131,7 @@ def test_an_error_names_the_thread_and_item_and_keeps_the_original_traceback() -
     assert len(batches) == 7
 
 
+@pytest.mark.light  # mostly waits
 def test_the_timeout_option_raises_as_dataloaders_does() -> None:
     loader = ThreadLoader(
         SleepDataset(length=8, latency=0.5), batch_size=4, num_workers=1, timeout=0.1
@@ -151,6 +152,7 @@ def test_break_and_del_stop_the_threads() -> None:
     assert _worker_threads() == []
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_while_waiting_stops_the_threads() -> None:
     """A real SIGINT while the main thread waits for a batch."""
@@ -222,6 +224,7 @@ def test_a_trial_with_thread_workers_is_measured_and_leaves_no_thread() -> None:
     assert _worker_threads() == []
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_hung_read_in_a_thread_fails_the_trial_as_a_timeout() -> None:
     """The thread's read cannot be interrupted: the trial fails at its deadline, and the

@@ -202,6 +202,7 @@ def test_bad_input_is_rejected_before_any_work(
         assert dataset.reads == 0
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_unpicklable_objects_are_fine_under_fork() -> None:
     result = _tune(
@@ -292,6 +293,7 @@ def test_batched_fetch_asked_of_a_dataset_that_cannot_fails_before_any_trial() -
         _tune(SleepDataset(64, latency=0.0), noop_step, search_space={"batched_fetch": True})
 
 
+@pytest.mark.light  # mostly waits
 def test_a_loop_bound_by_its_step_is_not_searched() -> None:
     result = _tune(SleepDataset(1024, latency=0.0), slow_step, time_budget=30.0)
     (note,) = [n for n in result.notes if "bound by its step" in n]
@@ -303,6 +305,7 @@ def test_a_loop_bound_by_its_step_is_not_searched() -> None:
     assert "of the 30 s budget, the rest given back: no setting can beat the step" in given_back
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its_step() -> None:
     # Items of 5 ms, batches of 4, a 200 ms step: loading (20 ms) shows at num_workers=0,
@@ -322,6 +325,7 @@ def test_n_trials_caps_the_search() -> None:
     assert sum(t.phase == "search" for t in result.trials) == 2
 
 
+@pytest.mark.light  # mostly waits
 def test_fixed_options_are_kept_in_every_trial_and_in_the_loader() -> None:
     calls = {"n": 0}
 
@@ -375,6 +379,7 @@ def test_memory_hungry_settings_are_pruned_and_earlier_results_kept() -> None:
     assert result.memory_budget == budget
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_out_of_memory_errors_prune_the_setting() -> None:
     result = _tune(
@@ -409,6 +414,7 @@ def test_a_setting_that_breaks_user_code_fails_and_the_run_goes_on() -> None:
     assert result.params["num_workers"] <= 1
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_a_setting_that_failed_is_not_run_again() -> None:
     # Two settings only, six trials: the sampler has to propose the failing one again.
@@ -478,6 +484,7 @@ def test_a_probe_that_hangs_costs_its_share_and_the_run_still_searches() -> None
     assert 0.45 <= float(found[1]) <= 1.0
 
 
+@pytest.mark.light  # mostly waits
 @pytest.mark.slow
 def test_a_journal_file_keeps_the_study_and_a_stale_lock_does_not_hang(tmp_path: Path) -> None:
     path = tmp_path / "tuning.log"
