@@ -19,21 +19,20 @@ import torch
 multiprocessing.resource_tracker.ensure_running()
 
 
-# Tests side by side (the full suite runs under pytest-xdist, `-n 6`). The workers share
-# six seats, a third of a core each here: a test takes two, so that three run at once; a
-# test marked `heavy` (it keeps more than a core busy: its trials' workers, its step, a
-# job of several processes) takes three; one marked `light` (it mostly waits: on
-# sleeps, a subprocess's deadline, a hang's timeout) takes one; one marked `alone` (it
-# measures the machine, or holds a deadline that another test's processes on the same
-# cores could break) takes all six, and runs with no other test beside it. The `alone`
-# tests are collected first, together, and one followed by another on the same worker
-# keeps its seats: the others wait once for the run of them, not once for each; while
-# one waits for its seats it holds a gate that the others pass to take theirs, so none
-# comes in first. Seats are taken before pytest-timeout's clock starts: the wait is not
-# the test's time. The files are in the run's temporary directory, which every worker
-# shares.
-SEATS = 6
-_NEEDED = {"alone": SEATS, "heavy": 3, "light": 1}
+# Tests side by side (the full suite runs under pytest-xdist, `-n 4`). The workers share
+# four seats: a test takes two, so that no more than two run at once (the two cores
+# here); a test marked `light` (it mostly waits: on sleeps, a subprocess's deadline, a
+# hang's timeout) takes one; a test marked `alone` (it measures the machine, or holds a
+# deadline that another test's processes on the same cores could break) takes all four,
+# and runs with no other test beside it. The `alone` tests are collected first,
+# together, and one followed by another on the same worker keeps its seats: the others
+# wait once for the run of them, not once for each; while one waits for its seats it
+# holds a gate that the others pass to take theirs, so none comes in first. Seats are
+# taken before pytest-timeout's clock starts: the wait is not the test's time. The files
+# are in the run's temporary directory, which every worker shares.
+SEATS = 4
+_NEEDED = {"alone": SEATS, "light": 1}  # `alone` first: it wins over `light`
+_ORDINARY = 2
 
 
 class _Seats:
@@ -47,10 +46,10 @@ class _Seats:
         self.held: list[int] = []
 
     def needed(self, item: pytest.Item) -> int:
-        for marker, seats in _NEEDED.items():  # `alone` first: it wins over the others
+        for marker, seats in _NEEDED.items():
             if item.get_closest_marker(marker) is not None:
                 return seats
-        return 2
+        return _ORDINARY
 
     def take(self, item: pytest.Item) -> None:
         """Wait for ``item``'s seats, unless they are held on from the test before."""

@@ -170,7 +170,6 @@ def test_an_autoloader_told_of_another_device_than_accelerates_is_refused(
     assert prepared.base_dataloader is loader and prepared.device is None
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.slow
 def test_two_processes_tune_together_and_load_every_item_once_an_epoch(tmp_path: Path) -> None:
     """A 2-process torchrun job, DDP on gloo: each process loads its share of every
@@ -266,7 +265,6 @@ def _trainer(tmp_path: Path, route: str, epochs: int) -> Any:
     )
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.slow
 def test_a_trainers_autoloader_prepared_by_the_route_tunes_in_train(tmp_path: Path) -> None:
     """get_train_dataloader() gives an AutoLoader through autoloader.accelerate.prepare():

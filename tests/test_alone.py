@@ -1,7 +1,7 @@
-"""The full suite runs six workers (pytest-xdist, ``-n 6``) on six seats
-(``tests/conftest.py``): a test takes two of them, a ``heavy`` one three, a ``light`` one
-one, an ``alone`` one all. Checked with a real pytest-xdist run of a few sleeping tests
-that write when they ran."""
+"""The full suite runs four workers (pytest-xdist, ``-n 4``) on four seats
+(``tests/conftest.py``): a test takes two of them, a ``light`` one one, an ``alone`` one
+all. Checked with a real pytest-xdist run of a few sleeping tests that write when they
+ran."""
 
 from __future__ import annotations
 
@@ -37,18 +37,13 @@ def test_shared(n):
 def test_light(n):
     _ran(f"light{n}", 0.5)
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("n", range(3))
-def test_heavy(n):
-    _ran(f"heavy{n}", 0.5)
-
 @pytest.mark.alone
 @pytest.mark.parametrize("n", range(3))
 def test_alone(n):
     _ran(f"alone{n}", 1.0)
 """
 
-_SEATS = {"shared": 2, "light": 1, "heavy": 3, "alone": 6}
+_SEATS = {"shared": 2, "light": 1, "alone": 4}
 
 
 def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
@@ -59,8 +54,7 @@ def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
     )
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(_TESTS))
     (tmp_path / "pytest.ini").write_text(
-        "[pytest]\naddopts = --strict-markers\nmarkers =\n    alone: alone\n    heavy: heavy\n"
-        "    light: light\n"
+        "[pytest]\naddopts = --strict-markers\nmarkers =\n    alone: alone\n    light: light\n"
     )
     ran = tmp_path / "ran.jsonl"
     run = subprocess.run(
@@ -81,7 +75,7 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     # Each test has 2.5 s (pytest-timeout), and the alone ones take 3 s together: the
     # others' wait for their seats is not counted in their time.
     spans = _run_inner(tmp_path)
-    assert len(spans) == 18, spans
+    assert len(spans) == 15, spans
 
     def overlap(a: str, b: str) -> bool:
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
@@ -89,14 +83,14 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     for a, b in combinations(spans, 2):
         if a.startswith("alone") or b.startswith("alone"):
             assert not overlap(a, b), (a, b, spans)
-    # At each start, the tests running then hold no more than the six seats.
+    # At each start, the tests running then hold no more than the four seats.
     most = 0
     for name, (start, _) in spans.items():
         running = [other for other, (s, e) in spans.items() if s <= start < e]
         seats = sum(_SEATS[other.rstrip("0123456789")] for other in running)
-        assert seats <= 6, (name, running, spans)
+        assert seats <= 4, (name, running, spans)
         most = max(most, len(running))
-    # More than two side by side: the seats are not all taken by each test.
+    # Light tests side by side: more than the two that ordinary tests alone would allow.
     assert most >= 3, spans
     # The alone tests are collected first: the first two, on one worker, ran one after
     # the other with their seats kept, no other test let in between.

@@ -376,7 +376,6 @@ CONTEXT_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 def test_a_multiprocessing_context_starts_every_settings_worker_processes(
     tmp_path: Path,
 ) -> None:

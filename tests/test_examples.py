@@ -36,7 +36,6 @@ def _saved(path: Path) -> dict[str, Any]:
     return saved
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 def test_image_pipeline_then_training_with_its_result(tmp_path: Path) -> None:
     out = _run("image_pipeline.py", "--time-budget", "5", "--items", "256", cwd=tmp_path)
     assert "verdict" in out and "autoloader report" in out
@@ -58,7 +57,6 @@ def test_image_pipeline_then_training_with_its_result(tmp_path: Path) -> None:
     assert trained.count("256 of 256 samples") == 2, trained  # every epoch, every sample
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 def test_tensor_dataset_fetches_whole_batches(tmp_path: Path) -> None:
     """Its promise: a vectorised index of the whole batch beats any worker count (about
     10x DataLoader's per-item reads here)."""

@@ -69,7 +69,6 @@ OWN_TESTS = ("images", "webdataset-unsharded", "webdataset-few-shards")
 BENCHMARK_ONLY = ("cpu-train-small",)
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in OWN_TESTS + BENCHMARK_ONLY])
 def test_a_tuned_loader_yields_every_sample_once(
     corpus: Callable[[str], Pipeline], name: str
@@ -157,7 +156,6 @@ def _no_step(batch: object) -> None:
     pass
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 def test_the_report_names_each_failure_with_the_settings_that_met_it(
     corpus: Callable[[str], Pipeline],
 ) -> None:

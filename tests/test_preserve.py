@@ -81,7 +81,6 @@ def _seeded(seed: int = 0) -> None:
     random.seed(seed)
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_model_trains_after_tune_exactly_as_without_it() -> None:
     dataset = _dataset()

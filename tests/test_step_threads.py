@@ -63,7 +63,6 @@ def test_a_trial_runs_the_step_on_its_threads_and_puts_them_back() -> None:
     assert torch.get_num_threads() == 2
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @needs_two_cpus
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_tune_searches_the_threads_of_a_step_on_the_cpu_and_returns_the_users() -> None:

@@ -147,7 +147,6 @@ TOGETHER = textwrap.dedent(
 )
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 def test_of_two_runs_started_together_on_a_new_database_one_runs(tmp_path: Path) -> None:
     """Both find the study free and claim it: the one whose claim stands runs, the other
     is refused (``NOTE [ The study's lease ]``); and both open the new database, which

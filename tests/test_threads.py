@@ -24,7 +24,6 @@ def _reports(dataset: Any, method: str, **params: Any) -> torch.Tensor:
         del loader
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_worker_threads_limit_every_native_pool_inside_workers(method: str) -> None:
@@ -43,7 +42,6 @@ def test_without_worker_threads_the_blas_pool_is_as_wide_as_the_machine() -> Non
     assert set(free[:, 0].tolist()) == {blas}
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_users_worker_init_fn_still_runs(method: str) -> None:

@@ -155,7 +155,6 @@ def test_ctrl_c_stops_every_rank_and_leaves_no_process(tmp_path: Path) -> None:
     _assert_nothing_left(tmp_path)
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
     example = ROOT / "examples" / "torchrun_ddp.py"
     job = _start(
@@ -221,7 +220,6 @@ def _two_node_job(
     return job.returncodes, job.output(), _reports(out)
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.usefixtures("two_nodes")
 def test_two_nodes_agree_and_a_memory_fault_on_one_node_is_its_own(tmp_path: Path) -> None:
     codes, output, reports = _two_node_job(tmp_path, "faults-on-last-rank")
@@ -250,7 +248,6 @@ def test_two_nodes_agree_and_a_memory_fault_on_one_node_is_its_own(tmp_path: Pat
     _assert_nothing_left(tmp_path)
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.usefixtures("two_nodes")
 def test_a_hang_on_one_node_ends_the_trial_on_both(tmp_path: Path) -> None:
     # A rank a node: what is shown is between the nodes (each rank's torch import and
@@ -290,7 +287,6 @@ def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
     assert "Traceback" in job.output()  # the job says why it ended
 
 
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.usefixtures("two_nodes")
 def test_a_stored_study_is_resumed_by_the_next_job_on_other_nodes(tmp_path: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"

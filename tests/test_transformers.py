@@ -158,7 +158,6 @@ ROUTES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 
 # The fast tier keeps the first route; the full suite every one.
-@pytest.mark.heavy  # keeps more than a core busy
 @pytest.mark.parametrize(
     "route",
     [next(iter(ROUTES)), *(pytest.param(r, marks=pytest.mark.slow) for r in list(ROUTES)[1:])],
