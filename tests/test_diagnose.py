@@ -28,10 +28,9 @@ from .workloads import (
 # diagnose() measures the loop and the machine's CPUs: another test's processes beside it
 # turned a latency-bound loop into a CPU-bound one. The tests that read its verdict or
 # its CPU figures run alone; those of its arguments, its errors and its sentences do not.
-ALONE = pytest.mark.alone
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_loop_that_waits_on_reads_is_latency_bound() -> None:
     loader = DataLoader(SleepDataset(256, latency=0.005), batch_size=4)
     diagnosis = autoloader.diagnose(loader, noop_step, seconds=3)
@@ -44,7 +43,7 @@ def test_a_loop_that_waits_on_reads_is_latency_bound() -> None:
     assert diagnosis.peak_memory > 0 and diagnosis.memory_budget > diagnosis.peak_memory
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_loop_whose_workers_burn_cpu_is_cpu_bound() -> None:
     loader = DataLoader(BusyDataset(256, cpu_seconds=0.01), batch_size=4, num_workers=1)
     diagnosis = autoloader.diagnose(loader, noop_step, seconds=3)
@@ -53,7 +52,7 @@ def test_a_loop_whose_workers_burn_cpu_is_cpu_bound() -> None:
     assert "the worker on the CPU" in diagnosis.reason
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> None:
     loader = DataLoader(SleepDataset(64, latency=0.0), batch_size=4, num_workers=1)
     diagnosis = autoloader.diagnose(loader, slow_step, seconds=2)
@@ -71,7 +70,7 @@ def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> 
     assert sum(len(batch) for batch in loader) == 64
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
     from autoloader.measure._memory import tree_memory
 
@@ -83,7 +82,7 @@ def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
     assert "memory budget" in diagnosis.reason and "fewer workers" in diagnosis.reason
 
 
-@ALONE
+@pytest.mark.alone
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -> None:
     from autoloader.measure._memory import tree_memory
@@ -100,7 +99,7 @@ def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -
     assert "copy-on-read" in str(diagnosis)
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_main_process_busy_receiving_batches_is_cpu_bound() -> None:
     # Free items and no step: the workers wait on the main process, which spends its
     # time receiving batches. Epochs long enough not to be all worker start-up.
@@ -160,7 +159,7 @@ def test_a_worker_that_hangs_costs_diagnose_its_deadline_not_forever() -> None:
         autoloader.diagnose(loader, noop_step, seconds=1)
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> None:
     """torch's OpenMP threads spin for a while after each op of the loading in this
     process: a step that only waits must not be charged for their spinning."""
@@ -170,7 +169,7 @@ def test_a_sleeping_step_after_torch_op_loading_is_not_taken_for_cpu_work() -> N
     assert diagnosis.step_cpus is not None and diagnosis.step_cpus < 0.3, str(diagnosis)
 
 
-@ALONE
+@pytest.mark.alone
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_loop_bound_by_receiving_batches_is_told_that_threads_would_lift_it() -> None:
     dataset = SleepDataset(1 << 17, latency=0.0, width=4)
@@ -303,7 +302,7 @@ def _computes_for_a_third_of_a_second(batch: object) -> None:
         pass
 
 
-@ALONE
+@pytest.mark.alone
 def test_a_step_too_slow_to_time_alone_keeps_the_cpus_the_loop_measured() -> None:
     # NOTE [ Spinning threads ]: the step alone gets 15% of 2 s, less than one step.
     loader = DataLoader(SleepDataset(64, latency=0.0), batch_size=4)
