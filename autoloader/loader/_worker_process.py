@@ -15,21 +15,34 @@ forkserver workers start without it, and are left as they are.
 NOTE [ A worker whose parent died as it started ]
 torch's worker exits once its parent is gone, by a watchdog that compares
 ``os.getppid()`` with the parent it read, but reads it only after the user's
-``worker_init_fn``: a worker forked just before its process died (a torchrun rank
-killed mid-trial) reads init's pid, or a subreaper's, as its parent's, and never
-exits. It holds every descriptor it inherited, the rank's process-group sockets among
-them, so the other ranks see no death until torchrun kills them 30 s after its
-SIGTERM (a two-node test took 32, 33 and 62 s). ``ExitWithParent`` asks
-multiprocessing, which recorded the parent's pid before the fork: a worker whose
-parent is another process once its ``worker_init_fn`` is done, and whose recorded
-parent is gone (or a zombie not yet reaped), exits at once. What is left open is the
-fetcher's creation after it (an iterable dataset's ``iter()``).
+``worker_init_fn`` and the fetcher's creation (an iterable dataset's ``iter()``): a
+worker forked just before its process died (a torchrun rank killed mid-trial) reads
+init's pid, or a subreaper's, as its parent's, and never exits. It holds every
+descriptor it inherited, the rank's process-group sockets among them, so the other
+ranks see no death: torchrun killed them 30 s after its SIGTERM (a two-node test took
+32, 33 and 62 s), or, where no rank of a node failed, the job hung (a CI run, 150 s).
+``ExitWithParent`` closes that window twice over:
+
+1. A worker forked from its process's main thread asks the kernel for SIGKILL when
+   its parent dies (Linux's ``PR_SET_PDEATHSIG``), before the user's init runs. The
+   signal comes when the thread that forked the worker ends, so only the main thread's
+   forks are armed: it ends with its process. A worker forked from another thread (a
+   loader iterated in a thread of the user's) is not: that thread may end long before.
+2. Once its ``worker_init_fn`` is done, a worker whose parent is another process than
+   multiprocessing recorded before the fork, and whose recorded parent is gone (or a
+   zombie not yet reaped), exits at once: a parent that died before step 1 armed it.
+
+A worker forked from another thread keeps a window as long as its fetcher's creation.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.util
 import os
+import signal
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +62,7 @@ class ExitWithParent:
         self.then = then
 
     def __call__(self, worker_id: int) -> None:
+        _die_with_parent()
         if self.then is not None:
             self.then(worker_id)
         parent = multiprocessing.parent_process()
@@ -59,6 +73,29 @@ class ExitWithParent:
 
     def __repr__(self) -> str:
         return f"ExitWithParent(then={self.then!r})"
+
+
+# prctl(2)'s option: the signal a process gets when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> bool:
+    """In a worker forked from its process's main thread, SIGKILL from the kernel when
+    that thread (so the process) ends; whether it was armed. Linux only; a worker
+    forked from another thread is left as it is (``NOTE [ A worker whose parent died
+    as it started ]``)."""
+    main_thread = getattr(threading, "_MainThread", None)
+    # After a fork the forking thread is the child's only one, and threading keeps its
+    # object: a _MainThread only where the parent's main thread forked.
+    if not sys.platform.startswith("linux") or main_thread is None:
+        return False
+    if not isinstance(threading.current_thread(), main_thread):
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return bool(prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0)
 
 
 def _running(pid: int) -> bool:
