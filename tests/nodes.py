@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 HOSTS = ("node-a", "node-b")
 REQUIRE = "AUTOLOADER_REQUIRE_NODES"
@@ -80,30 +81,66 @@ class NodeJob:
     agents: list[subprocess.Popen[bytes]]
     logs: list[Path]
 
+    # What was still running when the job hung (:meth:`wait`), one line a process.
+    left: list[str] = field(default_factory=list)
+
     def wait(self, timeout: float) -> bool:
         """Whether every agent exited within ``timeout`` seconds from now; if not (the
-        job hung), the whole job is killed."""
+        job hung), what still runs is noted in :attr:`left` and the whole job killed."""
         deadline = time.monotonic() + timeout
         for agent in self.agents:
             try:
                 agent.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.left = self._running()
                 self.kill()
                 return False
         return True
 
-    def output(self) -> str:
-        """Every node's output so far, each under its host's name."""
+    def output(self, tail: int | None = None) -> str:
+        """Every node's output so far (its last ``tail`` characters, if given), each under
+        its host's name."""
         return "\n".join(
-            f"--- {host} ---\n{log.read_text(errors='replace')}"
+            f"--- {host} ---\n{log.read_text(errors='replace')[-(tail or 0) :]}"
             for host, log in zip(self.hosts, self.logs, strict=True)
         )
 
+    def hung(self) -> str:
+        """Why :meth:`wait` gave up, for a test's message: what still ran, each node's
+        last output."""
+        return "still running:\n" + "\n".join(self.left) + "\n" + self.output(tail=2500)
+
+    def _members(self) -> list[psutil.Process]:
+        """The job's processes: those of its agents' process groups, and those in its
+        folder (torchrun starts each rank in a session of its own: its ranks, their
+        workers, a worker whose rank died)."""
+        groups = {agent.pid for agent in self.agents}
+        folder = str(self.logs[0].parent)
+        found = []
+        for process in psutil.process_iter(["cwd"]):
+            try:
+                if process.info["cwd"] == folder or os.getpgid(process.pid) in groups:
+                    found.append(process)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return found
+
+    def _running(self) -> list[str]:
+        """What :meth:`_members` finds, one line a process, with its rank."""
+        found = []
+        for process in self._members():
+            try:
+                info = process.as_dict(["pid", "ppid", "name", "status"])
+                found.append(f"  {info} rank={process.environ().get('RANK', '-')}")
+            except psutil.Error:
+                continue
+        return found
+
     def kill(self) -> None:
-        """SIGKILL every node's agent and everything it started."""
-        for agent in self.agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.pid, signal.SIGKILL)
+        """SIGKILL every process of the job: each node's agent and everything it started."""
+        for process in self._members():
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         for agent in self.agents:
             agent.wait()
 

@@ -216,7 +216,7 @@ def _two_node_job(
         env=_ENV,
     )
     finished = job.wait(_JOB_TIMEOUT)
-    assert finished, f"the two-node job hung:\n{job.output()[-3000:]}"
+    assert finished, f"the two-node job hung:\n{job.hung()}"
     return job.returncodes, job.output(), _reports(out)
 
 
@@ -277,7 +277,7 @@ def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
     _wait_for_trials(tmp_path, victim, settled=1.0)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    assert job.wait(_JOB_TIMEOUT), f"the job hung:\n{job.output()[-3000:]}"
+    assert job.wait(_JOB_TIMEOUT), f"the job hung:\n{job.hung()}"
     assert time.monotonic() - killed < 30
     assert all(code != 0 for code in job.returncodes), job.returncodes
     error = _reports(tmp_path)[0]["error"]  # on node-a
