@@ -18,6 +18,7 @@ import json
 import logging
 import signal
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -459,31 +460,58 @@ def remember_ctrl_c(interrupted: Interruption | None) -> Iterator[None]:
     """Note each Ctrl-C in ``interrupted``, then raise KeyboardInterrupt as usual.
 
     The KeyboardInterrupt is raised at whatever bytecode the main thread runs. If that
-    is a ``__del__`` or a weakref finalizer (DataLoader iterators and queues have
-    both), Python prints "Exception ignored" and the run would go on; the search
-    checks ``interrupted`` at every timing window and trial, and stops all the same.
+    is a ``__del__``, a weakref finalizer (DataLoader iterators and queues have both) or
+    a fork's at-fork hook (logging's, as a worker starts), Python prints "Exception
+    ignored" and the run would go on; the search checks ``interrupted`` at every timing
+    window and trial, and stops all the same, so that print is dropped
+    (:func:`_lost_interrupts_unsaid`).
     """
-    previous = signal.getsignal(signal.SIGINT)
-    if (
-        interrupted is None
-        or threading.current_thread() is not threading.main_thread()
-        or previous in (signal.SIG_IGN, None)  # Ctrl-C is ignored, or not Python's to handle
-    ):
+    if interrupted is None:
         yield
         return
+    previous = signal.getsignal(signal.SIGINT)
+    with _lost_interrupts_unsaid(interrupted):
+        if threading.current_thread() is not threading.main_thread() or previous in (
+            signal.SIG_IGN,
+            None,  # Ctrl-C is ignored, or not Python's to handle
+        ):
+            yield
+            return
 
-    def handle(signum: int, frame: FrameType | None) -> None:
-        interrupted.note("Ctrl-C")
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            raise KeyboardInterrupt
+        def handle(signum: int, frame: FrameType | None) -> None:
+            interrupted.note("Ctrl-C")
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, handle)
+        signal.signal(signal.SIGINT, handle)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _lost_interrupts_unsaid(interrupted: Interruption) -> Iterator[None]:
+    """Within the block, a KeyboardInterrupt (or SIGTERM's :class:`Terminated`) that
+    Python could not raise, once ``interrupted`` noted it, is not printed: the run
+    stops on the note. Every other unraisable exception goes to the hook found, which
+    is put back after the block unless something replaced this one meanwhile."""
+    found = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and interrupted.is_set():
+            _logger.debug("an interrupt raised where it could not stop the run: %s", unraisable)
+            return
+        found(unraisable)
+
+    sys.unraisablehook = hook
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = found
 
 
 @contextlib.contextmanager
