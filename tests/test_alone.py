@@ -1,5 +1,5 @@
 """The full suite runs four workers (pytest-xdist, ``-n 4``) on four seats
-(``tests/conftest.py``): a test takes two of them, a ``light`` one one, an ``alone`` one
+(``tests/seats.py``): a test takes two of them, a ``light`` one one, an ``alone`` one
 all. Checked with a real pytest-xdist run of a few sleeping tests that write when they
 ran."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a pytest-xdist run of its own, four workers importing torch
+pytestmark = pytest.mark.slow  # a pytest-xdist run of its own, four workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ _SEATS = {"shared": 2, "light": 1, "alone": 4}
 
 def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
     (tmp_path / "conftest.py").write_text(
-        "from tests.conftest import (  # noqa: F401\n"
+        "from tests.seats import (  # noqa: F401\n"
         "    pytest_collection_modifyitems, pytest_runtest_protocol, pytest_sessionfinish,\n"
         "    pytest_sessionstart,\n)\n"
     )

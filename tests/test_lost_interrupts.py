@@ -90,6 +90,7 @@ print("noted", interrupted.is_set())
 """
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_ctrl_c_as_a_worker_forks_stops_the_run_without_a_traceback() -> None:
     done = subprocess.run(
         [sys.executable, "-c", _CTRL_C_AS_A_WORKER_FORKS.format(root=str(ROOT))],

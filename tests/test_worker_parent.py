@@ -48,7 +48,6 @@ next(iter(build_loader(dataset, options)))
 """
 
 
-@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 @pytest.mark.parametrize(
     "where",
     [
@@ -117,6 +116,7 @@ thread.join()
 """
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(2) is Linux's")
 def test_only_a_worker_forked_from_the_main_thread_dies_with_its_parent() -> None:
     """The kernel's signal comes when the forking thread ends: a worker forked from a

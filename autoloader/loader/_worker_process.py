@@ -48,8 +48,10 @@ from typing import Any
 
 
 class ExitWithParent:
-    """A ``worker_init_fn`` that calls the user's, then exits the worker if the process
-    that started it is gone (``NOTE [ A worker whose parent died as it started ]``).
+    """A ``worker_init_fn`` that has the kernel kill the worker when the process that
+    started it dies (forked from its main thread, on Linux), calls the user's, then
+    exits the worker if that process is already gone (``NOTE [ A worker whose parent
+    died as it started ]``).
 
     Args:
         then (callable, optional): the user's ``worker_init_fn``. (default: ``None``)

@@ -1,0 +1,127 @@
+"""The seats of the full suite's pytest-xdist run: how many tests run side by side, and
+which run alone. Hooks for ``tests/conftest.py``; no torch here, so that the pytest-xdist
+run of ``tests/test_alone.py`` starts its workers cheaply."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Tests side by side (the full suite runs under pytest-xdist, `-n 4`). The workers share
+# four seats: a test takes two, so that no more than two run at once (the two cores
+# here); a test marked `light` (it mostly waits: on sleeps, a subprocess's deadline, a
+# hang's timeout) takes one; a test marked `alone` (it measures the machine, or holds a
+# deadline that another test's processes on the same cores could break) takes all four,
+# and runs with no other test beside it. The `alone` tests are collected first,
+# together, and one followed by another on the same worker keeps its seats: the others
+# wait once for the run of them, not once for each; while one waits for its seats it
+# holds a gate that the others pass to take theirs, so none comes in first. Seats are
+# taken before pytest-timeout's clock starts: the wait is not the test's time. The files
+# are in the run's temporary directory, which every worker shares.
+SEATS = 4
+_NEEDED = {"alone": SEATS, "light": 1}  # `alone` first: it wins over `light`
+_ORDINARY = 2
+
+
+class _Seats:
+    """The seats of a pytest-xdist run: ``flock``-ed files."""
+
+    def __init__(self, folder: Path) -> None:
+        self.gate = os.open(folder / "seats.gate", os.O_CREAT | os.O_RDWR, 0o600)
+        self.seats = [
+            os.open(folder / f"seat{n}", os.O_CREAT | os.O_RDWR, 0o600) for n in range(SEATS)
+        ]
+        self.held: list[int] = []
+
+    def needed(self, item: pytest.Item) -> int:
+        for marker, seats in _NEEDED.items():
+            if item.get_closest_marker(marker) is not None:
+                return seats
+        return _ORDINARY
+
+    def take(self, item: pytest.Item) -> None:
+        """Wait for ``item``'s seats, unless they are held on from the test before."""
+        count = self.needed(item)
+        if len(self.held) == count:
+            return
+        self.give_back()  # held on for an `alone` test that another worker took
+        while True:
+            fcntl.flock(self.gate, fcntl.LOCK_EX)
+            try:
+                while not self._try(count) and count == SEATS:
+                    time.sleep(0.02)  # an `alone` test waits at the gate
+                if self.held:
+                    return
+            finally:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+            time.sleep(0.02)  # the others pass it, and ask again
+
+    def _try(self, count: int) -> bool:
+        for seat in self.seats:
+            if len(self.held) == count:
+                break
+            try:
+                fcntl.flock(seat, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            self.held.append(seat)
+        if len(self.held) == count:
+            return True
+        self.give_back()  # all or none: a half-seated test would hold the others back
+        return False
+
+    def leave(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        if not (_is_alone(item) and _is_alone(nextitem)):
+            self.give_back()
+
+    def give_back(self) -> None:
+        for seat in self.held:
+            fcntl.flock(seat, fcntl.LOCK_UN)
+        self.held = []
+
+    def close(self) -> None:
+        for fd in (self.gate, *self.seats):
+            os.close(fd)
+
+
+def _is_alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
+_SEATS = pytest.StashKey[_Seats]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        temporary = session.config._tmp_path_factory  # type: ignore[attr-defined]
+        folder = temporary.getbasetemp().parent  # pytest-N, above popen-gwN
+        session.config.stash[_SEATS] = _Seats(folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    seats = session.config.stash.get(_SEATS, None)
+    if seats is not None:
+        seats.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the `alone` tests first, in their order."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=lambda item: not _is_alone(item))  # stable
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    seats = item.config.stash.get(_SEATS, None)
+    if seats is None:
+        return (yield)
+    seats.take(item)
+    try:
+        return (yield)
+    finally:
+        seats.leave(item, nextitem)  # `nextitem`: what this worker runs next, unless stolen
