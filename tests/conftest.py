@@ -10,6 +10,8 @@ import psutil
 import pytest
 import torch
 
+from tests.lazy import LazyModule, imported
+
 # Tests side by side under pytest-xdist, on seats (``tests/seats.py``, kept free of torch:
 # ``tests/test_alone.py`` starts a pytest-xdist run of its own with these hooks).
 from tests.seats import (  # noqa: F401
@@ -23,6 +25,14 @@ from tests.seats import (  # noqa: F401
 # standard library's resource tracker once, for the rest of the test session: it is not
 # something a test left behind.
 multiprocessing.resource_tracker.ensure_running()
+
+
+# The modules of tests.lazy.LazyModule (Lightning) that collecting imported: none should.
+IMPORTED_AT_COLLECTION = pytest.StashKey[set[str]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[IMPORTED_AT_COLLECTION] = imported(LazyModule.names)
 
 
 @pytest.fixture(autouse=True)

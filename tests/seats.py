@@ -1,6 +1,7 @@
-"""The seats of the full suite's pytest-xdist run: how many tests run side by side, and
-which run alone. Hooks for ``tests/conftest.py``; no torch here, so that the pytest-xdist
-run of ``tests/test_alone.py`` starts its workers cheaply."""
+"""The seats of the full suite's pytest-xdist run: how many tests run side by side,
+which run alone, and which first and last. Hooks for ``tests/conftest.py``; no torch
+here, so that the pytest-xdist run of ``tests/test_alone.py`` starts its workers
+cheaply."""
 
 from __future__ import annotations
 
@@ -93,6 +94,10 @@ def _is_alone(item: pytest.Item | None) -> bool:
     return item is not None and item.get_closest_marker("alone") is not None
 
 
+def _is_late(item: pytest.Item) -> bool:
+    return item.get_closest_marker("late") is not None
+
+
 _SEATS = pytest.StashKey[_Seats]()
 
 
@@ -110,9 +115,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the `alone` tests first, in their order."""
+    """Under pytest-xdist, the `alone` tests first and the `late` ones last, each in
+    their order. A `late` test imports Lightning, which stays in its worker: every
+    DataLoader worker forked there after it costs twice the CPU (``tests/lazy.py``), and
+    the workers take the collection's last tests last (``--dist worksteal`` hands each a
+    slice of it in order, and the idle ones take from the end of the others')."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: not _is_alone(item))  # stable
+        items.sort(key=lambda item: (not _is_alone(item), _is_late(item)))  # stable
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's

@@ -20,14 +20,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-pl = pytest.importorskip("lightning.pytorch")
+from autoloader import AutoLoader, InvalidInputError
+from tests.lazy import LazyModule
+from tests.test_lightning import ROOT, SlowItems
 
-from lightning.pytorch.utilities.data import _update_dataloader  # noqa: E402
+pytestmark = [pytest.mark.slow, pytest.mark.late]  # Lightning DDP fits; imports Lightning
 
-from autoloader import AutoLoader, InvalidInputError  # noqa: E402
-from tests.test_lightning import ROOT, SlowItems  # noqa: E402
-
-pytestmark = pytest.mark.slow  # Lightning DDP fits
+# Imported by the tests that use them (tests/lazy.py): each is skipped without Lightning.
+lightning_data = LazyModule("lightning.pytorch.utilities.data")
+models = LazyModule("tests.lightning_models")
 
 LENGTH = 1024  # items to train on
 VALIDATION = 64  # items to validate on
@@ -41,92 +42,18 @@ class IndexedItems(SlowItems):
         return x, y, torch.tensor(index)
 
 
-class Seen(pl.LightningModule):
-    """Records the items each epoch trains on, in their order; its train loader is
-    ``loader`` (made outside any hook) or, if ``None``, made in the hook."""
-
-    def __init__(self, loader: AutoLoader[Any] | None = None) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(8, 1)
-        self.loader = loader
-        self.made: AutoLoader[Any] | None = None
-        self.seen: dict[int, list[int]] = {}
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, index = batch
-        self.seen.setdefault(self.current_epoch, []).extend(index.tolist())
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return batch[2]
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        if self.loader is not None:
-            return self.loader
-        self.made = _loader()
-        return self.made
-
-
-class Validated(Seen):
-    """Seen, validated each epoch by an AutoLoader made in its hook, which records the
-    items each epoch validates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.validating: AutoLoader[Any] | None = None
-        self.validated: dict[int, list[int]] = {}
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if not self.trainer.sanity_checking:
-            self.validated.setdefault(self.current_epoch, []).extend(batch[2].tolist())
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        self.validating = AutoLoader(
-            IndexedItems(length=VALIDATION, latency=0), batch_size=4, time_budget=2,
-            verbose=False,
-        )  # fmt: skip
-        return self.validating
-
-
-def _loader() -> AutoLoader[Any]:
-    """Items that wait 3 ms: worker processes pay, even on a busy machine."""
-    return AutoLoader(
-        IndexedItems(length=LENGTH, latency=0.003), batch_size=4, shuffle=True, time_budget=4,
-        verbose=False,
-    )  # fmt: skip
-
-
-class StopWhenTuned(pl.Callback):
-    """Ends the fit after the epoch in which every rank's loader is tuned."""
-
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        tuned = trainer.strategy.reduce_boolean_decision(trainer.train_dataloader.tuned, all=True)
-        if tuned:
-            trainer.should_stop = True
-
-
-def _trainer(**kwargs: Any) -> Any:
-    return pl.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, **kwargs,
-    )  # fmt: skip
-
-
 DDP_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
     import lightning.pytorch as pl
-    from tests.test_autoloader_lightning import (
-        Seen, StopWhenTuned, Validated, _loader, _trainer,
+    from tests.lightning_models import (
+        Seen, StopWhenTuned, Validated, slow_autoloader, trainer as quiet_trainer,
     )
 
     def fit(model, **kwargs):
         model.seen = {}
-        trainer = _trainer(devices=2, strategy="ddp", **kwargs)
+        trainer = quiet_trainer(devices=2, strategy="ddp", **kwargs)
         trainer.fit(model)
         return trainer
 
@@ -146,7 +73,7 @@ DDP_SCRIPT = textwrap.dedent(
     out = {}
     # Made outside any hook, in the module's __init__: tuned by a first fit, rebuilt
     # by a second one with its tuned attributes.
-    model = Seen(_loader())
+    model = Seen(slow_autoloader())
     first = fit(model, max_epochs=100, callbacks=[StopWhenTuned()])
     out["first"] = said(model, first, model.loader)
     out["chosen"] = model.loader.result.params
@@ -231,8 +158,8 @@ def test_predict_and_validate_load_through_the_users_autoloader() -> None:
             IndexedItems(length=400, latency=0.003), batch_size=8, time_budget=2, verbose=False
         )
         closing.callback(loader.close)
-        trainer = _trainer(devices=1)
-        predicted = trainer.predict(Seen(), dataloaders=loader)
+        trainer = models.trainer(devices=1)
+        predicted = trainer.predict(models.Seen(), dataloaders=loader)
         copy = trainer.predict_dataloaders
         assert copy is not loader and copy.tuning is loader.tuning and copy.untuned is None
         assert torch.cat(predicted).tolist() == list(range(400))
@@ -241,7 +168,7 @@ def test_predict_and_validate_load_through_the_users_autoloader() -> None:
         assert loader.history and loader.history == copy.history
 
         # Made in the hook: rebuilt from the arguments Lightning recorded, tuning included.
-        class Hooked(Seen):
+        class Hooked(models.Seen):
             def predict_dataloader(self) -> DataLoader[Any]:
                 self.made = AutoLoader(
                     IndexedItems(length=64), batch_size=8, time_budget=2, verbose=False
@@ -250,7 +177,7 @@ def test_predict_and_validate_load_through_the_users_autoloader() -> None:
                 return self.made
 
         module = Hooked()
-        trainer = _trainer(devices=1)
+        trainer = models.trainer(devices=1)
         predicted = trainer.predict(module)
         assert torch.cat(predicted).tolist() == list(range(64))
         copy = trainer.predict_dataloaders
@@ -258,12 +185,12 @@ def test_predict_and_validate_load_through_the_users_autoloader() -> None:
         assert copy.tuning is module.made.tuning and copy.tuning.stage.name != "WAITING"
 
         # Validation in one process is not rebuilt: the user's loader itself.
-        class Validating(Seen):
+        class Validating(models.Seen):
             def validation_step(self, batch: Any, batch_idx: int) -> None:
                 self.seen.setdefault(0, []).extend(batch[2].tolist())
 
         validating = Validating()
-        _trainer(devices=1).validate(validating, dataloaders=loader)
+        models.trainer(devices=1).validate(validating, dataloaders=loader)
         assert validating.seen[0] == list(range(400))
 
 
@@ -290,13 +217,13 @@ def test_a_subclass_that_takes_no_tuning_argument_is_rebuilt_as_lightning_can() 
     """Lightning rebuilds a subclass made in a hook from the arguments its ``__init__``
     takes, and refuses others: the copy, given no ``tuning``, tunes on its own."""
 
-    class Hooked(Seen):
+    class Hooked(models.Seen):
         def predict_dataloader(self) -> DataLoader[Any]:
             self.made = FixedBatches(IndexedItems(length=32), batch_size=8)
             return self.made
 
     module = Hooked()
-    trainer = _trainer(devices=1)
+    trainer = models.trainer(devices=1)
     predicted = trainer.predict(module)
     assert torch.cat(predicted).tolist() == list(range(32))
     assert type(trainer.predict_dataloaders) is FixedBatches
@@ -322,7 +249,7 @@ def test_every_argument_survives_a_rebuild() -> None:
     loader = AutoLoader(
         IndexedItems(length=40), multiprocessing_context="spawn", verbose=False, **given
     )
-    copy = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    copy = lightning_data._update_dataloader(loader, SequentialSampler(loader.dataset))
     assert type(copy) is AutoLoader and copy.tuning is loader.tuning
     for name, value in given.items():
         assert getattr(copy, name) == value, name
@@ -342,7 +269,7 @@ def test_the_loader_the_user_holds_shows_the_setting_its_rebuilt_copy_loads_with
     """Lightning trains with its rebuilt copy; the user's own object reports the setting
     that loads the batches, not ``None``."""
     loader = AutoLoader(IndexedItems(length=40), batch_size=4, time_budget=4.0, verbose=False)
-    copy = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    copy = lightning_data._update_dataloader(loader, SequentialSampler(loader.dataset))
     assert loader.setting is None
     epoch = iter(copy)
     try:

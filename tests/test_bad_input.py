@@ -382,12 +382,13 @@ def test_a_bad_rank_does_not_fail_an_autoloader_at_the_end_of_its_tuning(
     assert "AutoLoader: tuned in" in capsys.readouterr().err
 
 
+@pytest.mark.late  # imports Lightning (tests/seats.py)
 def test_a_bad_pl_seed_workers_is_named_before_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Read after the tuning run, to seed the tuned loader's workers: int("yes") raised
     ValueError once the tuning was spent."""
     pl = pytest.importorskip("lightning.pytorch")
     from autoloader.lightning import LoaderTuner
-    from tests.test_lightning import Regression
+    from tests.lightning_models import Regression
 
     monkeypatch.setenv("PL_SEED_WORKERS", "yes")
     tuner = LoaderTuner(time_budget=3)

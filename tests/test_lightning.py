@@ -19,11 +19,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-pl = pytest.importorskip("lightning.pytorch")
-torchmetrics = pytest.importorskip("torchmetrics")
+from autoloader import InvalidInputError
+from tests.lazy import LazyModule
 
-from autoloader import InvalidInputError  # noqa: E402
-from autoloader.lightning import LoaderTuner, _TrainingStep, check_version  # noqa: E402
+# Imported by the tests that use them (tests/lazy.py): each is skipped without Lightning.
+pl = LazyModule("lightning.pytorch")
+adapter = LazyModule("autoloader.lightning")
+models = LazyModule("tests.lightning_models")
+
+pytestmark = pytest.mark.late  # imports Lightning (tests/seats.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,43 +48,9 @@ class SlowItems(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, x.sum(dim=0, keepdim=True)
 
 
-class Regression(pl.LightningModule):
-    """Dropout (the RNG matters), momentum (the optimizer's state matters), a scheduler
-    and logging: everything a tuning step touches."""
-
-    def __init__(self, loader_kwargs: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(16, 1)
-        )
-        self.loader_kwargs = loader_kwargs or {}
-        # Its state is neither a parameter nor a buffer.
-        self.mean_loss = torchmetrics.MeanMetric()
-        self.epoch_losses: list[float] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("loss", loss, on_step=True, on_epoch=True)
-        self.mean_loss.update(loss)
-        return loss
-
-    def on_train_epoch_end(self) -> None:
-        # Computed by hand, not logged as a Metric (which Lightning resets on its own).
-        self.epoch_losses.append(float(self.mean_loss.compute()))
-        self.mean_loss.reset()
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)]
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(SlowItems(), batch_size=8, shuffle=True, **self.loader_kwargs)
-
-
-def _fit(callbacks: list[Any], *, epochs: int = 2) -> tuple[Regression, Any]:
+def _fit(callbacks: list[Any], *, epochs: int = 2) -> tuple[Any, Any]:
     pl.seed_everything(0, verbose=False)
-    model = Regression()
+    model = models.Regression()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -102,7 +72,7 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
     torch_threads = torch.get_num_threads()
 
     path = tmp_path / "loader.json"
-    tuner = LoaderTuner(time_budget=8, path=path, show_progress=False)
+    tuner = adapter.LoaderTuner(time_budget=8, path=path, show_progress=False)
     tuned, trainer = _fit([tuner])
     result = tuner.result
     assert result is not None
@@ -123,7 +93,7 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
     assert json.loads(path.read_text())["params"] == result.params
 
     # The same problem again: the file's settings, no tuning, the same training.
-    again = LoaderTuner(time_budget=8, path=path, show_progress=False)
+    again = adapter.LoaderTuner(time_budget=8, path=path, show_progress=False)
     reused, _ = _fit([again])
     assert again.result is not None
     assert again.result.tuning_seconds == result.tuning_seconds
@@ -133,22 +103,22 @@ def test_a_fit_with_the_tuner_trains_bit_for_bit_as_without_it_with_the_tuned_lo
 
 def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
     with pytest.raises(InvalidInputError, match="takes 'batch_size' from the fit"):
-        LoaderTuner(batch_size=8)
+        adapter.LoaderTuner(batch_size=8)
     with pytest.raises(InvalidInputError, match="cannot pass 'isolation'"):
-        LoaderTuner(isolation="subprocess")
+        adapter.LoaderTuner(isolation="subprocess")
     with pytest.raises(InvalidInputError, match=r"'n_trail', which autoloader\.tune"):
-        LoaderTuner(n_trail=5)
+        adapter.LoaderTuner(n_trail=5)
     with pytest.raises(InvalidInputError, match="num_workers"):
-        LoaderTuner(search_space={"num_workers": (4, 2)})
+        adapter.LoaderTuner(search_space={"num_workers": (4, 2)})
     with pytest.raises(InvalidInputError, match=r"Lightning 2\.6 or later; this is 2\.5\.2"):
-        check_version("2.5.2")
-    check_version("2.6.6")
-    check_version("3.0.0rc1")
+        adapter.check_version("2.5.2")
+    adapter.check_version("2.6.6")
+    adapter.check_version("3.0.0rc1")
 
-    class NoLoader(Regression):
+    class NoLoader(models.Regression):
         train_dataloader = pl.LightningModule.train_dataloader  # type: ignore[assignment]
 
-    class BatchSamplerLoader(Regression):
+    class BatchSamplerLoader(models.Regression):
         def train_dataloader(self) -> DataLoader[Any]:
             items = SlowItems(latency=0)
             sampler = torch.utils.data.BatchSampler(range(len(items)), 8, drop_last=False)
@@ -160,11 +130,11 @@ def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
         def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             return (SlowItems(latency=0)[i] for i in range(64))
 
-    class UnshardedLoader(Regression):
+    class UnshardedLoader(models.Regression):
         def train_dataloader(self) -> DataLoader[Any]:
             return DataLoader(Unsharded(), batch_size=8)
 
-    class IteratorStep(Regression):
+    class IteratorStep(models.Regression):
         def training_step(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:  # type: ignore[override]
             return super().training_step(next(dataloader_iter), 0)
 
@@ -175,7 +145,7 @@ def test_what_the_tuner_cannot_tune_is_refused_before_any_trial() -> None:
         (UnshardedLoader(), "repeat"),
     ]:
         trainer = pl.Trainer(
-            accelerator="cpu", max_epochs=1, callbacks=[LoaderTuner(time_budget=5)],
+            accelerator="cpu", max_epochs=1, callbacks=[adapter.LoaderTuner(time_budget=5)],
             logger=False, enable_checkpointing=False, enable_progress_bar=False,
         )  # fmt: skip
         with pytest.raises(InvalidInputError, match=message):
@@ -186,7 +156,7 @@ def test_a_lightning_without_an_internal_the_tuner_uses_is_named_before_any_tria
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=1, callbacks=[LoaderTuner(time_budget=5)],
+        accelerator="cpu", max_epochs=1, callbacks=[adapter.LoaderTuner(time_budget=5)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
     )  # fmt: skip
     # As in a Lightning whose training epoch loop builds a step's arguments elsewhere.
@@ -195,7 +165,7 @@ def test_a_lightning_without_an_internal_the_tuner_uses_is_named_before_any_tria
         InvalidInputError,
         match=r"lightning \S+ has no Trainer\.fit_loop\.epoch_loop\._build_kwargs\. Install",
     ):
-        trainer.fit(Regression())
+        trainer.fit(models.Regression())
 
 
 def test_tuning_steps_accumulate_gradients_as_the_fit_does() -> None:
@@ -205,7 +175,7 @@ def test_tuning_steps_accumulate_gradients_as_the_fit_does() -> None:
         def on_fit_start(self, trainer: Any, module: Any) -> None:
             optimizer = trainer.optimizers[0]
             real, self.stepped = optimizer.step, []
-            step = _TrainingStep(trainer, module)
+            step = adapter._TrainingStep(trainer, module)
 
             def counted(*args: Any, **kwargs: Any) -> Any:
                 self.stepped.append(step.batches)
@@ -223,7 +193,7 @@ def test_tuning_steps_accumulate_gradients_as_the_fit_does() -> None:
         accelerator="cpu", max_steps=1, accumulate_grad_batches=2, callbacks=[probe],
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
     )  # fmt: skip
-    trainer.fit(Regression())
+    trainer.fit(models.Regression())
     assert probe.stepped == [1, 3]  # after the 2nd and 4th batches
     assert probe.ready == 4
 
@@ -233,7 +203,7 @@ def test_ctrl_c_while_tuning_stops_the_fit(monkeypatch: pytest.MonkeyPatch) -> N
 
     interrupted = dataclasses.replace(_result(), partial=True)
     monkeypatch.setattr("autoloader.lightning.tune", lambda *args, **kwargs: interrupted)
-    tuner = LoaderTuner(time_budget=5)
+    tuner = adapter.LoaderTuner(time_budget=5)
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=1, callbacks=[tuner], logger=False,
         enable_checkpointing=False, enable_progress_bar=False,
@@ -242,7 +212,7 @@ def test_ctrl_c_while_tuning_stops_the_fit(monkeypatch: pytest.MonkeyPatch) -> N
     try:
         # Lightning ends a fit interrupted by Ctrl-C with exit code 1.
         with pytest.raises(SystemExit):
-            trainer.fit(Regression())
+            trainer.fit(models.Regression())
     finally:
         signal.signal(signal.SIGINT, sigint)  # Lightning ignores Ctrl-C after one
     assert tuner.result is interrupted
@@ -250,13 +220,13 @@ def test_ctrl_c_while_tuning_stops_the_fit(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_fast_dev_run_is_not_tuned() -> None:
-    tuner = LoaderTuner(time_budget=5)
+    tuner = adapter.LoaderTuner(time_budget=5)
     trainer = pl.Trainer(
         accelerator="cpu", fast_dev_run=2, callbacks=[tuner], logger=False,
         enable_progress_bar=False,
     )  # fmt: skip
     with pytest.warns(UserWarning, match="does not tune this fit: fast_dev_run"):
-        trainer.fit(Regression())
+        trainer.fit(models.Regression())
     assert tuner.result is None
 
 
@@ -267,7 +237,7 @@ DDP_SCRIPT = textwrap.dedent(
     import torch
     import lightning.pytorch as pl
     from autoloader.lightning import LoaderTuner
-    from tests.test_lightning import Regression
+    from tests.lightning_models import Regression
 
     def fit(callbacks):
         pl.seed_everything(0, verbose=False)

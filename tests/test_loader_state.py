@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from autoloader import AutoLoader, InvalidInputError
+from tests.lazy import LazyModule
 from tests.workloads import SleepDataset
 
 
@@ -231,34 +232,14 @@ def test_a_state_of_other_arguments_or_a_loader_that_began_is_refused() -> None:
 
 # A real Lightning fit, checkpointed mid-epoch and resumed with ckpt_path ----------------
 
-pl = pytest.importorskip("lightning.pytorch")
-
-
-class _Recording(pl.LightningModule):
-    """Records each training batch's ids."""
-
-    def __init__(self, loader: DataLoader[Any]) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(8, 1)
-        self.loader = loader
-        self.seen: list[list[int]] = []
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        self.seen.append(_ids(batch))
-        time.sleep(0.003)
-        loss: torch.Tensor = self.net(batch).pow(2).mean()
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        return self.loader
+# Imported by the test that uses them (tests/lazy.py): skipped without Lightning.
+pl = LazyModule("lightning.pytorch")
+models = LazyModule("tests.lightning_models")
 
 
 def _fit(
     loader: DataLoader[Any], root: Path, *, every: int | None = None, ckpt: Path | None = None
-) -> _Recording:
+) -> Any:
     callbacks = []
     if every is not None:
         callbacks.append(
@@ -266,7 +247,7 @@ def _fit(
                 dirpath=root, every_n_train_steps=every, save_top_k=-1, filename="{step}"
             )
         )
-    model = _Recording(loader)
+    model = models.Recording(loader)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -283,6 +264,7 @@ def _fit(
 
 
 @pytest.mark.slow
+@pytest.mark.late  # imports Lightning (tests/seats.py)
 def test_a_lightning_fit_resumed_from_a_mid_epoch_checkpoint_goes_on_as_uninterrupted(
     tmp_path: Path,
 ) -> None:
