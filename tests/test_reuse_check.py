@@ -373,6 +373,81 @@ def test_a_dataset_slower_than_the_probe_leaves_the_check_to_the_setting(
     assert f"not reusing {path}: loading " in caplog.text
 
 
+class _SlowerBeside(_Seen):
+    """Measures the defaults' loop as it is, and the setting with the loop waiting 50 ms
+    more a batch for data: as where other processes took its workers' CPUs."""
+
+    def measure(self, params: Any, **kwargs: Any) -> Measurement:
+        measured = super().measure(params, **kwargs)
+        if params["num_workers"] == 0:
+            return measured
+        return dataclasses.replace(
+            measured,
+            load_seconds=measured.load_seconds + 0.05,
+            samples_per_second=measured.samples_per_second / 5,
+        )
+
+
+@pytest.mark.parametrize(
+    ("free", "reused"),
+    [
+        pytest.param((0.0, 0.0), True, id="busy-through-both"),
+        pytest.param((0.0, None), False, id="free-in-the-setting's-check"),
+    ],
+)
+def test_a_check_slower_only_beside_other_processes_keeps_the_setting(
+    saved: tuple[autoloader.TuneResult, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    free: tuple[float, float | None],
+    reused: bool,
+) -> None:
+    """NOTE [ A reused setting checked ]: the defaults' loop as when tuned but other
+    processes on the CPUs, and the setting's check slower while they still held them: a
+    busy machine, the setting reused with a warning. Where the CPUs were free in the
+    setting's own check, its slowdown is the pipeline's: tuned again."""
+    readings = iter(free)  # the probe's, then the check's (None: every usable CPU free)
+
+    def read(cpus: _CpuUse) -> float:
+        reading = next(readings)
+        return float(cpus.usable) if reading is None else reading
+
+    monkeypatch.setattr(_CpuUse, "free", read)
+    result, path = saved
+    runner = _SlowerBeside(_runner(0.002).runner)
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        again = checked(result, runner, budget=20, path=path)  # type: ignore[arg-type]
+    assert [p["num_workers"] for p in runner.measured] == [0, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if not reused:
+        assert again is None
+        assert warnings and warnings[0].startswith(f"not reusing {path}: ")
+        return
+    assert again is not None and again.params == result.params
+    note = again.notes[-1]
+    assert note.startswith("reused unconfirmed: its check found "), note
+    needed = min(_CpuUse().usable, 3)  # 2 workers and the loop, of the usable CPUs
+    assert f"but other processes used the CPUs meanwhile (0.0 of {needed} needed free)" in note
+    assert note.endswith("a busy machine, not a changed pipeline")
+    assert warnings == [f"{path}: {note}"]
+
+
+def test_loading_slower_in_the_defaults_loop_beside_other_processes_is_tuned_again(
+    saved: tuple[autoloader.TuneResult, Path],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Other processes on the CPUs throughout, and the defaults' loop found loading
+    slower (20 ms a read, where it was 2): the pipeline changed, whoever was beside it."""
+    monkeypatch.setattr(_CpuUse, "free", lambda self: 0.0)
+    result, path = saved
+    runner = _runner(0.02)
+    with caplog.at_level(logging.INFO, logger="autoloader"):
+        assert checked(result, runner, budget=20, path=path) is None  # type: ignore[arg-type]
+    assert [p["num_workers"] for p in runner.measured] == [0, 2]
+    assert f"not reusing {path}: loading " in caplog.text
+
+
 def _probe(
     *,
     load: tuple[float, float] = (0.01, 0.01),
