@@ -303,6 +303,9 @@ CONTEXT_SCRIPT = textwrap.dedent(
 )
 
 
+# Beside two other tests (three at once), the spawned workers of its 6 s budget once
+# delivered no batch before their trial ended.
+@pytest.mark.calm
 def test_a_multiprocessing_context_starts_every_settings_worker_processes(
     tmp_path: Path,
 ) -> None:
