@@ -109,6 +109,10 @@ def test_a_dataset_that_ran_torchs_thread_pool_is_tuned_not_left_at_the_defaults
     _check_one_epoch(result, pipeline, copies=6)
 
 
+# Its check of the workers' samples has a tenth of the 5 s budget: beside two other tests
+# and a busy loop its workers once delivered too little in it (the check then missing,
+# as the report says, and nothing refused).
+@pytest.mark.calm
 def test_webdataset_whose_workers_all_read_every_shard_is_refused(
     corpus: Callable[[str], Pipeline],
 ) -> None:
