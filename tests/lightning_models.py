@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from autoloader import AutoLoader
 from tests.test_autoloader_lightning import LENGTH, VALIDATION, IndexedItems
 from tests.test_lightning import SlowItems
+from tests.test_loader_state import _ids
 
 
 class Regression(pl.LightningModule):
@@ -130,7 +131,7 @@ def trainer(**kwargs: Any) -> pl.Trainer:
 
 
 class Recording(pl.LightningModule):
-    """Trains on ``loader``, recording each batch's ids (its first column)."""
+    """Trains on ``loader``, recording each batch's ids (``test_loader_state._ids``)."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         super().__init__()
@@ -139,7 +140,7 @@ class Recording(pl.LightningModule):
         self.seen: list[list[int]] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        self.seen.append(batch[:, 0].long().tolist())
+        self.seen.append(_ids(batch))
         time.sleep(0.003)
         loss: torch.Tensor = self.net(batch).pow(2).mean()
         return loss
