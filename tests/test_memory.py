@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from autoloader.measure._memory import (
     MemoryWatch,
     available_memory,
     is_oom_error,
+    process_memory_parts,
     total_memory,
     tree_memory,
 )
@@ -197,3 +199,78 @@ def test_watch_under_budget_with_a_flat_tree_is_not_stopped_by_projection() -> N
         child.wait()
     assert not watch.exceeded
     assert watch.projected is None
+
+
+# Run outside the test's process tree: maps the first ``size`` bytes of ``path``, reads a
+# byte of each page, says so through ``ready``, and holds them until ``stop`` (30 s at most).
+_MAP_ELSEWHERE = """
+import mmap, pathlib, sys, time
+path, size, ready, stop = sys.argv[1], int(sys.argv[2]), *map(pathlib.Path, sys.argv[3:5])
+with open(path, "rb") as file:
+    view = mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ)
+    sum(view[at] for at in range(0, size, mmap.PAGESIZE))
+    ready.touch()
+    deadline = time.monotonic() + 30
+    while not stop.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def _map_elsewhere(path: Path, size: int, ready: Path, stop: Path) -> int:
+    """Start ``_MAP_ELSEWHERE`` as an orphan (its shell exits at once): another job on
+    the machine, not a child of this process. Its pid."""
+    shell = '"$0" -c "$1" "$2" "$3" "$4" "$5" >/dev/null 2>&1 & echo $!'
+    started = subprocess.run(
+        ["sh", "-c", shell, sys.executable, _MAP_ELSEWHERE, *map(str, (path, size, ready, stop))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(started.stdout)
+
+
+def _ended(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="reads Linux's PSS")
+def test_other_processes_mapping_the_trees_files_do_not_hide_its_growth(tmp_path: Path) -> None:
+    # A torchrun rank's tree leaked 30 MB/s, but four processes elsewhere imported torch
+    # meanwhile: libtorch's pages, now divided among more processes, took 57 MB off this
+    # process's PSS in 1.5 s, read as the tree shrinking, and the rank reported its
+    # peer's hang instead of its memory fault (NOTE [ Growth of the tree's own memory ]).
+    size = 128 << 20
+    path = tmp_path / "shared.bin"
+    path.write_bytes(b"\x01" * size)
+    files_before = process_memory_parts(psutil.Process())[1]
+    with path.open("rb") as file:
+        view = mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ)
+    sum(view[at] for at in range(0, size, mmap.PAGESIZE))
+    if process_memory_parts(psutil.Process())[1] - files_before < size // 2:
+        pytest.skip(f"{tmp_path} keeps no file pages (tmpfs): nothing to share")
+    ready, stop, kept = tmp_path / "ready", tmp_path / "stop", []
+    pid = None
+    try:
+        with MemoryWatch(tree_memory() + (1 << 30), interval=0.05) as watch:
+            began = time.monotonic()
+            while time.monotonic() - began < 2.4:  # past the growth window
+                kept.append(mmap.mmap(-1, 256 << 10))  # about 25 MB/s of fresh pages
+                kept[-1].write(b"\x01" * (256 << 10))
+                if pid is None and time.monotonic() - began > 1.2:
+                    pid = _map_elsewhere(path, size, ready, stop)  # this PSS falls 64 MB
+                time.sleep(0.01)
+            assert ready.exists(), "the other process did not map the file in time"
+            grown = watch.outgrows(1000.0)
+    finally:
+        stop.touch()
+        view.close()
+        assert pid is None or _ended(pid, within=10.0)
+    assert grown is not None and grown.projected is not None

@@ -69,26 +69,63 @@ def available_memory(*, cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
 
 def process_memory(process: psutil.Process) -> int:
     """PSS in bytes of one process (RSS where PSS cannot be read)."""
+    return process_memory_parts(process)[0]
+
+
+def process_memory_parts(process: psutil.Process) -> tuple[int, int]:
+    """PSS in bytes of one process, and the part of it in file pages (shared
+    libraries, mapped files: ``NOTE [ Growth of the tree's own memory ]``). Where PSS
+    cannot be read, RSS and no file part; where only the total can, no file part."""
+    rollup = _smaps_rollup(process.pid)
+    if rollup is not None and "Pss" in rollup:
+        return rollup["Pss"], rollup.get("Pss_File", 0)
     try:
-        return int(process.memory_full_info().pss)
+        return int(process.memory_full_info().pss), 0
     except (psutil.AccessDenied, AttributeError):
-        return int(process.memory_info().rss)
+        return int(process.memory_info().rss), 0
+
+
+def _smaps_rollup(pid: int) -> dict[str, int] | None:
+    """The sizes /proc/<pid>/smaps_rollup gives (Linux 4.14 on), in bytes; ``None``
+    where it cannot be read. A process that has ended raises ``psutil.NoSuchProcess``."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        if Path(f"/proc/{pid}").exists() or not Path("/proc/self/smaps_rollup").exists():
+            return None  # no rollup here (not Linux, an older kernel), not an ended process
+        raise psutil.NoSuchProcess(pid) from None
+    except OSError:  # not ours to read
+        return None
+    sizes = {}
+    for line in text.splitlines()[1:]:
+        name, _, value = line.partition(":")
+        number, _, unit = value.strip().partition(" ")
+        if unit == "kB" and number.isdigit():
+            sizes[name] = int(number) * 1024
+    return sizes
 
 
 def tree_memory(root: psutil.Process | None = None) -> int:
     """PSS in bytes of ``root`` (this process by default) and all its descendants."""
+    return tree_memory_parts(root)[0]
+
+
+def tree_memory_parts(root: psutil.Process | None = None) -> tuple[int, int]:
+    """PSS in bytes of ``root`` (this process by default) and all its descendants, and
+    the part of it in file pages (:func:`process_memory_parts`)."""
     root = root or psutil.Process()
     try:
         descendants = root.children(recursive=True)
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return 0
-    total = 0
+        return 0, 0
+    total = files = 0
     for process in (root, *descendants):
         try:
-            total += process_memory(process)
+            pss, in_files = process_memory_parts(process)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue  # exited while we were reading: it no longer holds memory
-    return total
+        total, files = total + pss, files + in_files
+    return total, files
 
 
 def default_memory_budget() -> int:
@@ -201,11 +238,6 @@ class Growth:
     def reset(self) -> None:
         self._samples.clear()
 
-    @property
-    def latest(self) -> int | None:
-        """The last sample's bytes, ``None`` before one."""
-        return self._samples[-1][1] if self._samples else None
-
     def rate(self) -> float | None:
         """Bytes per second, or ``None`` until the samples span ``min_span``."""
         if len(self._samples) < 3:
@@ -288,6 +320,19 @@ class MemoryWatch:
     # would have passed the budget in training too. The rate is measured afresh
     # whenever the set of processes changes, and only over _MIN_GROWTH_SPAN seconds or
     # more: workers starting, and queues filling once, are bursts that then stop.
+    #
+    # NOTE [ Growth of the tree's own memory ]
+    # The growth rate is read from the memory the tree allocated itself (anonymous pages
+    # and shared memory: PSS less its file pages; between exact readings, RSS less its
+    # file and shared pages), not from the whole PSS. A file page's PSS is divided among
+    # every process mapping it, the tree's or not: when four processes elsewhere on the
+    # machine imported torch, this process's PSS fell 57 MB within 1.5 s (libtorch's
+    # pages re-divided), and rose again as they ended. Read as growth, such a step hid a
+    # 30 MB/s leak (a torchrun rank's trial then reported its peer's hang instead of its
+    # own memory fault, where other jobs on the machine started), or could make a tree
+    # that does not grow look as if it did. File pages are the page cache's to reclaim,
+    # too: a dataset read through a memory map grows them without a fault to project.
+    # The budget itself still counts the whole PSS.
     _GROWTH_WINDOW = 2.0
     _MIN_GROWTH_SPAN = 1.0
     _CONFIRMATIONS = 3
@@ -318,6 +363,9 @@ class MemoryWatch:
         self._tree_read_at = -math.inf
         self._exact = 0
         self._rss_at_exact = 0
+        self._exact_own = 0  # NOTE [ Growth of the tree's own memory ]
+        self._own_rss_at_exact = 0
+        self._used: int | None = None
         self._exact_at = -math.inf
         self._exact_every = 0.0
         self._growth = Growth(window=self._GROWTH_WINDOW, min_span=self._MIN_GROWTH_SPAN)
@@ -358,27 +406,28 @@ class MemoryWatch:
             tree += [*self._others, *_descendants(self._others)]
             changed = {p.pid for p in tree} != {p.pid for p in self._tree}
             self._tree, self._tree_read_at = tree, now
-        rss = _rss_sum(self._tree)
+        rss, own_rss = _rss_sums(self._tree)
         if changed or now - self._exact_at >= self._exact_every:
-            used = self._calibrate(rss)
+            used = self._calibrate(rss, own_rss)
         else:
             used = self._exact + max(0, rss - self._rss_at_exact)
             if used > self.budget:
-                used = self._calibrate(rss)
+                used = self._calibrate(rss, own_rss)
         if changed:
             self._growth.reset()
-        self._growth.add(now, used)
+        self._growth.add(now, self._exact_own + own_rss - self._own_rss_at_exact)
+        self._used = used
         self.peak = max(self.peak, used)
         if self._exceeded.is_set():
             kill(self._unkilled())  # workers that were still starting when it passed
             return used
         if used > self.budget:
             self._stop_trial(f"memory budget exceeded ({format_bytes(used)})")
-        elif self._projects_over(now, used, rss):
+        elif self._projects_over(now, used, rss, own_rss):
             self._stop_trial(f"memory projected to reach {format_bytes(self.projected or 0)}")
         return used
 
-    def _projects_over(self, now: float, used: int, rss: int) -> bool:
+    def _projects_over(self, now: float, used: int, rss: int, own_rss: int) -> bool:
         """Whether growth at the current rate passes the budget by ``ends_at``."""
         rate = self._growth.rate()
         if self.ends_at is None or rate is None or rate <= 0:
@@ -391,7 +440,7 @@ class MemoryWatch:
         self._over_projections += 1
         if self._over_projections < self._CONFIRMATIONS:
             return False
-        exact = self._calibrate(rss)
+        exact = self._calibrate(rss, own_rss)
         self.peak = max(self.peak, exact)
         projected = exact + rate * left
         if projected <= self.budget:
@@ -419,12 +468,13 @@ class MemoryWatch:
         self._killed.update(pids)
         return pids
 
-    def _calibrate(self, rss: int) -> int:
+    def _calibrate(self, rss: int, own_rss: int) -> int:
         started = time.monotonic()
-        self._exact = tree_memory(self._process) + sum(
-            tree_memory(other) for other in self._others if _exists(other.pid)
-        )
-        self._rss_at_exact = rss
+        parts = [tree_memory_parts(self._process)]
+        parts += [tree_memory_parts(other) for other in self._others if _exists(other.pid)]
+        self._exact = sum(pss for pss, _ in parts)
+        self._exact_own = self._exact - sum(in_files for _, in_files in parts)
+        self._rss_at_exact, self._own_rss_at_exact = rss, own_rss
         self._exact_at = time.monotonic()
         self._exact_every = (self._exact_at - started) / self._CALIBRATION_DUTY
         return self._exact
@@ -434,7 +484,7 @@ class MemoryWatch:
         ``seconds`` (``NOTE [ Growth projection ]``); ``None`` if it does not. Asked when
         a batch overran its deadline: the growth is the fault, not the wait. The trial's
         workers are left to the runner to stop."""
-        rate, used = self._growth.rate(), self._growth.latest
+        rate, used = self._growth.rate(), self._used
         if rate is None or rate <= 0 or used is None or used + rate * seconds <= self.budget:
             return None
         self.projected = int(used + rate * seconds)
@@ -491,14 +541,18 @@ def _descendants(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
     return found
 
 
-def _rss_sum(processes: Iterable[psutil.Process]) -> int:
-    total = 0
+def _rss_sums(processes: Iterable[psutil.Process]) -> tuple[int, int]:
+    """The RSS of ``processes``, and its part not in file pages (where the platform
+    tells them apart: Linux; elsewhere, all of it)."""
+    total = own = 0
     for process in processes:
         try:
-            total += int(process.memory_info().rss)
+            info = process.memory_info()
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-    return total
+        total += int(info.rss)
+        own += int(info.rss) - int(getattr(info, "shared", 0))
+    return total, own
 
 
 def kill(pids: Iterable[int]) -> None:
