@@ -241,6 +241,7 @@ def _ended(pid: int, within: float) -> bool:
     return False
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="reads Linux's PSS")
 def test_other_processes_mapping_the_trees_files_do_not_hide_its_growth(tmp_path: Path) -> None:
     # A torchrun rank's tree leaked 30 MB/s, but four processes elsewhere imported torch
