@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from autoloader._drift import DriftWatch
+from autoloader._loop_reuse_check import FirstBatchesCheck
 from autoloader._problem import Problem, workers_unpicklable
-from autoloader._reuse_check import FirstBatchesCheck
 from autoloader.loader import (
     EpochBatches,
     Feed,
@@ -109,7 +109,7 @@ class Loaders:
                 self.kept = (loader, feed)
         if check is not None:
             drift = None
-        return LiveTrial(
+        trial = LiveTrial(
             loader,
             feed,
             params,
@@ -121,6 +121,9 @@ class Loaders:
             keep_workers=persistent,
             on_batch=None if drift is None else drift.batch,
         )
+        if check is not None:
+            check.begin(trial.guard.worker_pids)
+        return trial
 
     # NOTE [ The last trial's workers kept ]
     # A search trial's workers stop at its end, and the chosen setting's loader starts

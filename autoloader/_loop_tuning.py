@@ -33,6 +33,7 @@ from autoloader._loop_loaders import (
 )
 from autoloader._loop_overlap import Overlap
 from autoloader._loop_retune import Retuning
+from autoloader._loop_reuse_check import FirstBatchesCheck, first_batches_check
 from autoloader._loop_search import (
     Failure,
     JointSearch,
@@ -47,7 +48,6 @@ from autoloader._loop_search import (
 from autoloader._loop_stages import Stage
 from autoloader._problem import Problem, agree
 from autoloader._reuse import reused, study_beside
-from autoloader._reuse_check import FirstBatchesCheck, first_batches_check
 from autoloader._session import RunSession
 from autoloader.checks import world
 from autoloader.distributed import Ranks

@@ -39,7 +39,11 @@ first ]``), and they held the CPUs the setting needs through its check too (free
 setting is reused, a warning and its notes saying what the check measured beside them.
 Tuned again there, the search would have measured the neighbours as well, and replaced
 the file with what suits them while they run (a suite of tests run three at once on the
-2-core VM saw a setting checked 1.9x slower and tuned again).
+2-core VM saw a setting checked 1.9x slower and tuned again). ``AutoLoader`` has no
+defaults' loop: its first batches' check, not holding while others held the CPUs (its
+own workers' time the loop's) and slower by no more than their share explains (needed /
+free CPUs: ``_explains``), reuses the setting unconfirmed, with the warning (beside a
+busy loop a test's check found a wait of 6.9 ms a batch, 1.2 ms when tuned: tuned again).
 
 NOTE [ The defaults' loop first ]
 A setting with process workers cannot be timed in 2% of a short budget: four workers
@@ -72,6 +76,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,7 +291,7 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
     free, needed = cpus.free(), _needed_cpus(cpus, workers)
     busy = probe is not None and probe.unchanged and not probe.cpus_free
     if not check.holds and busy and not _free_enough(free, needed):
-        note = _beside_others(check, free, needed)
+        note = _beside_others(check, free, needed, probed=True)
         _logger.warning("%s: %s", path, note)
         return dataclasses.replace(result, notes=(*result.notes, note))
     if not _told(check, path, who=""):
@@ -294,14 +299,16 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
     return dataclasses.replace(result, notes=(*result.notes, check.note()))
 
 
-def _beside_others(check: ReuseCheck, free: float, needed: float) -> str:
+def _beside_others(check: ReuseCheck, free: float, needed: float, *, probed: bool) -> str:
     """A check slower beside other processes (``NOTE [ A reused setting checked ]``),
-    for the warning and the result's notes."""
+    for the warning and the result's notes; ``probed``: the defaults' loop found loading
+    and the step as when tuned."""
+    why = "a busy machine, not a changed pipeline"
+    if probed:
+        why = f"and the defaults' loop found loading and the step as when tuned: {why}"
     return (
         f"reused unconfirmed: its check found {check.moved()} ({check.now:,.0f} "
-        f"samples/s, {check.then:,.0f} then), but {_taken(free, needed)}, and the "
-        "defaults' loop found loading and the step as when tuned: a busy machine, not a "
-        "changed pipeline"
+        f"samples/s, {check.then:,.0f} then), but {_taken(free, needed)}, {why}"
     )
 
 
@@ -447,11 +454,12 @@ class _CpuUse:
     """CPU time used by other processes than this one and its children, from here to
     :meth:`free`, read from the machine's and this process's counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: Callable[[], Iterable[int]] = tuple) -> None:
         self.usable = usable_cpus()  # its affinity, capped by the cgroup's quota
+        self.workers = workers  # the loop's worker processes, their CPU time its own
         self.started = time.perf_counter()
         self.machine = _busy_seconds()
-        self.own = _own_seconds()
+        self.own = _own_seconds(workers())
 
     def free(self) -> float:
         """CPUs no other process used since this was made, on average (never below 0)."""
@@ -459,7 +467,7 @@ class _CpuUse:
         if wall <= 0:
             return float(self.usable)
         machine = _busy_seconds() - self.machine
-        own = _own_seconds() - self.own
+        own = _own_seconds(self.workers()) - self.own
         others = max(0.0, machine - own) / wall
         total = float(psutil.cpu_count() or self.usable)
         return max(0.0, min(float(self.usable), total - others))
@@ -468,6 +476,13 @@ class _CpuUse:
 def _free_enough(free: float, needed: float) -> bool:
     """Whether ``free`` CPUs leave the ``needed`` ones free, but for ``_CPU_SLACK``."""
     return free >= needed - _CPU_SLACK
+
+
+def _explains(free: float, needed: float, check: ReuseCheck) -> bool:
+    """Whether others holding all but ``free`` (``_CPU_SLACK`` at least) of the ``needed``
+    CPUs account for ``check``'s rate: slower than when tuned, by needed / free at most."""
+    taken = not _free_enough(free, needed)
+    return taken and check.now * needed >= check.then * max(free, _CPU_SLACK)
 
 
 def _taken(free: float, needed: float) -> str:
@@ -484,10 +499,17 @@ def _busy_seconds() -> float:
     return float(sum(times) - idle)
 
 
-def _own_seconds() -> float:
-    """CPU seconds of this process and its reaped children."""
+def _own_seconds(workers: Iterable[int]) -> float:
+    """CPU seconds of this process, its reaped children, and the loop's live ``workers``."""
     times = psutil.Process().cpu_times()
-    return float(times.user + times.system + times.children_user + times.children_system)
+    total = times.user + times.system + times.children_user + times.children_system
+    for pid in workers:
+        try:
+            running = psutil.Process(pid).cpu_times()
+        except psutil.Error:  # ended meanwhile: its time is in children_* once reaped
+            continue
+        total += running.user + running.system
+    return float(total)
 
 
 def _told(check: ReuseCheck, path: Path, *, who: str) -> bool:
@@ -506,65 +528,3 @@ def _told(check: ReuseCheck, path: Path, *, who: str) -> bool:
         check.then,
     )
     return False
-
-
-# AutoLoader: epochs whose first trial may end too soon for a rate (fewer batches than
-# the warm-up) before the reused setting is left unchecked.
-_EPOCHS = 3
-
-
-class FirstBatchesCheck:
-    """``AutoLoader``'s check of a setting reused from ``path``: the first batches the
-    training loads with it, timed (``NOTE [ A reused setting checked ]``). Its
-    :meth:`on_window` is their trial's: it ends the trial once the wait for data is
-    clearly beyond its band; :meth:`verdict` says, as the trial ends, whether the
-    setting holds.
-    """
-
-    def __init__(self, result: TuneResult, saved: TrialRecord, path: Path) -> None:
-        self.result = result
-        self.saved = saved
-        self.path = path
-        self.check: ReuseCheck | None = None
-        self.epochs = 0
-
-    def on_window(self, window: int, measured: Measurement) -> bool:
-        """At each timing window of the first batches: whether to end their trial, the
-        setting to be tuned again."""
-        if self.check is None and decided(self.saved, window, measured):
-            self.check = compared(self.saved, measured, seconds=measured.duration)
-        return self.check is not None and not self.check.holds
-
-    def verdict(self, measured: Measurement) -> bool | None:
-        """As the trial of the first batches ends: whether the setting holds (``None``:
-        not known yet, the next epoch's first batches are timed too), said in the log."""
-        if self.check is None:
-            self.epochs += 1
-            if measured.batches == 0 or not measured.samples_per_second > 0:
-                if self.epochs < _EPOCHS:
-                    return None
-                _logger.info(
-                    "AutoLoader: reusing %s unchecked: its epochs were too short to time",
-                    self.path,
-                )
-                return True
-            self.check = compared(self.saved, measured, seconds=measured.duration)
-        return _told(self.check, self.path, who="AutoLoader: ")
-
-    def noted(self) -> TuneResult:
-        """The result reused, its notes saying what the check measured."""
-        if self.check is None:
-            return self.result
-        return dataclasses.replace(self.result, notes=(*self.result.notes, self.check.note()))
-
-
-def first_batches_check(result: TuneResult, path: Path) -> FirstBatchesCheck | None:
-    """The check of ``result``'s setting, reused from ``path`` by an ``AutoLoader``;
-    ``None`` where the result keeps no measurement of it to compare with."""
-    saved = saved_trial(result)
-    if saved is None:
-        _logger.info(
-            "AutoLoader: reusing %s unchecked: it keeps no measurement of its setting", path
-        )
-        return None
-    return FirstBatchesCheck(result, saved, path)
