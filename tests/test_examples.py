@@ -57,6 +57,9 @@ def test_image_pipeline_then_training_with_its_result(tmp_path: Path) -> None:
     assert trained.count("256 of 256 samples") == 2, trained  # every epoch, every sample
 
 
+# Beside two CPU-bound neighbours its MLP's step (two torch threads) took 88 ms a batch,
+# the baseline was bound by its step, and nothing was searched: a light one at most.
+@pytest.mark.calm
 def test_tensor_dataset_fetches_whole_batches(tmp_path: Path) -> None:
     """Its promise: a vectorised index of the whole batch beats any worker count (about
     10x DataLoader's per-item reads here)."""
