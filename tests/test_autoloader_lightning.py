@@ -104,6 +104,8 @@ def _distributed_order(length: int, rank: int, epoch: int) -> list[int]:
     return list(sampler)
 
 
+# Beside a busy loop and two other tests its AutoLoader chose no workers.
+@pytest.mark.calm
 def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
     tmp_path: Path,
 ) -> None:
