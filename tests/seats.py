@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 
 # Tests side by side (the full suite runs under pytest-xdist, `-n 4`). The workers share
-# four seats: a test takes two, so that no more than two run at once (the two cores
-# here); a test marked `light` (it mostly waits: on sleeps, a subprocess's deadline, a
-# hang's timeout) takes one; a test marked `calm` (its verdict needs a trial's workers to
-# start and deliver within a short budget) takes three, and runs beside a light one at
-# most; a test marked `alone` (it measures the machine, or holds a deadline that another
-# test's processes on the same cores could break) takes all four, and runs with no other
-# test beside it. Six seats, three ordinary tests at once, took 713 s where four took
-# 860 s, but beside a busy loop (as CI's pace is) two tests failed in each of two runs,
-# two others each time (docs/development/checks.md). The `alone` tests are collected
-# first, together, and one followed by another on the same worker keeps its seats: the
-# others wait once for the run of them, not once for each; while one waits for its
-# seats it holds a gate that the others pass to take theirs, so none comes in first.
+# six seats: a test takes two, so that no more than three run at once on the two cores
+# here (two at once left a third of a core idle on average: most tests wait on their
+# trials' workers part of the time); a test marked `light` (it mostly waits: on sleeps,
+# a subprocess's deadline, a hang's timeout) takes one; a test marked `calm` (its verdict
+# needs a trial's workers to start and deliver within a short budget) takes all but one,
+# and runs beside a light one at most; a test marked `alone` (it measures the machine, or
+# holds a deadline that another test's processes on the same cores could break) takes
+# all six, and runs with no other test beside it. Beside a busy loop (CI's pace) six
+# seats took 825 s where four took 968 s (docs/development/checks.md). The `alone`
+# tests are collected first, together, and one followed by another on the same worker
+# keeps its seats: the others wait once for the run of them, not once for each; while
+# one waits for its seats it holds a gate that the others pass to take theirs, so none
+# comes in first.
 # Seats are taken before pytest-timeout's clock starts: the wait is not the test's time.
 # The files are in the run's temporary directory, which every worker shares.
 SEATS = 6
