@@ -22,6 +22,7 @@ from autoloader.measure._memory import (
     tree_memory,
 )
 from autoloader.measure._units import format_bytes, parse_bytes
+from tests.workloads import ended
 
 
 @pytest.mark.parametrize(
@@ -229,18 +230,6 @@ def _map_elsewhere(path: Path, size: int, ready: Path, stop: Path) -> int:
     return int(started.stdout)
 
 
-def _ended(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="reads Linux's PSS")
 def test_other_processes_mapping_the_trees_files_do_not_hide_its_growth(tmp_path: Path) -> None:
@@ -273,5 +262,5 @@ def test_other_processes_mapping_the_trees_files_do_not_hide_its_growth(tmp_path
     finally:
         stop.touch()
         view.close()
-        assert pid is None or _ended(pid, within=10.0)
+        assert pid is None or ended(pid, within=10.0)
     assert grown is not None and grown.projected is not None

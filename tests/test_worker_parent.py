@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.workloads import ended
+
 _ROOT = Path(__file__).resolve().parents[1]
 
 # The process stands in for a torchrun rank: its loader's one worker writes its pid to
@@ -73,25 +75,12 @@ def test_a_worker_whose_process_is_killed_as_it_starts_exits(tmp_path: Path, whe
         process.wait()
         # Its worker sleeps 2 s more where it was held; torch's watchdog, had it read
         # init's pid as its parent's, would wait on for ever.
-        assert _ended(worker, within=10), f"worker {worker} still runs, its parent gone"
+        assert ended(worker, within=10), f"worker {worker} still runs, its parent gone"
     finally:
         process.kill()
         process.wait()
         if worker and psutil.pid_exists(worker):
             os.kill(worker, signal.SIGKILL)
-
-
-def _ended(pid: int, *, within: float) -> bool:
-    """Whether process ``pid`` is gone, or a zombie, within ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 _FORKED = """

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from threadpoolctl import threadpool_info
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -565,3 +566,16 @@ class StartMarkedDataset(SleepDataset):
         if self.latency:
             time.sleep(self.latency)
         return torch.tensor([index, get_worker_info() is not None, PARENT_MARK])
+
+
+def ended(pid: int, *, within: float) -> bool:
+    """Whether process ``pid`` is gone, or a zombie, within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
