@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -122,7 +123,9 @@ class Loaders:
             on_batch=None if drift is None else drift.batch,
         )
         if check is not None:
-            check.begin(trial.guard.worker_pids)
+            # Weakly, as the memory watch (Guard): the check holds no trial's iterator.
+            pids = weakref.WeakMethod(trial.guard.worker_pids)
+            check.begin(lambda: (pids() or tuple)())
         return trial
 
     # NOTE [ The last trial's workers kept ]
