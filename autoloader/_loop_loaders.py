@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -123,9 +122,7 @@ class Loaders:
             on_batch=None if drift is None else drift.batch,
         )
         if check is not None:
-            # Weakly, as the memory watch (Guard): the check holds no trial's iterator.
-            pids = weakref.WeakMethod(trial.guard.worker_pids)
-            check.begin(lambda: (pids() or tuple)())
+            check.begin(trial.guard.weak_worker_pids())
         return trial
 
     # NOTE [ The last trial's workers kept ]

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -196,10 +196,14 @@ class Guard:
     discard: bool = False
 
     def __post_init__(self) -> None:
-        # Weakly: the guard holds the trial's iterator, whose workers' pipes and shared
-        # memory are freed as soon as the trial lets go of it, not at the next collection.
+        self.watch.workers = self.weak_worker_pids()
+
+    def weak_worker_pids(self) -> Callable[[], Collection[int]]:
+        """:meth:`worker_pids`, read through a weak reference to this guard: it holds the
+        trial's iterator, whose workers' pipes and shared memory are freed as soon as the
+        trial lets go of it, not at the next collection; after that, no pids."""
         pids = weakref.WeakMethod(self.worker_pids)
-        self.watch.workers = lambda: (pids() or tuple)()
+        return lambda: (pids() or tuple)()
 
     def workers(self) -> list[BaseProcess]:
         """The worker processes the trial's loader started: its iterator's and, for a
