@@ -324,15 +324,19 @@ class MemoryWatch:
     # NOTE [ Growth of the tree's own memory ]
     # The growth rate is read from the memory the tree allocated itself (anonymous pages
     # and shared memory: PSS less its file pages; between exact readings, RSS less its
-    # file and shared pages), not from the whole PSS. A file page's PSS is divided among
-    # every process mapping it, the tree's or not: when four processes elsewhere on the
+    # file pages), not from the whole PSS. A file page's PSS is divided among every
+    # process mapping it, the tree's or not: when four processes elsewhere on the
     # machine imported torch, this process's PSS fell 57 MB within 1.5 s (libtorch's
     # pages re-divided), and rose again as they ended. Read as growth, such a step hid a
     # 30 MB/s leak (a torchrun rank's trial then reported its peer's hang instead of its
     # own memory fault, where other jobs on the machine started), or could make a tree
     # that does not grow look as if it did. File pages are the page cache's to reclaim,
     # too: a dataset read through a memory map grows them without a fault to project.
-    # The budget itself still counts the whole PSS.
+    # The file pages between readings come from /proc/<pid>/status, not from statm
+    # (``memory_info()``), whose "shared" counts shared memory with them: the tree's
+    # /dev/shm batches and MAP_SHARED maps then grew only at the exact readings, steps a
+    # half of the window could miss, and a 128 MiB/s leak passed the budget without a
+    # projection beside other tests. The budget itself still counts the whole PSS.
     _GROWTH_WINDOW = 2.0
     _MIN_GROWTH_SPAN = 1.0
     _CONFIRMATIONS = 3
@@ -542,17 +546,45 @@ def _descendants(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
 
 
 def _rss_sums(processes: Iterable[psutil.Process]) -> tuple[int, int]:
-    """The RSS of ``processes``, and its part not in file pages (where the platform
-    tells them apart: Linux; elsewhere, all of it)."""
+    """The RSS of ``processes``, and its part not in file pages: anonymous and shared
+    memory (``NOTE [ Growth of the tree's own memory ]``). Where the platform does not
+    tell them apart (not Linux), all of it."""
     total = own = 0
     for process in processes:
-        try:
-            info = process.memory_info()
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        total += int(info.rss)
-        own += int(info.rss) - int(getattr(info, "shared", 0))
+        sizes = _status_rss(process.pid)
+        if sizes is None:
+            try:
+                info = process.memory_info()
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            sizes = int(info.rss), 0
+        rss, in_files = sizes
+        total, own = total + rss, own + rss - in_files
     return total, own
+
+
+def _status_rss(pid: int) -> tuple[int, int] | None:
+    """RSS and its file pages from /proc/<pid>/status (Linux): ``(0, 0)`` for a process
+    that has ended or holds no memory (a zombie), ``None`` where it cannot be read.
+    ``statm``'s "shared", which ``memory_info()`` reads, counts shared memory with the
+    file pages: a tree's own ``/dev/shm`` batches and ``MAP_SHARED`` maps."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            text = status.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return (0, 0) if os.path.exists("/proc/self/status") else None
+    except OSError:
+        return None
+    rss = in_files = None
+    for line in text.splitlines():
+        if line.startswith(b"VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+        elif line.startswith(b"RssFile:"):
+            in_files = int(line.split()[1]) * 1024
+            break
+    if rss is None:
+        return (0, 0) if b"State:\tZ" in text or b"State:\tX" in text else None
+    return rss, in_files or 0
 
 
 def kill(pids: Iterable[int]) -> None:
