@@ -23,15 +23,18 @@ import pytest
 # holds a deadline that another test's processes on the same cores could break) takes
 # all six, and runs with no other test beside it. Beside a busy loop (CI's pace) six
 # seats took 825 s where four took 968 s (docs/development/checks.md). The `alone`
-# tests are collected first, together, and one followed by another on the same worker
-# keeps its seats: the others wait once for the run of them, not once for each; while
-# one waits for its seats it holds a gate that the others pass to take theirs, so none
-# comes in first.
+# tests are collected first, together, then the `calm` ones, and one followed by
+# another on the same worker keeps its seats: the others wait once for the run of them,
+# not once for each. While an `alone` or a `calm` test waits for its seats it holds a
+# gate that the others pass to take theirs, so none comes in first: taking seats as
+# they came free, `calm` tests waited up to 273 s while the others took turns, two of
+# the four workers idle for the last third of a run.
 # Seats are taken before pytest-timeout's clock starts: the wait is not the test's time.
 # The files are in the run's temporary directory, which every worker shares.
 SEATS = 6
 _NEEDED = {"alone": SEATS, "calm": SEATS - 1, "light": 1}  # `alone` first: it wins over the others
 _ORDINARY = 2
+_GATED = SEATS - 1  # tests needing this many seats or more wait for them at the gate
 
 
 class _Seats:
@@ -59,8 +62,8 @@ class _Seats:
         while True:
             fcntl.flock(self.gate, fcntl.LOCK_EX)
             try:
-                while not self._try(count) and count == SEATS:
-                    time.sleep(0.02)  # an `alone` test waits at the gate
+                while not self._try(count) and count >= _GATED:
+                    time.sleep(0.02)  # an `alone` or `calm` test waits at the gate
                 if self.held:
                     return
             finally:
@@ -82,8 +85,11 @@ class _Seats:
         return False
 
     def leave(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        if not (_is_alone(item) and _is_alone(nextitem)):
+        if nextitem is None or self.needed(nextitem) < _GATED:
             self.give_back()
+        else:  # `alone` or `calm` next: keep what it needs (take() waits for the rest)
+            while len(self.held) > self.needed(nextitem):
+                fcntl.flock(self.held.pop(), fcntl.LOCK_UN)
 
     def give_back(self) -> None:
         for seat in self.held:
@@ -95,8 +101,12 @@ class _Seats:
             os.close(fd)
 
 
-def _is_alone(item: pytest.Item | None) -> bool:
-    return item is not None and item.get_closest_marker("alone") is not None
+def _is_alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("alone") is not None
+
+
+def _is_calm(item: pytest.Item) -> bool:
+    return item.get_closest_marker("calm") is not None
 
 
 def _is_late(item: pytest.Item) -> bool:
@@ -120,13 +130,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the `alone` tests first and the `late` ones last, each in
-    their order. A `late` test imports Lightning, which stays in its worker: every
-    DataLoader worker forked there after it costs twice the CPU (``tests/lazy.py``), and
-    the workers take the collection's last tests last (``--dist worksteal`` hands each a
-    slice of it in order, and the idle ones take from the end of the others')."""
+    """Under pytest-xdist, the `alone` tests first, then the `calm` ones, and the
+    `late` ones last (their `calm` ones first), each in their order. A `late` test
+    imports Lightning, which stays in its worker: every DataLoader worker forked there
+    after it costs twice the CPU (``tests/lazy.py``), and the workers take the
+    collection's last tests last (``--dist worksteal`` hands each a slice of it in
+    order, and the idle ones take from the end of the others'). Where the tests that
+    need nearly every seat are last, the run ends with one of them at a time."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: (not _is_alone(item), _is_late(item)))  # stable
+        items.sort(key=lambda item: (not _is_alone(item), _is_late(item), not _is_calm(item)))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's

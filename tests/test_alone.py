@@ -104,3 +104,7 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     # the other with their seats kept, no other test let in between.
     gap = (spans["alone0"][1], spans["alone1"][0])
     assert not any(gap[0] < start < gap[1] for start, _ in spans.values()), spans
+    # The calm ones next, each waiting for its seats at the gate: taking seats as they
+    # came free, they waited while the other workers took turns, to the end of the run.
+    last_shared = max(spans[f"shared{n}"][0] for n in range(6))
+    assert all(spans[f"calm{n}"][0] < last_shared for n in range(3)), spans
