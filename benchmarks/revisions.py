@@ -169,7 +169,7 @@ def _child(args: argparse.Namespace) -> None:
         from workloads import WORKLOADS
 
         try:
-            from autoloader.measure._memory import tree_memory
+            from autoloader.measure._process_memory import tree_memory
         except ImportError:  # before the package's layout (commit dc97fa4)
             from autoloader._memory import tree_memory  # type: ignore[no-redef]
 

@@ -50,7 +50,8 @@ from autoloader.loader._params import BASELINE_PARAMS, normalize_params
 from autoloader.measure._deadlines import Deadlines
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.search._known_failures import params_key

@@ -38,7 +38,8 @@ import torch
 
 from autoloader.loader._factory import build_loader, merge_loader_kwargs
 from autoloader.loader._params import BASELINE_PARAMS, normalize_params
-from autoloader.measure._memory import MemoryWatch, tree_memory
+from autoloader.measure._memory import MemoryWatch
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._units import format_bytes
 from autoloader.search._known_failures import params_key

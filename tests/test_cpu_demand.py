@@ -17,7 +17,7 @@ import pytest
 from autoloader.loader._params import normalize_params
 from autoloader.measure import _cpu_demand
 from autoloader.measure._cpu_demand import CpuDemand
-from autoloader.measure._memory import tree_memory
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 
 from .workloads import SleepDataset

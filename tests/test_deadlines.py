@@ -20,7 +20,7 @@ import autoloader
 from autoloader.loader._params import normalize_params
 from autoloader.measure._deadlines import Deadlines, TrialTimeout, time_limit
 from autoloader.measure._errors import TrialError
-from autoloader.measure._memory import tree_memory
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 
 # Seconds tune(time_budget=5) may take to fail on a dataset that blocks forever: the

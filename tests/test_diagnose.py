@@ -72,7 +72,7 @@ def test_a_loop_bound_by_its_step_is_step_bound_and_the_loader_still_works() -> 
 
 @pytest.mark.alone
 def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
-    from autoloader.measure._memory import tree_memory
+    from autoloader.measure._process_memory import tree_memory
 
     loader = DataLoader(MemoryHogDataset(hog_bytes=400 << 20), batch_size=4, num_workers=2)
     budget = tree_memory() + (300 << 20)
@@ -85,7 +85,7 @@ def test_a_tree_over_the_memory_budget_is_memory_bound() -> None:
 @pytest.mark.alone
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_workers_that_will_copy_the_dataset_past_the_budget_are_memory_bound() -> None:
-    from autoloader.measure._memory import tree_memory
+    from autoloader.measure._process_memory import tree_memory
 
     # 60,000 dicts: each forked worker copies ~120 MiB of them over an epoch, while a
     # short run barely grows the tree.

@@ -15,7 +15,7 @@ from autoloader import AllSettingsFailedError, SearchSpace
 from autoloader.loader._params import normalize_params
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
-from autoloader.measure._memory import tree_memory
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from autoloader.search._outcome import state_of

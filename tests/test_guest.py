@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 import autoloader
 from autoloader import AutoLoader
 from autoloader.loader._torch_compat import shutdown_workers
-from autoloader.measure._memory import MemoryWatch, tree_memory
+from autoloader.measure._memory import MemoryWatch
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._supervision import WorkerDeaths
 from tests.workloads import SleepDataset
 
@@ -352,7 +353,7 @@ def test_the_interpreter_exit_with_an_epoch_under_way_leaves_nothing(tmp_path: P
             sys.path.insert(0, {str(_ROOT)!r})
             import psutil
             from autoloader import AutoLoader
-            from autoloader.measure._memory import tree_memory
+            from autoloader.measure._process_memory import tree_memory
             from tests.workloads import SleepDataset
 
             loader = AutoLoader(

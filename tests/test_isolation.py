@@ -19,7 +19,8 @@ from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError, TrialProcessDied, exception_chain
 from autoloader.measure._isolation import SubprocessRunner
 from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded, process_memory, tree_memory
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._process_memory import process_memory, tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from autoloader.search._outcome import state_of

@@ -37,7 +37,8 @@ from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
 from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
 from tests.workloads import FailingDataset, LeakingDataset, SleepDataset

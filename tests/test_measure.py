@@ -22,7 +22,8 @@ from autoloader.loader._torch_compat import awaited_batch
 from autoloader.measure._deadlines import Deadlines, SiblingPace, TrialTimeout
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement
-from autoloader.measure._memory import MemoryBudgetExceeded, is_oom_error, tree_memory
+from autoloader.measure._memory import MemoryBudgetExceeded, is_oom_error
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.measure._timing_loop import Epochs
 
@@ -506,7 +507,7 @@ _STARTS_THE_TRACKER = """
 import multiprocessing, psutil
 from multiprocessing import resource_tracker
 from autoloader.measure._runner import TrialRunner
-from autoloader.measure._memory import tree_memory
+from autoloader.measure._process_memory import tree_memory
 from autoloader.loader._params import normalize_params
 from tests.workloads import SleepDataset, noop_step
 

@@ -17,10 +17,9 @@ from autoloader.measure._memory import (
     MemoryWatch,
     available_memory,
     is_oom_error,
-    process_memory_parts,
     total_memory,
-    tree_memory,
 )
+from autoloader.measure._process_memory import process_memory_parts, tree_memory
 from autoloader.measure._units import format_bytes, parse_bytes
 from tests.workloads import ended
 

@@ -20,7 +20,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 import autoloader
 from autoloader.loader._params import normalize_params
 from autoloader.measure._errors import TrialError
-from autoloader.measure._memory import tree_memory
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.results._report import advise
 from benchmarks.pipelines import NAMES, SMALL, Pipeline, build, epoch_ids

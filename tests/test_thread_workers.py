@@ -23,7 +23,8 @@ from autoloader.checks._facts import Checks
 from autoloader.loader._params import normalize_params
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
-from autoloader.measure._memory import MemoryBudgetExceeded, tree_memory
+from autoloader.measure._memory import MemoryBudgetExceeded
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from tests.workloads import (
     AugmentedDataset,

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import autoloader
 from autoloader import BaselineError, InvalidInputError, SearchSpace, UnpicklableError
 from autoloader.loader._params import BASELINE_PARAMS
-from autoloader.measure._memory import tree_memory
+from autoloader.measure._process_memory import tree_memory
 from autoloader.search._choice import TIE_TOLERANCE
 
 from .workloads import (

@@ -44,9 +44,9 @@ from autoloader.measure._memory import (
     is_oom_error,
     resolve_memory_budget,
     total_memory,
-    tree_memory,
 )
 from autoloader.measure._pickling import _dumps, describe_unpicklable
+from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import Runner, TrialRunner
 from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 

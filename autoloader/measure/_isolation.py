@@ -33,8 +33,9 @@ from autoloader.loader import default_start_method
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError, TrialProcessDied, portable_chain, restore_chain
 from autoloader.measure._measurement import Measurement, WindowCallback
-from autoloader.measure._memory import MemoryBudgetExceeded, process_memory
+from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._pickling import describe_unpicklable
+from autoloader.measure._process_memory import process_memory
 from autoloader.measure._runner import TrialRunner
 
 # Seconds a new trial process may take to import torch and load the dataset (about 2 s
