@@ -2,6 +2,8 @@
 
 import inspect
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -16,12 +18,13 @@ import autoloader
 def test_all_is_every_public_name_of_the_package() -> None:
     """``__all__`` lists every public name the package defines, and nothing else:
     a name added to ``__init__`` without ``__all__`` (or the reverse) fails here.
-    Subpackages (``autoloader.search``) are reached by their path, not exported."""
+    Subpackages (``autoloader.search``) are reached by their path, not exported. The
+    names imported on demand (NOTE [ A package imported on demand ]) count as well."""
     public = {
         name
-        for name, value in vars(autoloader).items()
+        for name in dir(autoloader)
         if (not name.startswith("_") or name == "__version__")
-        and not isinstance(value, types.ModuleType)
+        and not isinstance(getattr(autoloader, name), types.ModuleType)
     }
     assert sorted(autoloader.__all__) == sorted(public)
     assert list(autoloader.__all__) == sorted(autoloader.__all__)
@@ -97,3 +100,20 @@ def test_the_version_is_kept_in_one_place() -> None:
     assert 'name = "torch-autoloader"' in pyproject
     assert 'dynamic = ["version"]' in pyproject
     assert version("torch-autoloader") == autoloader.__version__
+
+
+def test_importing_the_package_imports_a_part_when_it_is_asked_for() -> None:
+    """``import autoloader`` imports torch's DataLoader and no search: a spawned worker
+    that unpickles autoloader's worker code pays for the loader alone (NOTE [ A package
+    imported on demand ]); a public name brings its part when first asked for."""
+    code = (
+        "import sys, autoloader, autoloader.loader\n"
+        "print('optuna' in sys.modules, 'autoloader.results' in sys.modules)\n"
+        "autoloader.tune\n"
+        "print('optuna' in sys.modules, autoloader.TuneResult.__module__)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["False", "False", "True", "autoloader.results._result"]
+    with pytest.raises(AttributeError, match="has no attribute 'tuner'"):
+        autoloader.tuner  # noqa: B018
