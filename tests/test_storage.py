@@ -31,7 +31,14 @@ from .workloads import SleepDataset, sleep_step
 pytestmark = pytest.mark.slow  # studies shared by processes
 
 ROOT = Path(__file__).resolve().parents[1]
-SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
+# Thread workers fixed out: a study is named by the space the checks leave (NOTE [ A study
+# named by what stays ]), and the threads check, 0.2 s of an 8 s budget's checks, when
+# cut short fixes them out and names another study. In a full run beside a busy loop
+# the second run of test_a_second_run_on_a_study_in_use_is_refused_naming_the_first
+# was not refused: the likely cause (not shown; six busy loops did not reproduce it).
+SPACE = SearchSpace(
+    num_workers=(0, 2), prefetch_factor=2, persistent_workers=True, worker_kind="processes"
+)
 FAST = SearchSpace(num_workers=(0, 0))  # two short trials: where only the storage matters
 
 # The first run: long enough to be still tuning when the second one starts.
