@@ -133,21 +133,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist, the `alone` tests first, then the `calm` ones, and the
-    `late` ones last (their `calm` ones first), the `slow` ones before the others in
-    each group (`_later`), each in their order. A `late` test
+    `late` ones last (their `calm` ones first), each in their order. A `late` test
     imports Lightning, which stays in its worker: every DataLoader worker forked there
     after it costs twice the CPU (``tests/lazy.py``), and the workers take the
     collection's last tests last (``--dist worksteal`` hands each a slice of it in
     order, and the idle ones take from the end of the others'). Where the tests that
     need nearly every seat are last, the run ends with one of them at a time."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: (not _is_alone(item), _is_late(item), *_later(item)))
-
-
-def _later(item: pytest.Item) -> tuple[bool, bool]:
-    """Within a group, `calm` tests first, then the `slow` ones: the run ends with
-    short tests on every worker, not with one long test on one."""
-    return not _is_calm(item), item.get_closest_marker("slow") is None
+        items.sort(key=lambda item: (not _is_alone(item), _is_late(item), not _is_calm(item)))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's

@@ -102,7 +102,9 @@ def test_a_model_trains_after_tune_exactly_as_without_it() -> None:
         show_progress=False,
         restore=[tuned.model, tuned.optimizer, tuned.scheduler],
     )
-    assert tuned.steps > 40, "tuning ran the step: the restore has something to undo"
+    # Any step counts: beside a busy loop and three tests the 4 s tune ran 34 (it asked
+    # for more than 40, which timed the machine, not the restore).
+    assert tuned.steps > 0, "tuning ran the step: the restore has something to undo"
     assert result.trials
     tuned.train(dataset, 40)
 
