@@ -633,6 +633,7 @@ def test_a_reused_setting_checked_slower_only_beside_other_processes_is_kept_wit
             assert warnings and warnings[0].startswith(f"AutoLoader: not reusing {path}: ")
 
 
+@pytest.mark.calm  # reads a busy child's CPU time: beside the suite and a busy loop, short once
 def test_the_cpu_time_of_the_loops_own_workers_is_not_others() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

@@ -388,6 +388,7 @@ class _SlowerBeside(_Seen):
         )
 
 
+@pytest.mark.calm  # reads other processes' CPU time: beside the suite and a busy loop, short once
 @pytest.mark.parametrize(
     ("free", "reused"),
     [
