@@ -5,6 +5,7 @@ of the node, and what a result records of the job."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -289,6 +290,9 @@ def test_a_rank_whose_tree_outgrows_its_budget_reports_that_where_another_hung(
     # own watch did not stop it. The job's outcome prefers the memory fault to the hang
     # (NOTE [ Memory growth against the hang deadline ]); any other failure of another
     # rank stops this one as before.
+    # An earlier test's leak, garbage not yet collected, freed during this trial would
+    # read as the tree shrinking: no growth (it failed so after the case before it).
+    gc.collect()
     dataset = LeakingDataset(64 << 10, in_workers_only=False)
     budget = tree_memory(psutil.Process()) + (300 << 20)
     runner = TrialRunner(
