@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -113,7 +114,7 @@ class RunSession:
         self.space_notes: list[SpaceNote] = []
         self.facts: dict[str, Any] = {}
         self._space: SearchSpace | None = None
-        self._named: SearchSpace | None = None  # the space that names the study
+        self._named: list[SearchSpace] | None = None  # the spaces that may name the study
         self._driver: Driver | None = None
         # Where the study is AutoLoader's own, kept beside its path: the search goes on in
         # memory if another run holds it (NOTE [ An unfinished search kept ]).
@@ -155,8 +156,15 @@ class RunSession:
             threads_problem=threads_problem,
         )
         space, notes = resolve(startup=_startup(problem, facts))
-        # The space that names the study (NOTE [ A study named by what stays ]).
-        self._named = resolve(startup=None)[0]
+        # The spaces that may name the study (NOTE [ A study named by what stays ]).
+        self._named = _named_spaces(
+            resolve,
+            {"batched_fetch_problem": batched_fetch_problem, "threads_problem": threads_problem},
+            unfinished={
+                "batched_fetch_problem": "batched_fetch" in checks.missing,
+                "threads_problem": "threads" in checks.missing,
+            },
+        )
         for name, why in facts["missing"].items():
             _logger.warning("not checked before the search, %s: %s", name, why)
         self._space, self.space_notes, self.facts = space, notes, facts
@@ -456,12 +464,43 @@ def _startup(problem: Problem, facts: dict[str, Any]) -> Startup | None:
 # its baseline again instead of going on with the first's search. So the study is named
 # by the space without that cap, an integer range Optuna lets vary, and the search
 # keeps to the capped one; the earlier run's trials, measured, count as they were.
-def _study(problem: Problem, space: SearchSpace) -> optuna.Study:
-    """The study of this problem: an earlier run's, where the storage holds one. Named
-    by ``space`` (``NOTE [ A study named by what stays ]``)."""
-    return optuna.create_study(
-        storage=problem.storage,
-        study_name=study_name(
+# A check that did not finish in its share of the checks' time (the threads check has
+# 0.2 s of a 4 s budget's, 1.2 s of a 60 s one's: 24 reads of a remote item), or
+# failed, takes its choice away from the run, as one that found the choice wrong for
+# the dataset does; but it decided nothing, and the run's space is not the one an
+# earlier run whose check finished named its study by. (So named, a second run on a
+# study in use, beside a busy loop, was not refused once: most likely its threads check
+# was cut short, and it tuned a study of its own.) Such a run goes on with the study the
+# storage holds under any space the check could have left: as if it had passed, or
+# found the choice wrong; a new study is named by the space the run searches. Its one
+# choice left is not drawn (SearchSpace.suggest): Optuna refuses a categorical
+# parameter whose choices change within a study. The earlier run's trials count as
+# they were, its thread workers' among them: its check had passed.
+def _named_spaces(
+    resolve: Callable[..., tuple[SearchSpace, list[Any]]],
+    problems: Mapping[str, str | None],
+    *,
+    unfinished: Mapping[str, bool],
+) -> list[SearchSpace]:
+    """The spaces that may name the study (``NOTE [ A study named by what stays ]``):
+    the one the checks leave, without the start-up cap, then those that the checks
+    which did not finish could have left had they passed."""
+    open_checks = [name for name, problem in problems.items() if problem and unfinished[name]]
+    spaces: list[SearchSpace] = []
+    for passed in itertools.product((False, True), repeat=len(open_checks)):
+        verdicts = {**problems, **{n: None for n, p in zip(open_checks, passed, strict=True) if p}}
+        space = resolve(startup=None, **verdicts)[0]
+        if space not in spaces:
+            spaces.append(space)
+    return spaces
+
+
+def _study(problem: Problem, spaces: list[SearchSpace]) -> optuna.Study:
+    """The study of this problem: an earlier run's, where the storage holds one named by
+    one of ``spaces``; a new one named by the first (``NOTE [ A study named by what
+    stays ]``)."""
+    names = [
+        study_name(
             problem.dataset,
             problem.step_fn,
             length=problem.dataset_length,
@@ -472,7 +511,16 @@ def _study(problem: Problem, space: SearchSpace) -> optuna.Study:
             fixed_loader_kwargs=problem.fixed,
             environment=problem.environment,
             device=problem.device,
-        ),
+        )
+        for space in spaces
+    ]
+    name = names[0]
+    if len(names) > 1 and problem.storage is not None:
+        stored = set(optuna.get_all_study_names(problem.storage))
+        name = next((n for n in names if n in stored), name)
+    return optuna.create_study(
+        storage=problem.storage,
+        study_name=name,
         direction="maximize",
         sampler=optuna.samplers.TPESampler(seed=problem.seed),
         load_if_exists=True,

@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 
 import autoloader
 from autoloader import SearchSpace
-from autoloader.search._space import trial_params
 
 from .workloads import SleepDataset, sleep_step
 
@@ -145,11 +144,6 @@ def test_a_killed_run_resumes_from_its_storage(
     kept = [t for t in before if t.state == TrialState.COMPLETE]
     assert kept and all(after[t.number].state == TrialState.COMPLETE for t in kept)
     assert not [t for t in after if t.state == TrialState.WAITING]
-    for trial in after:
-        queued = trial.system_attrs.get("fixed_params")
-        if queued is not None and trial.state == TrialState.COMPLETE:
-            measured = trial_params(trial.user_attrs["params"])
-            assert queued == measured
 
 
 @pytest.mark.light  # mostly waits

@@ -8,7 +8,6 @@ import pytest
 from autoloader import InvalidInputError, SearchSpace
 from autoloader.loader._params import TUNED_KEYS, normalize_params
 from autoloader.search._setting_rules import SETTING_RULES
-from autoloader.search._space import trial_params
 
 
 def test_defaults_resolve_for_the_machine() -> None:
@@ -108,7 +107,7 @@ def test_ladder_doubles_across_the_range() -> None:
 
 def test_suggest_draws_worker_options_only_with_workers() -> None:
     space, _ = SearchSpace(num_workers=(0, 3)).resolve(
-        usable_cpus=2, has_accelerator=False, batches_per_epoch=None
+        usable_cpus=2, has_accelerator=True, batches_per_epoch=None, batched_fetch_problem=None
     )
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     seen = set()
@@ -190,7 +189,9 @@ def test_thread_settings_draw_no_process_options() -> None:
         params = space.suggest(trial)
         assert params["worker_kind"] == "threads"
         assert "persistent_workers" not in trial.params and "worker_threads" not in trial.params
-        assert trial_params(params) == trial.params | {"pin_memory": False, "batched_fetch": False}
+        # pin_memory and batched_fetch: one choice each here, not drawn.
+        assert space.drawn(params) == trial.params
+        assert {"pin_memory", "batched_fetch"}.isdisjoint(trial.params)
 
 
 def test_the_ladder_measures_the_guessed_thread_counts_after_the_process_guesses() -> None:
@@ -254,10 +255,10 @@ def test_queued_settings_name_what_suggest_draws() -> None:
     )
     study = optuna.create_study()
     for params in space.ladder(limit_threads=True):
-        study.enqueue_trial(trial_params(params))
+        study.enqueue_trial(space.drawn(params))
         trial = study.ask()
         assert space.suggest(trial) == params
-        assert trial.params == trial_params(params)
+        assert trial.params == space.drawn(params)
         study.tell(trial, 1.0)
 
 
@@ -301,4 +302,4 @@ def test_step_threads_left_alone_are_not_drawn() -> None:
         assert space.suggest(trial)["step_threads"] is None
         assert "step_threads" not in trial.params
         study.tell(trial, 1.0)
-    assert "step_threads" not in trial_params(normalize_params({"num_workers": 1}))
+    assert "step_threads" not in space.drawn(normalize_params({"num_workers": 1}))

@@ -25,20 +25,14 @@ from optuna.trial import TrialState
 
 import autoloader
 from autoloader import SearchSpace
+from autoloader.checks import _facts
 
 from .workloads import SleepDataset, sleep_step
 
 pytestmark = pytest.mark.slow  # studies shared by processes
 
 ROOT = Path(__file__).resolve().parents[1]
-# Thread workers fixed out: a study is named by the space the checks leave (NOTE [ A study
-# named by what stays ]), and the threads check, 0.2 s of an 8 s budget's checks, when
-# cut short fixes them out and names another study. In a full run beside a busy loop
-# the second run of test_a_second_run_on_a_study_in_use_is_refused_naming_the_first
-# was not refused: the likely cause (not shown; six busy loops did not reproduce it).
-SPACE = SearchSpace(
-    num_workers=(0, 2), prefetch_factor=2, persistent_workers=True, worker_kind="processes"
-)
+SPACE = SearchSpace(num_workers=(0, 2), prefetch_factor=2, persistent_workers=True)
 FAST = SearchSpace(num_workers=(0, 0))  # two short trials: where only the storage matters
 
 # The first run: long enough to be still tuning when the second one starts.
@@ -133,6 +127,45 @@ def test_a_second_run_on_a_study_in_use_is_refused_naming_the_first(
     assert not mine, "the refused run measured a trial"
     assert seconds < 60  # its checks, then the refusal: not a wait for the first run
     assert not _heartbeats()
+
+
+def test_a_check_cut_short_goes_on_with_the_study_of_the_run_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ A study named by what stays ]: a threads check that did not finish takes
+    thread workers away from its run, not the earlier run's study; the run goes on with
+    it, and draws no worker_kind (Optuna refuses a categorical whose choices change)."""
+    storage = str(tmp_path / "study.log")
+    dataset = SleepDataset(100_000)
+    kwargs: dict[str, Any] = {"batch_size": 4, "search_space": SPACE, "storage": storage}
+    first = autoloader.tune(dataset, sleep_step, time_budget=8, show_progress=False, **kwargs)
+    assert any(note.startswith("worker_kind searched") for note in first.notes), first.notes
+    for check in ("batched_fetch", "threads"):  # not started: no time for them
+        monkeypatch.setitem(_facts._SHARES, check, 0.0)
+    second = autoloader.tune(dataset, sleep_step, time_budget=8, show_progress=False, **kwargs)
+    assert any(
+        "worker_kind fixed to processes: its check was cut short" in note for note in second.notes
+    )
+    assert any(note.startswith("resumed from storage") for note in second.notes), second.notes
+    before = {r.number for r in first.trials}
+    assert before < {r.number for r in second.trials}
+    new = [r for r in second.trials if r.number not in before]
+    # Thread workers only where the first run measured them (its check passed): again in
+    # the runoff, not drawn.
+    threads = [r for r in new if r.params.get("worker_kind") == "threads"]
+    assert all(
+        r.phase == "runoff" and r.params in [t.params for t in first.trials] for r in threads
+    )
+    study = _study(storage)
+    assert study is not None
+    drawn = [t for t in study.trials if "worker_kind" in t.distributions]
+    # The first run's sampler drew worker_kind from two choices; the second's drew a
+    # setting with workers and left worker_kind, its one choice, undrawn.
+    assert drawn and all(len(t.distributions["worker_kind"].choices) == 2 for t in drawn)
+    assert any(
+        t.number not in before and "num_workers" in t.distributions and t.params["num_workers"] > 0
+        for t in study.trials
+    )
 
 
 TOGETHER = textwrap.dedent(

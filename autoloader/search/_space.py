@@ -248,29 +248,41 @@ class SearchSpace:
         )
 
     def suggest(self, trial: optuna.Trial) -> Params:
-        """Draw one setting from a resolved space; worker options only with workers."""
+        """Draw one setting from a resolved space; worker options only with workers, and
+        no option of one choice (see :func:`_choose`)."""
         choices = self._bounds()
         num_workers = trial.suggest_int("num_workers", *choices.num_workers)
         params: Params = {"num_workers": num_workers}
         if num_workers > 0:
-            kind = trial.suggest_categorical("worker_kind", choices.worker_kind)
+            kind = _choose(trial, "worker_kind", choices.worker_kind)
             params["worker_kind"] = kind
             params["prefetch_factor"] = trial.suggest_int(
                 "prefetch_factor", *choices.prefetch_factor
             )
             if kind == "processes":  # threads start in microseconds and share the pools
-                params["persistent_workers"] = trial.suggest_categorical(
-                    "persistent_workers", choices.persistent_workers
+                params["persistent_workers"] = _choose(
+                    trial, "persistent_workers", choices.persistent_workers
                 )
-                params["worker_threads"] = trial.suggest_categorical(
-                    "worker_threads", choices.worker_threads
-                )
-            params["in_order"] = trial.suggest_categorical("in_order", choices.in_order)
-        params["pin_memory"] = trial.suggest_categorical("pin_memory", choices.pin_memory)
-        params["batched_fetch"] = trial.suggest_categorical("batched_fetch", choices.batched_fetch)
+                params["worker_threads"] = _choose(trial, "worker_threads", choices.worker_threads)
+            params["in_order"] = _choose(trial, "in_order", choices.in_order)
+        params["pin_memory"] = _choose(trial, "pin_memory", choices.pin_memory)
+        params["batched_fetch"] = _choose(trial, "batched_fetch", choices.batched_fetch)
         if choices.step_threads is not None:
             params["step_threads"] = trial.suggest_int("step_threads", *choices.step_threads)
         return normalize_params(params)
+
+    def drawn(self, params: Mapping[str, Any]) -> Params:
+        """The values :meth:`suggest` draws for ``params`` from this resolved space: what
+        a queued trial (``study.enqueue_trial``) must fix. Worker options are not drawn
+        without workers, process options not for threads, no option of one choice, nor
+        ``step_threads`` where they are left alone (``None``)."""
+        choices = self._bounds()
+        drawn = {k: v for k, v in params.items() if k != "step_threads" or v is not None}
+        if params["num_workers"] == 0:
+            drawn = {k: v for k, v in drawn.items() if k not in _WORKER_ONLY}
+        elif params["worker_kind"] == "threads":
+            drawn = {k: v for k, v in drawn.items() if k not in _PROCESS_ONLY}
+        return {k: v for k, v in drawn.items() if k not in _CHOICES or len(getattr(choices, k)) > 1}
 
     def held(self, params: Mapping[str, Any]) -> Params | None:
         """``params`` with workers, their count held to this resolved space's range: a
@@ -401,18 +413,25 @@ _WORKER_ONLY = (
 )
 # Options drawn for worker processes only.
 _PROCESS_ONLY = ("persistent_workers", "worker_threads")
+# Options drawn from a set of choices: not drawn where it holds one (see _choose).
+_CHOICES = (
+    "worker_kind",
+    "persistent_workers",
+    "worker_threads",
+    "in_order",
+    "pin_memory",
+    "batched_fetch",
+)
 
 
-def trial_params(params: Mapping[str, Any]) -> Params:
-    """The values :meth:`SearchSpace.suggest` draws for ``params``: what a queued trial
-    (``study.enqueue_trial``) must fix. Worker options are not drawn without workers,
-    nor ``step_threads`` where they are left alone (``None``)."""
-    drawn = {k: v for k, v in params.items() if k != "step_threads" or v is not None}
-    if params["num_workers"] == 0:
-        return {k: v for k, v in drawn.items() if k not in _WORKER_ONLY}
-    if params["worker_kind"] == "threads":
-        return {k: v for k, v in drawn.items() if k not in _PROCESS_ONLY}
-    return drawn
+def _choose(trial: optuna.Trial, name: str, choices: tuple[Any, ...]) -> Any:
+    """One of ``choices``, drawn by the sampler where there are several. One choice is
+    not drawn: a check that did not finish leaves this run one where the study it shares
+    with earlier runs has two, and Optuna refuses a categorical parameter whose choices
+    change within a study (``NOTE [ A study named by what stays ]`` in ``_session.py``)."""
+    if len(choices) == 1:
+        return choices[0]
+    return trial.suggest_categorical(name, choices)
 
 
 def resolve_space(
