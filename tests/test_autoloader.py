@@ -204,6 +204,7 @@ class _HeldToTheNextEpoch:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 @pytest.mark.parametrize(
     "loop",
     # The fast tier keeps the loop that asks past the end; the full suite both.

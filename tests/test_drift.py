@@ -87,6 +87,7 @@ def _watched_past(loader: AutoLoader[Any], windows: int) -> bool:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 @pytest.mark.slow
 def test_loading_that_slows_down_mid_training_is_searched_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

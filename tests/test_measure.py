@@ -99,6 +99,7 @@ def _slow_restart(worker_id: int) -> None:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_an_epochs_edge_is_timed_apart_from_the_steady_rate() -> None:
     """Workers that take 0.5 s to start, started again each epoch of 8 batches of 1 ms

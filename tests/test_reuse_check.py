@@ -73,6 +73,7 @@ def _without_baseline(result: autoloader.TuneResult) -> autoloader.TuneResult:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -134,6 +135,7 @@ class _StallsOnce:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 def test_a_step_that_stalls_a_second_in_the_check_is_no_hang(
     saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -222,6 +224,7 @@ def _loader(path: Path, latency: float) -> AutoLoader[Any]:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 @pytest.mark.slow
 def test_an_autoloader_times_its_first_batches_and_tunes_again_where_loading_slowed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -357,6 +360,7 @@ def test_a_neighbour_on_the_cpus_leaves_the_check_to_the_setting(
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 def test_a_dataset_slower_than_the_probe_leaves_the_check_to_the_setting(
     saved: tuple[autoloader.TuneResult, Path],
     caplog: pytest.LogCaptureFixture,

@@ -294,6 +294,7 @@ def test_batched_fetch_asked_of_a_dataset_that_cannot_fails_before_any_trial() -
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 def test_a_loop_bound_by_its_step_is_not_searched() -> None:
     result = _tune(SleepDataset(1024, latency=0.0), slow_step, time_budget=30.0)
     (note,) = [n for n in result.notes if "bound by its step" in n]
@@ -306,6 +307,7 @@ def test_a_loop_bound_by_its_step_is_not_searched() -> None:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.paced  # its verdict rests on a pace it measures
 @pytest.mark.slow
 def test_the_search_stops_at_the_first_setting_that_leaves_the_loop_bound_by_its_step() -> None:
     # Items of 5 ms, batches of 4, a 200 ms step: loading (20 ms) shows at num_workers=0,
