@@ -383,7 +383,9 @@ def test_autoloader_trials_span_epochs_shorter_than_the_workers_hold(tmp_path: P
     _assert_nothing_left(tmp_path)
 
 
-@pytest.mark.alone  # the failure's time is bounded by the group's timeout
+# Not alone: its bound has room for a busy machine (beside two busy loops the failure
+# came 20.1 s after the stop, twice: the group's timeout, then as long at the
+# checkpoint), and 17 of its 26 s wait on those timeouts.
 def test_a_stopped_rank_ends_the_trial_within_the_process_groups_timeout(tmp_path: Path) -> None:
     """Rank 1 stopped (SIGSTOP) mid-trial, while rank 0's DDP step all-reduces with it:
     rank 0 waits in DDP's C++ (where no alarm reaches) for the process group's timeout
