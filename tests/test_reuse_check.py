@@ -134,8 +134,9 @@ class _StallsOnce:
             time.sleep(self.seconds)
 
 
-@pytest.mark.light  # mostly waits
-@pytest.mark.paced  # its verdict rests on a pace it measures
+# Its check has 0.2 s of a 4 s budget: beside the suite's tests and a busy loop it read
+# the setting 43x slower than tuned once, and tuned again before the stall (ci31).
+@pytest.mark.calm
 def test_a_step_that_stalls_a_second_in_the_check_is_no_hang(
     saved: tuple[autoloader.TuneResult, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
