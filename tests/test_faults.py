@@ -5,16 +5,21 @@ from __future__ import annotations
 import gc
 import os
 import re
+import signal
 import time
 from typing import Any
 
+import psutil
 import pytest
+from torch.utils.data import DataLoader
 
 import autoloader
 from autoloader import AllSettingsFailedError, SearchSpace
 from autoloader.loader._params import normalize_params
+from autoloader.loader._torch_compat import loader_iterator, worker_processes
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
+from autoloader.measure._live import release
 from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
 from autoloader.search._faults import classify
@@ -215,3 +220,35 @@ def test_an_exit_code_only_torch_saw_is_read_from_its_message() -> None:
     )
     assert worker_exits(None, error) == ((), (3,))
     assert worker_exits(None, RuntimeError("worker exited unexpectedly")) == ((), ())
+
+
+def test_a_kept_loader_whose_worker_was_killed_is_released_without_reporting_it() -> None:
+    """``NOTE [ Kept workers stopped ]``: a persistent loader kept after its trial, one of
+    its workers killed meanwhile (by a later trial's memory watch, under that trial's
+    own handler), is stopped without DataLoader's handler raising "killed by signal"
+    for it when the others exit, and leaves no process."""
+    loader = DataLoader(
+        SleepDataset(64, latency=0.0), batch_size=4, num_workers=2, persistent_workers=True
+    )
+    for _ in loader:  # DataLoader's SIGCHLD handler stands from here on, the workers kept
+        pass
+    dataloaders = signal.getsignal(signal.SIGCHLD)
+    assert callable(dataloaders)
+    workers = worker_processes(loader_iterator(loader))
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the later trial's, standing in
+        assert workers[0].pid is not None
+        os.kill(workers[0].pid, signal.SIGKILL)
+        victim = psutil.Process(workers[0].pid)
+        while victim.status() != psutil.STATUS_ZOMBIE:  # dead, not reaped
+            time.sleep(0.01)
+        signal.signal(signal.SIGCHLD, dataloaders)
+        release(loader)
+        assert all(w.exitcode is not None for w in workers)
+        assert signal.getsignal(signal.SIGCHLD) is dataloaders
+    finally:
+        signal.signal(signal.SIGCHLD, dataloaders)
+        for worker in workers:
+            if worker.exitcode is None:
+                worker.kill()
+                worker.join()
