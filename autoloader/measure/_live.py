@@ -607,6 +607,9 @@ class LiveTrial:
 # So the deaths during the stop are autoloader's own doing, not reported: DataLoader's
 # handler is kept from installing itself and one that passes nothing on stands in front
 # of it, and the loader's shutdown, which removes its workers' pids, runs to its end.
+# A handler of the user's that DataLoader's chains to misses the signals of that
+# shutdown (milliseconds; a worker that dies is told by the loader's own check, not by
+# the signal): passed on, they would reach DataLoader's check first, which raises.
 def release(loader: DataLoader[Any]) -> None:
     """Stop a persistent loader's workers, kept after its last trial (``NOTE [ Kept
     workers stopped ]``)."""
