@@ -18,17 +18,16 @@ import pytest
 # here (two at once left a third of a core idle on average: most tests wait on their
 # trials' workers part of the time); a test marked `light` (it mostly waits: on sleeps,
 # a subprocess's deadline, a hang's timeout) takes one, unless also `paced` (its verdict
-# rests on a pace it measures), which takes two; a test marked `alone` (it
+# rests on a pace it measures), which takes two; a test marked `calm` (its verdict needs
+# a trial's workers to start and deliver within a short budget) takes all but one, and
+# runs beside a light test at most, never a paced one; a test marked `alone` (it
 # measures the machine, or holds a deadline that another test's processes on the same
-# cores could break) or `calm` (its verdict needs a trial's workers to start and
-# deliver within a short budget) takes all but one, and runs beside a light test at
-# most: each holds beside a busy loop, which takes more of a core than a light test
-# (docs/development/checks.md). Beside a busy loop (CI's pace) six seats took 825 s
-# where four took 968 s. The `alone` tests are collected first, together, then the
-# `calm` ones, and one followed by another on the same worker keeps its seats: the
-# others wait once for the run of them, not once for each; the light tests head the
-# other workers' first slices, so that they run beside them (the `alone` tests, about
-# 220 s, had left a core idle). While an `alone` or a `calm` test waits for its seats it
+# cores could break) takes all six (beside a light one, diagnose() tests failed twice
+# in five full runs: docs/development/checks.md). Beside a busy loop (CI's pace) six
+# seats took 825 s where four took 968 s. The `alone` tests are collected first,
+# together, then the `calm` ones, the slow tests first in each group, and one followed
+# by another on the same worker keeps its seats: the others wait once for the run of
+# them, not once for each. While an `alone` or a `calm` test waits for its seats it
 # holds a gate that the others pass to take theirs, so none comes in first: taking
 # seats as they came free, `calm` tests waited up to 273 s while the others took
 # turns, two of the four workers idle for the last third of a run.
@@ -37,10 +36,10 @@ import pytest
 SEATS = 6
 _ORDINARY = 2
 # `paced` before `light`: a light test whose verdict rests on a pace it measures takes
-# two seats, and so never runs beside an `alone` or a `calm` test (a light one that
-# compares a reused setting's loading speed with the tuned one failed there beside a
-# busy loop).
-_NEEDED = {"alone": SEATS - 1, "calm": SEATS - 1, "paced": _ORDINARY, "light": 1}
+# two seats, and so never runs beside a `calm` test (a light one that compares a reused
+# setting's loading speed with the tuned one failed beside an `alone` one and a busy
+# loop).
+_NEEDED = {"alone": SEATS, "calm": SEATS - 1, "paced": _ORDINARY, "light": 1}
 _GATED = SEATS - 1  # tests needing this many seats or more wait for them at the gate
 
 
@@ -136,7 +135,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         seats.close()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist, the `alone` tests first, then the `calm` ones, and the
     `late` ones last (their `calm` ones first), the `slow` ones before the others in
     each group (`_later`), each in their order. A `late` test
@@ -147,50 +146,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     need nearly every seat are last, the run ends with one of them at a time."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         items.sort(key=lambda item: (not _is_alone(item), _is_late(item), *_later(item)))
-        workers = int(config.workerinput["workercount"])  # type: ignore[attr-defined]
-        items[:] = _light_first_in_each_slice(items, workers)
 
 
 def _later(item: pytest.Item) -> tuple[bool, bool]:
     """Within a group, `calm` tests first, then the `slow` ones: the run ends with
     short tests on every worker, not with one long test on one."""
     return not _is_calm(item), item.get_closest_marker("slow") is None
-
-
-def _beside_alone(item: pytest.Item) -> bool:
-    return item.get_closest_marker("light") is not None and item.get_closest_marker("paced") is None
-
-
-def _light_first_in_each_slice(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
-    """``items`` with the `light` tests moved to the heads of the slices that
-    ``--dist worksteal`` first hands the workers other than the one that runs the
-    `alone` tests: while those run, the other workers wait on their first tests, and a
-    light one can run beside them."""
-    gated = [item for item in items if _is_alone(item) or (_is_calm(item) and not _is_late(item))]
-    late = [item for item in items if _is_late(item)]
-    taken = {id(item) for item in (*gated, *late)}
-    light = [item for item in items if id(item) not in taken and _beside_alone(item)]
-    taken.update(id(item) for item in light)
-    rest = [item for item in items if id(item) not in taken]
-    sizes, left = [], len(items)
-    for worker in range(workers):  # as worksteal's first distribution counts them
-        sizes.append(left // (workers - worker))
-        left -= sizes[-1]
-    if workers < 2 or len(gated) > sizes[0]:
-        return items
-    share = -(-len(light) // (workers - 1))
-    ordered = gated + rest[: sizes[0] - len(gated)]
-    rest = rest[sizes[0] - len(gated) :]
-    for worker in range(1, workers):
-        heads = light[(worker - 1) * share : worker * share]
-        fill = sizes[worker] - len(heads) - (len(late) if worker == workers - 1 else 0)
-        if fill < 0:
-            return items
-        ordered += heads + rest[:fill]
-        rest = rest[fill:]
-    ordered += rest + late
-    assert len(ordered) == len(items)
-    return ordered
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's

@@ -19,9 +19,9 @@ from autoloader.loader._params import normalize_params
 from autoloader.loader._torch_compat import loader_iterator, worker_processes
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError
-from autoloader.measure._live import release
 from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
+from autoloader.measure._supervision import release
 from autoloader.search._faults import classify
 from autoloader.search._outcome import state_of
 

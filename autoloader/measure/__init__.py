@@ -33,7 +33,7 @@ from autoloader.measure._errors import (
     exception_chain,
 )
 from autoloader.measure._isolation import SubprocessRunner
-from autoloader.measure._live import MIN_WINDOWS, LiveTrial, TrialEnded, release
+from autoloader.measure._live import MIN_WINDOWS, LiveTrial, TrialEnded
 from autoloader.measure._lockstep import Checkpoint, Lockstep, PeerFailed
 from autoloader.measure._measurement import Measurement, WindowCallback
 from autoloader.measure._memory import (
@@ -48,6 +48,7 @@ from autoloader.measure._memory import (
 from autoloader.measure._pickling import _dumps, describe_unpicklable
 from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import Runner, TrialRunner
+from autoloader.measure._supervision import release
 from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 
 __all__ = [

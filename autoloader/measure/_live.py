@@ -32,12 +32,6 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from autoloader.loader import EpochBatches, Feed
-from autoloader.loader._torch_compat import (
-    loader_iterator,
-    shutdown_workers,
-    sigchld_handler_held,
-    worker_processes,
-)
 from autoloader.measure._batches import batch_length, tensor_bytes
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon
 from autoloader.measure._cpu_demand import CpuDemand
@@ -51,7 +45,7 @@ from autoloader.measure._deadlines import (
 )
 from autoloader.measure._errors import TrialError
 from autoloader.measure._measurement import Measurement, WindowCallback
-from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch, kill
+from autoloader.measure._memory import MemoryBudgetExceeded, MemoryWatch
 from autoloader.measure._supervision import (
     Guard,
     WorkerDeaths,
@@ -593,40 +587,3 @@ class LiveTrial:
                 stale_alarms.append(self._alarm_handler)
             with contextlib.nullcontext() if main else contextlib.suppress(ValueError):
                 self._handlers.close()
-
-
-# NOTE [ Kept workers stopped ]
-# A persistent loader's workers kept after its trial (the last trial's, the chosen
-# setting's) are stopped outside any trial, where DataLoader's own SIGCHLD handler
-# stands: each worker that exits as told sends a signal, and that handler raises
-# "DataLoader worker (pid ...) is killed by signal" in the main thread, wherever it is,
-# for any worker of the loader that died before (one the memory watch of a later trial
-# killed while the loader was kept; its pid stays registered until the loader's
-# shutdown). The training loop got that error from an AutoLoader starting its next
-# trial, once in a full run beside a busy loop. (tune() met the same error once, between
-# two trials, where no loader is kept: not explained.) So the deaths during the stop
-# are autoloader's own doing, not reported: DataLoader's handler is kept from
-# installing itself, SIGCHLD's default action (nothing) stands in front of it, and the
-# loader's shutdown, which removes its workers' pids, runs to its end.
-# A handler of the user's that DataLoader's chains to misses the signals of that
-# shutdown (milliseconds; a worker that dies is told by the loader's own check, not by
-# the signal): passed on, they would reach DataLoader's check first, which raises.
-def release(loader: DataLoader[Any]) -> None:
-    """Stop a persistent loader's workers, kept after its last trial (``NOTE [ Kept
-    workers stopped ]``)."""
-    if threading.current_thread() is not threading.main_thread():
-        shutdown_workers(None, loader)  # no handler can be set here
-        return
-    found = signal.getsignal(signal.SIGCHLD)
-    with sigchld_handler_held():
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        try:
-            workers = worker_processes(loader_iterator(loader))
-            # One died: the shutdown touches nothing it may have left locked, and tells
-            # the others nothing, so they are killed (each would be waited for 5 s).
-            dead = any(w.exitcode is not None for w in workers)  # reaps the dead
-            if dead:
-                kill(w.pid for w in workers if w.exitcode is None and w.pid is not None)
-            shutdown_workers(None, loader, abandon=dead)
-        finally:
-            signal.signal(signal.SIGCHLD, found)
