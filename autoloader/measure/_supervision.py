@@ -352,7 +352,7 @@ def release(loader: DataLoader[Any]) -> None:
             # the others nothing, so they are killed (each would be waited for 5 s).
             dead = any(w.exitcode is not None for w in workers)  # reaps the dead
             if dead:
-                kill(w.pid for w in workers if w.exitcode is None and w.pid is not None)
+                kill(_unreaped_pids(workers))
             shutdown_workers(None, loader, abandon=dead)
         finally:
             signal.signal(signal.SIGCHLD, found)
