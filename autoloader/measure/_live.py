@@ -200,13 +200,15 @@ class LiveTrial:
         self.watch = MemoryWatch(
             memory_budget if memory_budget is not None else 1 << 62,
             ends_at=time.monotonic() + max_seconds if max_seconds and self.stop_early else None,
-        ).start(sample=watched)
+        )
         # In front of DataLoader's SIGCHLD handler for the whole trial: a worker's death
         # between two fetches, while the user's step runs, is held back until the next
         # fetch (defer), never raised into the step.
         self.deaths = WorkerDeaths(self.watch, defer=True)
         self._handlers = contextlib.ExitStack()
         self._handlers.enter_context(self.deaths.handled())
+        # Behind that handler: a budget passed at once signals the main thread to it.
+        self.watch.start(sample=watched)
         # CPU time plus run delay (NOTE [ CPU demand ]); its files close with the trial.
         self.cpu = CpuDemand()
         self._handlers.callback(self.cpu.close)
@@ -416,7 +418,7 @@ class LiveTrial:
         except Exception as error:
             self.deaths.expected = True
             if self.watch.exceeded:  # a worker the watch killed surfaced as an error
-                raise self.watch.error() from error
+                raise (self.watch.claim() or self.watch.error()) from error
             failure = TrialError("loading a batch", error, self.watch.peak)
             if worker_died(error):
                 failure.worker_signals, failure.worker_exit_codes = worker_exits(
@@ -428,7 +430,7 @@ class LiveTrial:
         """``iter()`` of the loader: its workers start."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="This DataLoader will create")
-            self.iterator = self.guard.iterator = self.deaths.start(self.loader)
+            self.iterator = self.guard.start()
 
     def _next(self, limit: float | None) -> Any:
         """``next()`` of the iterator, under the alarm where there is a ``limit``: the

@@ -189,7 +189,7 @@ class TrialRunner:
 
         def read(loader: DataLoader[Any], guard: Guard) -> list[Any]:
             ends = perf_counter() + seconds
-            iterator = guard.iterator = guard.deaths.start(loader)
+            iterator = guard.start()
             batches: list[Any] = []
             while len(batches) < count:
                 guard.alarm.arm("loading a batch", max(1e-3, ends - perf_counter()))
@@ -249,7 +249,7 @@ class TrialRunner:
         started = perf_counter()
         watch = MemoryWatch(
             self.memory_budget, ends_at=time.monotonic() + max_seconds, others=self.memory_peers
-        ).start()
+        )
         with (
             WorkerDeaths(watch, defer=joint).handled() as deaths,
             Alarm().installed() as alarm,
@@ -260,6 +260,9 @@ class TrialRunner:
             guard = Guard(watch=watch, deaths=deaths, alarm=alarm, started=started)
             failed = True
             try:
+                # Started behind the trial's handler: a budget passed at once sends
+                # SIGCHLD to the main thread, for this handler, not the one found.
+                watch.start()
                 guard.loader = loader = build()
                 outcome = run(loader, guard)
                 failed = False
@@ -269,7 +272,7 @@ class TrialRunner:
             except Exception as error:
                 deaths.expected = True  # from here on, a death is part of this failure
                 if watch.exceeded:  # a worker the watch killed surfaced as an error
-                    raise watch.error() from error
+                    raise (watch.claim() or watch.error()) from error
                 if not isinstance(error, TrialError) and not worker_died(error):
                     raise
                 # DataLoader's report of a dead worker can surface at any bytecode of the

@@ -255,7 +255,7 @@ class TimingLoop:
 
     def _begin(self) -> None:
         """Start the loader's iterator, and fetch and step the first batch."""
-        self.iterator = self.guard.iterator = self.guard.deaths.start(self.loader)
+        self.iterator = self.guard.start()
         self.lockstep.begin(loader_length(self.loader))
         self.batch = self._first_fetch()
         first = perf_counter()
@@ -497,7 +497,7 @@ class TimingLoop:
         """A new iterator for the next epoch; the current one if that failed in a joint
         trial (the failure kept for the next checkpoint)."""
         try:
-            return self.guard.deaths.start(self.loader)
+            return self.guard.start()
         except Exception as error:
             self._fail(TrialError("loading a batch", error, self.guard.watch.peak), error)
             return self.iterator
