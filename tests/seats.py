@@ -20,9 +20,9 @@ import pytest
 # a subprocess's deadline, a hang's timeout) takes one, unless also `paced` (its verdict
 # rests on a pace it measures), which takes two; a test marked `calm` (its verdict needs
 # a trial's workers to start and deliver within a short budget) takes all but one, and
-# runs beside a light test at most, never a paced one; a test marked `alone` (it
-# measures the machine, or holds a deadline that another test's processes on the same
-# cores could break) takes all six (beside a light one, diagnose() tests failed twice
+# runs beside a light test at most, never a paced one: so does one whose deadline a
+# light neighbour does not break; a test marked `alone` (it measures the machine, or a
+# light neighbour broke it) takes all six (beside a light one, diagnose() tests failed twice
 # in five full runs: docs/development/checks.md). Beside a busy loop (CI's pace) six
 # seats took 825 s where four took 968 s. The `alone` tests are collected first,
 # together, then the `calm` ones, the slow tests first in each group, and one followed

@@ -195,7 +195,7 @@ def test_isolation_is_checked_before_any_work() -> None:
     assert dataset.reads == 0
 
 
-@pytest.mark.alone  # trials against the clock, in a process of their own
+@pytest.mark.calm  # trials against the clock, in a process of their own
 def test_a_run_goes_on_when_settings_kill_the_trial_process() -> None:
     # Three workers or more crash the trial's main process in the step.
     result = autoloader.tune(

@@ -37,7 +37,7 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.alone  # spawned workers must start within the checks' 6 s
+@pytest.mark.calm  # spawned workers must start within the checks' 6 s
 @pytest.mark.parametrize("method", METHODS)
 def test_the_checks_start_workers_as_the_users_loader_does(method: str) -> None:
     """With the time a 60 s budget gives the checks (6 s), the workers' randomness is

@@ -137,7 +137,7 @@ def _wait_for_trials(out: Path, rank_pid: int, *, settled: float = 0.0) -> None:
     raise AssertionError("the job never ran a trial with workers")
 
 
-@pytest.mark.alone  # every rank must stop within 30 s
+@pytest.mark.calm  # every rank must stop within 30 s: held beside light tests in five full runs
 def test_ctrl_c_stops_every_rank_and_leaves_no_process(tmp_path: Path) -> None:
     job = _start(_torchrun(2, "-m", "tests.torchrun_job", str(tmp_path), "long"), tmp_path)
     _wait_for_trials(tmp_path, _rank_pid(tmp_path, 1))
@@ -264,7 +264,7 @@ def test_a_hang_on_one_node_ends_the_trial_on_both(tmp_path: Path) -> None:
     _assert_nothing_left(tmp_path)
 
 
-@pytest.mark.alone  # both nodes must stop within 30 s
+@pytest.mark.calm  # both nodes must stop within 30 s: held beside light tests in five full runs
 @pytest.mark.usefixtures("two_nodes")
 def test_a_rank_killed_on_one_node_stops_both_nodes(tmp_path: Path) -> None:
     job = nodes.start(["-m", "tests.torchrun_job", str(tmp_path), "long"], cwd=tmp_path, env=_ENV)
