@@ -83,12 +83,22 @@ def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
 
     with caplog.at_level(logging.INFO, logger="autoloader"):
         again = _tune(path, 0.002)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert again.params == first.params and again.trials == first.trials  # the file's
-    # By the defaults' loop, or, where other processes held the CPUs meanwhile, by the
-    # setting's own trial (NOTE [ The defaults' loop first ]).
-    (note,) = [n for n in again.notes if n.startswith("checked before reuse")]
-    assert note.endswith(": reused")
+    # Confirmed by the defaults' loop, or, where other processes held the CPUs meanwhile,
+    # by the setting's own trial (NOTE [ The defaults' loop first ]); where they held
+    # them through both, kept unconfirmed with a warning that says so, never tuned again
+    # (NOTE [ A reused setting checked ]: a paced test beside others met it, 2 in 13
+    # full runs). Nothing else is warned of.
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (note,) = [n for n in again.notes if n.startswith(("checked before reuse", "reused "))]
+    if warned:
+        assert warned == [f"{path}: {note}"], caplog.text
+        assert note.startswith("reused unconfirmed: ") and note.endswith(
+            "the defaults' loop found loading and the step as when tuned: a busy machine, "
+            "not a changed pipeline"
+        )
+    else:
+        assert note.startswith("checked before reuse") and note.endswith(": reused")
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="autoloader"):
