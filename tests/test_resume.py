@@ -45,7 +45,10 @@ SCRIPT = textwrap.dedent(
 
 def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int) -> None:
     """Until the storage holds a trial numbered past ``after`` that has started and not
-    finished."""
+    finished, its setting written (``owner``, the last of its attributes the driver
+    sets after ``params``): a run killed between Optuna's ``ask()`` and that
+    leaves a trial of no setting, which the next run fails and does not report (a full
+    run beside a busy loop killed one there)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert child.poll() is None, "the tuning run ended before it could be killed"
@@ -53,7 +56,7 @@ def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int
             (summary,) = optuna.get_all_study_summaries(url)
             study = optuna.load_study(study_name=summary.study_name, storage=url)
             running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if any(t.number > after for t in running):
+            if any(t.number > after and "owner" in t.user_attrs for t in running):
                 return
         time.sleep(0.02)
     raise AssertionError("no trial started within 60 s")
