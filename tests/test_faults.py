@@ -6,6 +6,7 @@ import gc
 import os
 import re
 import signal
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -285,3 +286,43 @@ def test_an_overrun_during_a_trial_is_raised_once_in_the_main_thread() -> None:
         watch.sample()  # passed still: nothing more is raised
         time.sleep(0.2)
     assert watch.claim() is None
+
+
+def test_a_death_signalled_as_a_failed_trial_over_budget_cleans_up_stops_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``NOTE [ Nothing left registered ]``, the race CI met, its timing forced: the
+    trial fails with an error of its own while the watch has passed the budget, and a
+    worker's death is signalled as the trial's clean-up starts. The trial raises the
+    overrun, and its workers are stopped: none left running, none left registered with
+    DataLoader's handler (it raised "killed by signal" for them in a later test)."""
+    main = threading.main_thread().ident
+    assert main is not None
+    stop = MemoryWatch.stop
+
+    def passed_unsignalled(watch: MemoryWatch, why: str) -> None:
+        watch._exceeded.set()  # the budget passed; its signal not handled yet
+
+    def stop_as_a_death_is_signalled(watch: MemoryWatch) -> None:
+        signal.pthread_kill(main, signal.SIGCHLD)  # the late signal of a killed worker
+        stop(watch)
+
+    monkeypatch.setattr(MemoryWatch, "_stop_trial", passed_unsignalled)
+    monkeypatch.setattr("autoloader.measure._memory.kill", lambda pids: None)  # not yet
+    monkeypatch.setattr(MemoryWatch, "stop", stop_as_a_death_is_signalled)
+
+    def step(batch: Any) -> None:
+        time.sleep(0.3)  # the watch samples meanwhile
+        raise RuntimeError("the step's own error")
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    runner = TrialRunner(SleepDataset(256, latency=0.0), step, batch_size=2, memory_budget=1)
+    with pytest.raises(MemoryBudgetExceeded) as info:
+        runner.measure(PARAMS, max_seconds=10, deadlines=GENEROUS)
+    assert isinstance(info.value.__cause__, TrialError)  # raised by the runner, not the handler
+    left = [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not left, f"the trial's workers still run: {left}"
