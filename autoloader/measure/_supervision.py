@@ -82,8 +82,8 @@ class WorkerDeaths:
     # So every iterator a trial starts is shut down by the trial, and nothing this handler
     # raises may skip that: tune() raised that error between two trials in 3 of 10 full
     # runs of the suite, CI's among them (there, a memory test's trial had left its
-    # workers registered). The likely cause, read from those failures, not reproduced: a
-    # trial that failed with an error of its own (a worker's pipe that broke as the watch
+    # workers registered). The cause, read from those failures and shown with its timing
+    # forced (tests/test_faults.py): a trial that failed with an error of its own (a worker's pipe that broke as the watch
     # killed it, raised before the signal was handled) while the watch had passed the
     # budget; the overrun was still to be raised, and the death signals that followed
     # raised it in the clean-up, in the middle of the watch's join or the loader's
