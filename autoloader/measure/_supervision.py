@@ -83,14 +83,15 @@ class WorkerDeaths:
     # raises may skip that: tune() raised that error between two trials in 3 of 10 full
     # runs of the suite, CI's among them (there, a memory test's trial had left its
     # workers registered). The cause, read from those failures and shown with its timing
-    # forced (tests/test_faults.py): a trial that failed with an error of its own (a worker's pipe that broke as the watch
-    # killed it, raised before the signal was handled) while the watch had passed the
-    # budget; the overrun was still to be raised, and the death signals that followed
-    # raised it in the clean-up, in the middle of the watch's join or the loader's
-    # shutdown. Once a trial fails or ends (``expected``), this handler raises
-    # nothing; the runner raises the overrun itself (``MemoryWatch.claim``). And a new
-    # iterator is named to the trial (``start``'s ``named``) before a death can be raised
-    # in the main thread: raised in between, the trial would not know to shut it down.
+    # forced (tests/test_faults.py): a trial that failed with an error of its own (a
+    # worker's pipe that broke as the watch killed it, raised before the signal was
+    # handled) while the watch had passed the budget; the overrun was still to be
+    # raised, and the death signals that followed raised it in the clean-up, in the
+    # middle of the watch's join or the loader's shutdown. Once a trial fails or ends
+    # (``expected``), this handler raises nothing; the runner raises the overrun itself
+    # (``MemoryWatch.claim``). And a new iterator is named to the trial (``start``'s
+    # ``named``) before a death can be raised in the main thread: raised in between, the
+    # trial would not know to shut it down.
 
     def __init__(self, watch: MemoryWatch, *, defer: bool = False) -> None:
         self.watch = watch
