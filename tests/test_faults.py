@@ -320,9 +320,12 @@ def test_a_death_signalled_as_a_failed_trial_over_budget_cleans_up_stops_its_wor
     with pytest.raises(MemoryBudgetExceeded) as info:
         runner.measure(PARAMS, max_seconds=10, deadlines=GENEROUS)
     assert isinstance(info.value.__cause__, TrialError)  # raised by the runner, not the handler
-    left = [
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
-    ]
-    assert not left, f"the trial's workers still run: {left}"
+    left = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not [pid for pid in left if _running(pid)], f"the trial's workers still run: {left}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
