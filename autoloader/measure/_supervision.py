@@ -364,11 +364,12 @@ def reap(guard: Guard) -> None:
 # for any worker of the loader that died before (one the memory watch of a later trial
 # killed while the loader was kept; its pid stays registered until the loader's
 # shutdown). The training loop got that error from an AutoLoader starting its next
-# trial, once in a full run beside a busy loop. (tune() met the same error once, between
-# two trials, where no loader is kept: not explained.) So the deaths during the stop
-# are autoloader's own doing, not reported: DataLoader's handler is kept from
-# installing itself, SIGCHLD's default action (nothing) stands in front of it, and the
-# loader's shutdown, which removes its workers' pids, runs to its end.
+# trial, once in a full run beside a busy loop. (tune() met the same error between two
+# trials, where no loader is kept: another cause, NOTE [ Nothing left registered ].) So
+# the deaths during the stop are autoloader's own doing, not reported: DataLoader's
+# handler is kept from installing itself, SIGCHLD's default action (nothing) stands in
+# front of it, and the loader's shutdown, which removes its workers' pids, runs to its
+# end.
 # A handler of the user's that DataLoader's chains to misses the signals of that
 # shutdown (milliseconds; a worker that dies is told by the loader's own check, not by
 # the signal): passed on, they would reach DataLoader's check first, which raises.
