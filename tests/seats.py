@@ -14,17 +14,19 @@ from pathlib import Path
 import pytest
 
 # Tests side by side (the full suite runs under pytest-xdist, `-n 4`). The workers share
-# six seats: a test takes two, so that no more than three run at once on the two cores
-# here (two at once left a third of a core idle on average: most tests wait on their
-# trials' workers part of the time); a test marked `light` (it mostly waits: on sleeps,
-# a subprocess's deadline, a hang's timeout) takes one, unless also `paced` (its verdict
+# eight seats: a test takes two, so that all four workers run one at once on the two
+# cores here (most tests wait on their trials' workers part of the time: three at once
+# left 0.3-0.5 of a core idle); a test marked `light` (it mostly waits: on sleeps, a
+# subprocess's deadline, a hang's timeout) takes one, unless also `paced` (its verdict
 # rests on a pace it measures), which takes two; a test marked `calm` (its verdict needs
-# a trial's workers to start and deliver within a short budget) takes all but one, and
-# runs beside a light test at most, never a paced one: so does one whose deadline a
-# light neighbour does not break; a test marked `alone` (it measures the machine, or a
-# light neighbour broke it) takes all six (beside a light one, diagnose() tests failed twice
-# in five full runs: docs/development/checks.md). Beside a busy loop (CI's pace) six
-# seats took 825 s where four took 968 s. The `alone` tests are collected first,
+# a trial's workers to start and deliver within a short budget, or it holds a deadline)
+# takes all but two: it runs beside one other test, or two light ones, never beside
+# another `calm` one; a test marked `alone` (it measures the machine, or a light
+# neighbour broke it, or two busy ones) takes all eight (beside a light one, diagnose()
+# tests failed twice in five full runs: docs/development/checks.md). Quiet, the same
+# code took 660 s on six seats (three tests at once, a `calm` one beside a light one at
+# most) and 640 s on eight; 600 s with a `calm` one beside one other (and 16 s less of
+# `alone` tests). The `alone` tests are collected first,
 # together, then the `calm` ones, the slow tests first in each group, and one followed
 # by another on the same worker keeps its seats: the others wait once for the run of
 # them, not once for each. While an `alone` or a `calm` test waits for its seats it
@@ -33,14 +35,13 @@ import pytest
 # turns, two of the four workers idle for the last third of a run.
 # Seats are taken before pytest-timeout's clock starts: the wait is not the test's time.
 # The files are in the run's temporary directory, which every worker shares.
-SEATS = 6
+SEATS = 8
 _ORDINARY = 2
 # `paced` before `light`: a light test whose verdict rests on a pace it measures takes
-# two seats, and so never runs beside a `calm` test (a light one that compares a reused
-# setting's loading speed with the tuned one failed beside an `alone` one and a busy
-# loop).
-_NEEDED = {"alone": SEATS, "calm": SEATS - 1, "paced": _ORDINARY, "light": 1}
-_GATED = SEATS - 1  # tests needing this many seats or more wait for them at the gate
+# two seats, as an ordinary test does (a light one that compares a reused setting's
+# loading speed with the tuned one failed beside an `alone` one and a busy loop).
+_NEEDED = {"alone": SEATS, "calm": SEATS - _ORDINARY, "paced": _ORDINARY, "light": 1}
+_GATED = _NEEDED["calm"]  # tests needing this many seats or more wait for them at the gate
 
 
 class _Seats:

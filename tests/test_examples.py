@@ -58,8 +58,9 @@ def test_image_pipeline_then_training_with_its_result(tmp_path: Path) -> None:
 
 
 # Beside two CPU-bound neighbours its MLP's step (two torch threads) took 88 ms a batch,
-# the baseline was bound by its step, and nothing was searched: a light one at most.
-@pytest.mark.calm
+# the baseline was bound by its step, and nothing was searched. A `calm` test has one
+# other test beside it, two neighbours with CI's busy loop: this one runs alone.
+@pytest.mark.alone
 def test_tensor_dataset_fetches_whole_batches(tmp_path: Path) -> None:
     """Its promise: a vectorised index of the whole batch beats any worker count (about
     10x DataLoader's per-item reads here)."""
