@@ -131,34 +131,3 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     # came free, they waited while the other workers took turns, to the end of the run.
     last_shared = max(spans[f"shared{n}"][0] for n in range(12))
     assert all(spans[f"calm{n}"][0] < last_shared for n in range(3)), spans
-
-
-class _Item:
-    """A stand-in for a collected test: its name and its markers."""
-
-    def __init__(self, name: str, *markers: str) -> None:
-        self.name, self.markers = name, set(markers)
-
-    def get_closest_marker(self, name: str) -> object | None:
-        return name if name in self.markers else None
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-def test_the_slow_tests_head_the_other_workers_slices_and_the_late_ones_end_the_last() -> None:
-    alone = [_Item(f"alone{n}", "alone", "slow") for n in range(2)]
-    calm = [_Item("calm", "calm", "slow")]
-    slow = [_Item(f"slow{n}", "slow") for n in range(6)]
-    short = [_Item(f"short{n}") for n in range(9)]
-    late = [_Item("late-calm", "late", "calm", "slow"), _Item("late", "late")]
-    items = [*alone, *calm, *slow, *short, *late]  # as sorted: 20 tests, slices of 5
-    dealt = seats._dealt(items, 4)  # type: ignore[arg-type]
-    slices = [dealt[n : n + 5] for n in range(0, 20, 5)]
-    assert sorted(map(repr, dealt)) == sorted(map(repr, items))
-    assert slices[0][:3] == [*alone, *calm] and not set(slices[0]) & set(slow)
-    assert [part[:2] for part in slices[1:]] == [slow[0::3], slow[1::3], slow[2::3]]
-    assert slices[3][-2:] == late
-    # Where it does not fit (more alone and calm tests than a slice holds), unchanged.
-    assert seats._dealt(items, 8) == items  # type: ignore[arg-type]
-    assert seats._dealt(items, 1) == items  # type: ignore[arg-type]
