@@ -120,10 +120,6 @@ def _is_late(item: pytest.Item) -> bool:
     return item.get_closest_marker("late") is not None
 
 
-def _is_slow(item: pytest.Item) -> bool:
-    return item.get_closest_marker("slow") is not None
-
-
 _SEATS = pytest.StashKey[_Seats]()
 
 
@@ -143,8 +139,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist, the `alone` tests first, then the `calm` ones, and the
     `late` ones last (their `calm` ones first), the `slow` ones before the others in
-    each group (`_later`), each in their order; then the ordinary slow tests dealt to
-    the heads of the other workers' slices (`_dealt`). A `late` test
+    each group (`_later`), each in their order. A `late` test
     imports Lightning, which stays in its worker: every DataLoader worker forked there
     after it costs twice the CPU (``tests/lazy.py``), and the workers take the
     collection's last tests last (``--dist worksteal`` hands each a slice of it in
@@ -152,43 +147,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     need nearly every seat are last, the run ends with one of them at a time."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         items.sort(key=lambda item: (not _is_alone(item), _is_late(item), *_later(item)))
-        items[:] = _dealt(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def _later(item: pytest.Item) -> tuple[bool, bool]:
     """Within a group, `calm` tests first, then the `slow` ones: the run ends with
     short tests on every worker, not with one long test on one."""
-    return not _is_calm(item), not _is_slow(item)
-
-
-def _dealt(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
-    """``items``, sorted, laid out for the slices ``--dist worksteal`` first hands the
-    ``workers`` (the pending tests split evenly, in order): the first slice the `alone`
-    and `calm` tests then short ones, each other slice its share of the ordinary slow
-    tests then short ones, the `late` ones ending the last. Left in one block, the slow
-    tests fell to the first slice, after the `alone` and `calm` ones, and the others took
-    them from its end one by one: a torchrun job (the alphabet's last) ended the run,
-    one worker running it for its last 30 s. Unchanged where the layout does not fit."""
-    if workers < 2:
-        return items
-    sizes: list[int] = []
-    for left in range(workers, 0, -1):
-        sizes.append((len(items) - sum(sizes)) // left)
-    first = [item for item in items if _is_alone(item) or (_is_calm(item) and not _is_late(item))]
-    late = [item for item in items if _is_late(item)]
-    placed = {id(item) for item in first + late}
-    rest = [item for item in items if id(item) not in placed]
-    slices: list[list[pytest.Item]] = [first] + [[] for _ in sizes[1:]]
-    for n, item in enumerate(item for item in rest if _is_slow(item)):
-        slices[1 + n % (workers - 1)].append(item)
-    short = iter(item for item in rest if not _is_slow(item))
-    for n, (part, size) in enumerate(zip(slices, sizes, strict=True)):
-        room = size - len(part) - (len(late) if n == workers - 1 else 0)
-        if room < 0:
-            return items
-        part += [next(short) for _ in range(room)]
-    slices[-1] += late
-    return [item for part in slices for item in part]
+    return not _is_calm(item), item.get_closest_marker("slow") is None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's
