@@ -26,13 +26,13 @@ import pytest
 # tests failed twice in five full runs: docs/development/checks.md). Quiet, the same
 # code took 660 s on six seats (three tests at once, a `calm` one beside a light one at
 # most) and 640 s on eight; 600 s with a `calm` one beside one other (and 16 s less of
-# `alone` tests). The `alone` tests are collected first,
-# together, then the `calm` ones, the slow tests first in each group, and one followed
-# by another on the same worker keeps its seats: the others wait once for the run of
-# them, not once for each. While an `alone` or a `calm` test waits for its seats it
-# holds a gate that the others pass to take theirs, so none comes in first: taking
-# seats as they came free, `calm` tests waited up to 273 s while the others took
-# turns, two of the four workers idle for the last third of a run.
+# `alone` tests). The `alone` tests are collected first, together, then the `calm`
+# ones, the slow tests first in each group, and one followed by another on the same
+# worker keeps its seats: the others wait once for the run of them, not once for each.
+# While an `alone` or a `calm` test waits for its seats it holds a gate that the others
+# pass to take theirs, so none comes in first: taking seats as they came free, `calm`
+# tests waited up to 273 s while the others took turns, two of the four workers idle
+# for the last third of a run.
 # Seats are taken before pytest-timeout's clock starts: the wait is not the test's time.
 # The files are in the run's temporary directory, which every worker shares.
 SEATS = 8
