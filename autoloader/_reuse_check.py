@@ -84,6 +84,7 @@ import psutil
 
 from autoloader.checks import usable_cpus
 from autoloader.measure import (
+    FIRST_STEP_TIMEOUT,
     Deadlines,
     Measurement,
     MemoryBudgetExceeded,
@@ -270,7 +271,8 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
     seconds = check_seconds(budget, saved)
     workers = int(result.params.get("num_workers") or 0)
     hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(saved))
-    deadlines = Deadlines.per_batch(hung, workers=workers)
+    # Its first step may be the process's first call of step_fn (NOTE [ The first step ]).
+    deadlines = Deadlines.per_batch(hung, workers=workers, first_step=max(hung, FIRST_STEP_TIMEOUT))
     cpus = _CpuUse()
     try:
         measured = runner.measure(
@@ -423,7 +425,9 @@ def _defaults_probe(
             baseline.params,
             max_seconds=seconds,
             on_window=lambda window, estimate: decided(baseline, window, estimate),
-            deadlines=Deadlines.per_batch(hung, workers=0),
+            deadlines=Deadlines.per_batch(
+                hung, workers=0, first_step=max(hung, FIRST_STEP_TIMEOUT)
+            ),
             max_batches=timed,
         )
     except (TrialError, MemoryBudgetExceeded) as error:

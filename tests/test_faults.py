@@ -103,6 +103,45 @@ def test_a_hung_step_times_out() -> None:
     assert error.stage == "running step_fn"
 
 
+class _SetsUpOnFirstCall:
+    """A step whose first call takes ``first`` seconds (a model built on first use,
+    DDP wrapping it, torch.compile), every later one nothing."""
+
+    def __init__(self, first: float) -> None:
+        self.first = first
+        self.calls = 0
+
+    def __call__(self, batch: object) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.first)
+
+
+@pytest.mark.light  # mostly waits
+def test_the_first_step_may_take_its_own_deadline_and_later_steps_the_batchs() -> None:
+    """NOTE [ The first step ]: a first call of 1.5 s passes where a batch's deadline is
+    1 s; a step that blocks on its first call times out at the first step's deadline,
+    not the batch's, and one that blocks later at the batch's."""
+    deadlines = Deadlines(first=1, each=1, first_step=3)
+    step = _SetsUpOnFirstCall(1.5)
+    runner = TrialRunner(SleepDataset(64), step, batch_size=2, memory_budget=2**40)
+    measured = runner.measure(PARAMS, max_seconds=2.5, deadlines=deadlines)
+    assert measured.batches > 1 and step.calls > 2
+    error = _fail(
+        SleepDataset(64), hanging_step, deadlines=Deadlines(first=1, each=1, first_step=2)
+    )
+    assert isinstance(error.error, TrialTimeout)
+    assert str(error.error) == "no progress for 2 s while running step_fn"
+
+    def blocks_on_its_third_call(batch: object, calls: list[int] = []) -> None:  # noqa: B006
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(3600)
+
+    error = _fail(SleepDataset(64), blocks_on_its_third_call, deadlines=deadlines)
+    assert str(error.error) == "no progress for 1 s while running step_fn"
+
+
 def test_the_alarm_gives_back_a_timer_already_set() -> None:
     import signal
 

@@ -17,7 +17,7 @@ from autoloader.loader._factory import default_start_method
 from autoloader.loader._params import normalize_params
 from autoloader.measure._deadlines import Deadlines, TrialTimeout
 from autoloader.measure._errors import TrialError, TrialProcessDied, exception_chain
-from autoloader.measure._isolation import SubprocessRunner
+from autoloader.measure._isolation import SubprocessRunner, _Request, _silence_limit
 from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._process_memory import process_memory, tree_memory
@@ -217,3 +217,17 @@ def test_a_run_goes_on_when_settings_kill_the_trial_process() -> None:
     assert all(t.reason == "trial process crashed (SIGSEGV) with this setting" for t in crashed)
     assert 1 <= result.params["num_workers"] <= 2
     assert result.speedup > 1
+
+
+def test_a_trial_process_may_stay_silent_through_its_first_steps_deadline() -> None:
+    """The parent waits for a trial's process as long as the trial and its deadlines
+    (the first batch's, then the step's): the first step's where longer than a batch's
+    (NOTE [ The first step ]), or a trial whose first step sets up for 8 s would be
+    called silent where the trial itself lets it."""
+
+    def silence(deadlines: Deadlines) -> float:
+        return _silence_limit(_Request({}, 5.0, deadlines, 2**30, "fork"))
+
+    plain = silence(Deadlines(first=3.0, each=3.0))
+    assert silence(Deadlines(first=3.0, each=3.0, first_step=10.0)) == pytest.approx(plain + 7)
+    assert silence(Deadlines(first=3.0, each=3.0, first_step=1.0)) == pytest.approx(plain)

@@ -1241,6 +1241,17 @@ def test_start_up_is_the_slowest_per_worker_start_seen() -> None:
     assert _policy().startup_seconds(_params(4), history) == 0.0  # not measured
 
 
+def test_the_baselines_first_step_may_take_the_budget_and_ten_seconds_at_least() -> None:
+    """NOTE [ The first step ]: the run's first call of step_fn (the baseline's) does
+    the step's one-time set-up; the batches keep half the budget, 3 s at least, and
+    the trials after the baseline have no first-step deadline of their own."""
+    short = _policy(budget=4.0).deadlines(_params(0), [])
+    assert (short.first, short.each, short.first_step) == (3.0, 3.0, 10.0)
+    long = _policy(budget=60.0).deadlines(_params(0), [])
+    assert (long.first, long.each, long.first_step) == (30.0, 30.0, 60.0)
+    assert _policy().deadlines(_params(2), [_baseline()]).first_step is None
+
+
 def test_a_batch_late_by_its_siblings_pace_gets_a_multiple_of_a_workers_load_time() -> None:
     """The baseline loads a batch in 0.5 s, mostly waiting (no CPU): a worker takes
     about that whatever the count, and a batch whose siblings have delivered later ones

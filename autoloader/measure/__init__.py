@@ -24,7 +24,13 @@ Modules, from the top down, one job each::
 
 from autoloader.measure._clock import measurable_batches
 from autoloader.measure._cpu_demand import ChildrenRunDelay
-from autoloader.measure._deadlines import STARTUP_PER_WORKER, Deadlines, TrialTimeout, time_limit
+from autoloader.measure._deadlines import (
+    FIRST_STEP_TIMEOUT,
+    STARTUP_PER_WORKER,
+    Deadlines,
+    TrialTimeout,
+    time_limit,
+)
 from autoloader.measure._device import accelerator, resolve_device
 from autoloader.measure._errors import (
     TrialError,
@@ -53,6 +59,7 @@ from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 
 __all__ = [
     "DEFAULT_BUDGET_SHARE",
+    "FIRST_STEP_TIMEOUT",
     "MIN_WINDOWS",
     "STARTUP_PER_WORKER",
     "Checkpoint",

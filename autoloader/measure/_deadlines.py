@@ -35,6 +35,18 @@ class TrialTimeout(Exception):
 # the start-up was not measured (see Deadlines.per_batch).
 STARTUP_PER_WORKER = 3.0
 
+# NOTE [ The first step ]
+# A trial that makes the process's first call of step_fn (the search's baseline, the
+# check of a reused setting) meets the training step's one-time set-up there: a model
+# built on first use, DDP wrapping it (its first broadcast waits for every rank),
+# torch.compile, cuDNN's autotuning. That step may take FIRST_STEP_TIMEOUT seconds at
+# least (the baseline: the whole time budget, if longer) before it counts as hung;
+# every later step has its batch's deadline. Held to the batch's (3 s at a 4 s budget),
+# the first step of examples/torchrun_ddp.py, about 1 s here, took over 6 s under
+# torchrun beside four tests and a busy loop in CI, and the run failed as "a fault in
+# step_fn". A step that blocks on its first call is found that much later.
+FIRST_STEP_TIMEOUT = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:
@@ -48,12 +60,16 @@ class Deadlines:
             leaves it to ``first`` and ``each``.
         start_each: seconds one worker may take to start: a worker's first batch may be
             that much later than those of workers started before it.
+        first_step: for ``step_fn`` on the trial's first batch, where its first call
+            may do the user's one-time set-up (``NOTE [ The first step ]``); ``None``
+            leaves it to ``each``.
     """
 
     first: float
     each: float
     sibling: float | None = None
     start_each: float = STARTUP_PER_WORKER
+    first_step: float | None = None
 
     @classmethod
     def per_batch(
@@ -63,10 +79,15 @@ class Deadlines:
         workers: int,
         sibling: float | None = None,
         start_each: float = STARTUP_PER_WORKER,
+        first_step: float | None = None,
     ) -> Deadlines:
         """``each`` for every batch, and time for ``workers`` to start on the first."""
         return cls(
-            first=each + start_each * workers, each=each, sibling=sibling, start_each=start_each
+            first=each + start_each * workers,
+            each=each,
+            sibling=sibling,
+            start_each=start_each,
+            first_step=first_step,
         )
 
 

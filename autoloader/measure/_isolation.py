@@ -226,9 +226,11 @@ def _by_value(obj: object) -> bytes:
 
 
 def _silence_limit(request: _Request) -> float:
-    """How long a running trial may stay silent: its whole length plus its deadlines."""
+    """How long a running trial may stay silent: its whole length plus its deadlines
+    (the first step's where longer than a batch's: NOTE [ The first step ])."""
     deadlines = request.deadlines or Deadlines(first=_START_TIMEOUT, each=_START_TIMEOUT)
-    return request.max_seconds + deadlines.first + deadlines.each + _SILENCE_MARGIN
+    step = max(deadlines.each, deadlines.first_step or 0.0)
+    return request.max_seconds + deadlines.first + step + _SILENCE_MARGIN
 
 
 def _receive(

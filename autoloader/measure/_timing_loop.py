@@ -184,6 +184,10 @@ class TimingLoop:
         self.max_batches = max_batches
         self.first_limit = deadlines.first if deadlines else None
         self.each_limit = deadlines.each if deadlines else None  # tightened by the pace
+        # The step on the first batch: the user's one-time set-up (NOTE [ The first step ]).
+        self.first_step_limit = (
+            deadlines.first_step if deadlines and deadlines.first_step else self.each_limit
+        )
         # NOTE [ Sibling pace ]: with two worker processes or more, in order.
         self.sibling_limit = (
             deadlines.sibling
@@ -262,7 +266,7 @@ class TimingLoop:
         self.time_to_first_batch = first - self.guard.started
         self.clock.first_batch(first, self.deadline)
         self.batch_bytes = tensor_bytes(self.batch)
-        self._step(self.batch)
+        self._step(self.batch, self.first_step_limit)
         self.epochs = Epochs(loader_length(self.loader), in_flight=self.clock.warmup)
         self.checkpoint_at = perf_counter()
 
@@ -446,14 +450,15 @@ class TimingLoop:
         finally:
             self.guard.alarm.disarm()
 
-    def _step(self, batch: Any) -> None:
-        """Run ``step_fn`` on ``batch``, within the per-batch limit."""
+    def _step(self, batch: Any, limit: float | None = None) -> None:
+        """Run ``step_fn`` on ``batch``, within ``limit`` (the per-batch limit where
+        ``None``)."""
         if self.failure is not None:
             # Only to keep the step's collectives matched with the other ranks'.
             with contextlib.suppress(Exception):
                 self._train(batch)
             return
-        self.guard.alarm.arm("running step_fn", self._step_limit())
+        self.guard.alarm.arm("running step_fn", self._step_limit(limit))
         try:
             self._train(batch)
             self.guard.watch.check()
@@ -467,17 +472,19 @@ class TimingLoop:
         finally:
             self.guard.alarm.disarm()
 
-    def _step_limit(self) -> float | None:
-        """How long a step may take before it counts as hung. In a joint trial the
+    def _step_limit(self, limit: float | None) -> float | None:
+        """How long a step may take before it counts as hung: ``limit``, else the
+        batch's (``each_limit``). In a joint trial the
         step's collectives wait for every rank's batch: on a rank that steps at once,
         the step takes as long as the slowest rank's fetch, which may take up to its own
         deadline (the first batch's, an epoch's first on a rank that restarts workers)
         before it counts as hung there (``NOTE [ Joint trials ]``). Held to the
         batch's deadline alone, a rank starved of CPU beside a loading one failed the
         job's baseline as a hung step ("no progress for 3 s while running step_fn")."""
-        if not self.lockstep.joint or self.each_limit is None:
-            return self.each_limit
-        return self.each_limit + (self.first_limit or self.each_limit)
+        own = self.each_limit if limit is None else limit
+        if not self.lockstep.joint or own is None:
+            return own
+        return own + (self.first_limit or own)
 
     def _train(self, batch: Any) -> None:
         """Move ``batch`` to the device, as a training loop would, and run ``step_fn``."""

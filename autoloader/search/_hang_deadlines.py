@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoloader.measure import STARTUP_PER_WORKER, Deadlines, Measurement
+from autoloader.measure import FIRST_STEP_TIMEOUT, STARTUP_PER_WORKER, Deadlines, Measurement
 from autoloader.search._cost_model import CPU_BOUND_SHARE
 from autoloader.search._objective import MIN_TRIAL_SECONDS
 from autoloader.search._outcome import Trial, baseline_measurement
@@ -57,7 +57,9 @@ class HangRules:
         measured = baseline_measurement(history)
         if measured is None:
             limit = max(_MIN_BASELINE_TIMEOUT, _BASELINE_SHARE * self.time_budget)
-            return Deadlines(first=limit, each=limit)
+            # The run's first call of step_fn (NOTE [ The first step ]).
+            first_step = max(FIRST_STEP_TIMEOUT, self.time_budget)
+            return Deadlines(first=limit, each=limit, first_step=first_step)
         per_batch = measured.load_seconds + measured.step_seconds
         slowdown = max(1.0, workers / self.usable_cpus)
         each = max(_MIN_BATCH_TIMEOUT, _TIMEOUT_FACTOR * per_batch * slowdown)
