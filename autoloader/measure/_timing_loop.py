@@ -474,13 +474,13 @@ class TimingLoop:
 
     def _step_limit(self, limit: float | None) -> float | None:
         """How long a step may take before it counts as hung: ``limit``, else the
-        batch's (``each_limit``). In a joint trial the
-        step's collectives wait for every rank's batch: on a rank that steps at once,
-        the step takes as long as the slowest rank's fetch, which may take up to its own
-        deadline (the first batch's, an epoch's first on a rank that restarts workers)
-        before it counts as hung there (``NOTE [ Joint trials ]``). Held to the
-        batch's deadline alone, a rank starved of CPU beside a loading one failed the
-        job's baseline as a hung step ("no progress for 3 s while running step_fn")."""
+        batch's (``each_limit``). In a joint trial the step's collectives wait for every
+        rank's batch: on a rank that steps at once, the step takes as long as the
+        slowest rank's fetch, which may take up to its own deadline (the first batch's,
+        an epoch's first on a rank that restarts workers) before it counts as hung there
+        (``NOTE [ Joint trials ]``). Held to the batch's deadline alone, a rank starved
+        of CPU beside a loading one failed the job's baseline as a hung step ("no
+        progress for 3 s while running step_fn")."""
         own = self.each_limit if limit is None else limit
         if not self.lockstep.joint or own is None:
             return own
