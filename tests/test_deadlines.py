@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import autoloader
 from autoloader.loader._params import normalize_params
@@ -90,6 +90,35 @@ def test_a_dataset_that_blocks_forever_fails_the_baseline_in_seconds_naming_its_
     assert f"at {__file__}:{_BLOCKS_AT} in __getitem__" in message, message
     # The threads check ran in a forked process: no thread of this one is left blocked.
     assert _blocked_in(Blocks) == []
+
+
+def _blocks_on_its_first_call(batch: object, calls: list[int] = []) -> None:  # noqa: B006
+    calls.append(1)
+    if len(calls) == 1:
+        time.sleep(3600)
+
+
+@pytest.mark.light  # mostly waits
+def test_a_step_that_blocks_on_its_first_call_fails_the_baseline_and_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ The first step ]: the run's first step may take the budget, at least
+    FIRST_STEP_TIMEOUT (1 s here: the budget's 2 s decide). A step blocked there fails
+    the baseline then, and the error tells a set-up longer than the budget allows from
+    a fault, where a later step's hang is a fault."""
+    monkeypatch.setattr("autoloader.search._hang_deadlines.FIRST_STEP_TIMEOUT", 1.0)
+    started = time.monotonic()
+    with pytest.raises(autoloader.BaselineError) as raised:
+        autoloader.tune(
+            TensorDataset(torch.zeros(64, 4)), _blocks_on_its_first_call, batch_size=4,
+            time_budget=2, show_progress=False,
+        )  # fmt: skip
+    took = time.monotonic() - started
+    assert took < _BOUND, f"BaselineError after {took:.1f} s"
+    message = str(raised.value)
+    assert "no progress for 2 s while running step_fn's first call at " in message, message
+    assert "raise time_budget; if it blocks, fix it" in message, message
+    assert "This is a fault" not in message, message
 
 
 def test_tune_from_another_thread_is_refused_before_any_read(release: threading.Event) -> None:

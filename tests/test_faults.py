@@ -131,7 +131,7 @@ def test_the_first_step_may_take_its_own_deadline_and_later_steps_the_batchs() -
         SleepDataset(64), hanging_step, deadlines=Deadlines(first=1, each=1, first_step=2)
     )
     assert isinstance(error.error, TrialTimeout)
-    assert str(error.error) == "no progress for 2 s while running step_fn"
+    assert str(error.error) == "no progress for 2 s while running step_fn's first call"
 
     def blocks_on_its_third_call(batch: object, calls: list[int] = []) -> None:  # noqa: B006
         calls.append(1)

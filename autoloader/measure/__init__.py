@@ -25,6 +25,7 @@ Modules, from the top down, one job each::
 from autoloader.measure._clock import measurable_batches
 from autoloader.measure._cpu_demand import ChildrenRunDelay
 from autoloader.measure._deadlines import (
+    FIRST_STEP_STAGE,
     FIRST_STEP_TIMEOUT,
     STARTUP_PER_WORKER,
     Deadlines,
@@ -59,6 +60,7 @@ from autoloader.measure._units import format_bytes, format_seconds, parse_bytes
 
 __all__ = [
     "DEFAULT_BUDGET_SHARE",
+    "FIRST_STEP_STAGE",
     "FIRST_STEP_TIMEOUT",
     "MIN_WINDOWS",
     "STARTUP_PER_WORKER",

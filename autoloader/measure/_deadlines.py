@@ -46,6 +46,9 @@ STARTUP_PER_WORKER = 3.0
 # torchrun beside four tests and a busy loop in CI, and the run failed as "a fault in
 # step_fn". A step that blocks on its first call is found that much later.
 FIRST_STEP_TIMEOUT = 10.0
+# What a trial was doing when its first step overran that deadline: the timeout says
+# so, and the baseline's error tells a set-up that takes longer from a step that blocks.
+FIRST_STEP_STAGE = "running step_fn's first call"
 
 
 @dataclass(frozen=True, slots=True)

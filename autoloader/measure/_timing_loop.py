@@ -17,7 +17,7 @@ from autoloader.loader import THREAD_WORKER_PREFIX
 from autoloader.measure._batches import batch_length, loader_length, tensor_bytes
 from autoloader.measure._clock import Totals, TrialClock, memory_horizon
 from autoloader.measure._cpu_demand import CpuDemand
-from autoloader.measure._deadlines import SiblingPace, TrialTimeout
+from autoloader.measure._deadlines import FIRST_STEP_STAGE, SiblingPace, TrialTimeout
 from autoloader.measure._device import move_to_device, synchronize
 from autoloader.measure._errors import TrialError, stuck_threads
 from autoloader.measure._lockstep import Checkpoint, PeerFailed
@@ -185,9 +185,7 @@ class TimingLoop:
         self.first_limit = deadlines.first if deadlines else None
         self.each_limit = deadlines.each if deadlines else None  # tightened by the pace
         # The step on the first batch: the user's one-time set-up (NOTE [ The first step ]).
-        self.first_step_limit = (
-            deadlines.first_step if deadlines and deadlines.first_step else self.each_limit
-        )
+        self.first_step_limit = deadlines.first_step if deadlines else None
         # NOTE [ Sibling pace ]: with two worker processes or more, in order.
         self.sibling_limit = (
             deadlines.sibling
@@ -266,7 +264,7 @@ class TimingLoop:
         self.time_to_first_batch = first - self.guard.started
         self.clock.first_batch(first, self.deadline)
         self.batch_bytes = tensor_bytes(self.batch)
-        self._step(self.batch, self.first_step_limit)
+        self._step(self.batch, first=True)
         self.epochs = Epochs(loader_length(self.loader), in_flight=self.clock.warmup)
         self.checkpoint_at = perf_counter()
 
@@ -450,15 +448,19 @@ class TimingLoop:
         finally:
             self.guard.alarm.disarm()
 
-    def _step(self, batch: Any, limit: float | None = None) -> None:
-        """Run ``step_fn`` on ``batch``, within ``limit`` (the per-batch limit where
-        ``None``)."""
+    def _step(self, batch: Any, *, first: bool = False) -> None:
+        """Run ``step_fn`` on ``batch``, within the per-batch limit; the trial's
+        ``first`` step within the first step's where it has one (``NOTE [ The first
+        step ]``)."""
         if self.failure is not None:
             # Only to keep the step's collectives matched with the other ranks'.
             with contextlib.suppress(Exception):
                 self._train(batch)
             return
-        self.guard.alarm.arm("running step_fn", self._step_limit(limit))
+        if first and self.first_step_limit is not None:
+            self.guard.alarm.arm(FIRST_STEP_STAGE, self._step_limit(self.first_step_limit))
+        else:
+            self.guard.alarm.arm("running step_fn", self._step_limit(None))
         try:
             self._train(batch)
             self.guard.watch.check()
