@@ -92,12 +92,6 @@ def test_a_dataset_that_blocks_forever_fails_the_baseline_in_seconds_naming_its_
     assert _blocked_in(Blocks) == []
 
 
-def _blocks_on_its_first_call(batch: object, calls: list[int] = []) -> None:  # noqa: B006
-    calls.append(1)
-    if len(calls) == 1:
-        time.sleep(3600)
-
-
 @pytest.mark.light  # mostly waits
 def test_a_step_that_blocks_on_its_first_call_fails_the_baseline_and_says_what_to_do(
     monkeypatch: pytest.MonkeyPatch,
@@ -107,6 +101,13 @@ def test_a_step_that_blocks_on_its_first_call_fails_the_baseline_and_says_what_t
     the baseline then, and the error tells a set-up longer than the budget allows from
     a fault, where a later step's hang is a fault."""
     monkeypatch.setattr("autoloader.search._hang_deadlines.FIRST_STEP_TIMEOUT", 1.0)
+    calls: list[object] = []
+
+    def _blocks_on_its_first_call(batch: object) -> None:
+        calls.append(batch)
+        if len(calls) == 1:
+            time.sleep(3600)
+
     started = time.monotonic()
     with pytest.raises(autoloader.BaselineError) as raised:
         autoloader.tune(
@@ -119,6 +120,7 @@ def test_a_step_that_blocks_on_its_first_call_fails_the_baseline_and_says_what_t
     assert "no progress for 2 s while running step_fn's first call at " in message, message
     assert "raise time_budget; if it blocks, fix it" in message, message
     assert "This is a fault" not in message, message
+    assert len(calls) == 1
 
 
 def test_tune_from_another_thread_is_refused_before_any_read(release: threading.Event) -> None:

@@ -12,7 +12,7 @@ Layers, each importing only those below it::
     _known_failures  what failed trials tell of settings not yet run; the failure boundary
     _objective       what a trial is worth (the epoch model) and how long it may measure
     _cost_model      a first guess at the worker count, from the baseline
-    _faults          classify(): what a failed trial's error means
+    _faults          classify(): what a failed trial's error means; baseline_advice()
     _space           SearchSpace: the settings searched, resolved for this machine
     _setting_rules   what each tuned setting may hold (SETTING_RULES), one definition
     _outcome         TrialSpec, Trial and the typed outcomes Completed | Pruned | Failed

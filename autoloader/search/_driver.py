@@ -38,16 +38,8 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autoloader._exceptions import BaselineError, StudyInUseError
 from autoloader.loader import normalize_params
-from autoloader.measure import (
-    FIRST_STEP_STAGE,
-    FIRST_STEP_TIMEOUT,
-    Measurement,
-    MemoryBudgetExceeded,
-    Runner,
-    TrialError,
-    TrialTimeout,
-)
-from autoloader.search._faults import classify
+from autoloader.measure import Measurement, MemoryBudgetExceeded, Runner, TrialError
+from autoloader.search._faults import baseline_advice, classify
 from autoloader.search._known_failures import failing_from, known_failure
 from autoloader.search._lease import Heartbeat, Lease, this_process
 from autoloader.search._outcome import (
@@ -318,7 +310,7 @@ class Driver:
             where = f" at {error.where}" if error.where else ""
             raise BaselineError(
                 f"The baseline (num_workers=0) failed while {error.stage}: "
-                f"{error.summary}{where}. {_baseline_advice(error)}"
+                f"{error.summary}{where}. {baseline_advice(error)}"
             ) from error.error
         return classify(error, params=spec.params, batch_bytes=self._batch_bytes())
 
@@ -437,24 +429,6 @@ class Driver:
 
     def _seconds_left(self) -> float:
         return max(0.0, self.deadline - self._clock())
-
-
-def _baseline_advice(error: TrialError) -> str:
-    """What to do about the baseline's ``error``: a first step that overran its deadline
-    may be a set-up that takes longer than the budget allows (``NOTE [ The first
-    step ]``); anything else is a fault in the user's code."""
-    timeout = error.error
-    if isinstance(timeout, TrialTimeout) and timeout.stage == FIRST_STEP_STAGE:
-        return (
-            "A step's first call may take the time budget, and at least "
-            f"{FIRST_STEP_TIMEOUT:.0f} s, for its one-time set-up (a model built on first "
-            "use, DDP, torch.compile): if yours takes longer, raise time_budget; if it "
-            "blocks, fix it and tune again."
-        )
-    return (
-        "This is a fault in the dataset, collate_fn or step_fn, not in a loader setting; "
-        "fix it and tune again."
-    )
 
 
 class Terminated(KeyboardInterrupt):

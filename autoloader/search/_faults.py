@@ -16,6 +16,8 @@ from typing import Any
 
 from autoloader.checks import world
 from autoloader.measure import (
+    FIRST_STEP_STAGE,
+    FIRST_STEP_TIMEOUT,
     TrialError,
     TrialProcessDied,
     TrialTimeout,
@@ -153,3 +155,21 @@ def _classify(
             FaultKind.WORKER_CRASHED, f"worker exited with code {error.worker_exit_codes[0]}"
         )
     return _failed(FaultKind.ERROR, f"{error.summary} (while {error.stage})")
+
+
+def baseline_advice(error: TrialError) -> str:
+    """What to do about the baseline's ``error``: a first step that overran its deadline
+    may be a set-up that takes longer than the budget allows (``NOTE [ The first
+    step ]``); anything else is a fault in the user's code."""
+    timeout = error.error
+    if isinstance(timeout, TrialTimeout) and timeout.stage == FIRST_STEP_STAGE:
+        return (
+            "A step's first call may take the time budget, and at least "
+            f"{FIRST_STEP_TIMEOUT:.0f} s, for its one-time set-up (a model built on first "
+            "use, DDP, torch.compile): if yours takes longer, raise time_budget; if it "
+            "blocks, fix it and tune again."
+        )
+    return (
+        "This is a fault in the dataset, collate_fn or step_fn, not in a loader setting; "
+        "fix it and tune again."
+    )
