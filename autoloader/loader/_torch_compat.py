@@ -22,7 +22,7 @@ from torch._utils import KeyErrorMessage as _KeyErrorMessage
 from torch.utils.data import DataLoader, _utils
 from torch.utils.data._utils import signal_handling as _signal_handling
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 # The base class of DataLoader's iterators (torch 2.6 to 2.13). A subclass gets from
 # its __init__ the loader's settings as ``_dataset``, ``_auto_collation``,
@@ -155,6 +155,58 @@ def shutdown_workers(
         shutdown()
     if loader is not None:
         loader._iterator = None
+
+
+# NOTE [ A half-built iterator ]
+# An exception raised inside iter(loader) while _MultiProcessingDataLoaderIter.__init__
+# starts its workers (Ctrl-C, most often: the start-up is the slow part) leaves the
+# iterator half built, reachable only from the traceback, with some workers running.
+# Freed later, its __del__ shuts it down, but before __init__ has set
+# ``_workers_status`` (in ``_reset``, after every worker started) that raises
+# AttributeError, which Python prints as "Exception ignored in ... __del__" (a CLI test
+# saw it on a Ctrl-C beside a busy loop), and a worker started but not yet listed in
+# ``_workers`` is never stopped. So the caller of iter() completes what __init__ did
+# not and shuts it down at once: the started workers listed, each told to stop
+# through its queue as a finished epoch's are.
+
+
+def stop_half_built_iterator(error: BaseException) -> None:
+    """Shut down the workers of a DataLoader iterator whose ``__init__`` ``error``
+    interrupted (``NOTE [ A half-built iterator ]``); nothing where it was not one.
+
+    Relies on ``_MultiProcessingDataLoaderIter.__init__``'s order and names (torch 2.6
+    to 2.13): ``_shutdown``, then ``_workers_done_event``, ``_index_queues`` and
+    ``_workers``, each worker started as the local ``w`` with its ``index_queue``, then
+    listed; ``_workers_status`` set by ``_reset()`` at the end.
+    """
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame = traceback.tb_frame
+        it = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        if isinstance(it, _MultiProcessingDataLoaderIter):
+            _complete(it, frame.f_locals)
+            it._shutdown_workers()
+            return
+        traceback = traceback.tb_next
+
+
+def _complete(it: Any, names: dict[str, Any]) -> None:
+    """What ``it._shutdown_workers()`` needs that an interrupted ``__init__`` did not set."""
+    if not hasattr(it, "_workers_done_event"):
+        it._shutdown = True  # no worker started: nothing to shut down
+        return
+    it.__dict__.setdefault("_index_queues", [])
+    it.__dict__.setdefault("_workers", [])
+    worker, queue = names.get("w"), names.get("index_queue")
+    started = isinstance(worker, BaseProcess) and getattr(worker, "_popen", None) is not None
+    if started and worker not in it._workers:
+        if queue is not None and queue not in it._index_queues:
+            it._index_queues.append(queue)
+        it._workers.append(worker)
+    if not hasattr(it, "_workers_status"):
+        # Every listed worker waits for its queue's stop (None): told so, it exits
+        # at once, where a worker not told waits out DataLoader's 5 s join.
+        it._workers_status = [True] * len(it._workers)
 
 
 def batches_yielded(iterator: object) -> int:

@@ -22,6 +22,7 @@ from autoloader.loader._torch_compat import (
     raise_if_any_worker_failed,
     shutdown_workers,
     sigchld_handler_held,
+    stop_half_built_iterator,
     worker_processes,
 )
 from autoloader.measure._deadlines import Alarm, TrialTimeout
@@ -119,6 +120,12 @@ class WorkerDeaths:
         try:
             iterator = iter(loader)
             named(iterator)
+        except BaseException as error:
+            # Its workers are stopped now, not by a noisy __del__ (NOTE [ A half-built
+            # iterator ]); what raised goes on as it was.
+            with contextlib.suppress(Exception):
+                stop_half_built_iterator(error)
+            raise
         finally:
             self._deferring = False
         if self._deferred:
