@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import mmap
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -284,3 +286,37 @@ def test_shared_memory_the_tree_fills_grows_between_exact_readings(
             time.sleep(0.01)
         grown = watch.outgrows(1000.0)
     assert grown is not None and grown.projected is not None
+
+
+class _SlowToSayItRuns(threading.Thread):
+    """A thread that runs 0.3 s before it says so (``Thread._started``): a Ctrl-C in
+    the meantime cuts its ``start()`` short, as one did in a CLI run beside a busy loop."""
+
+    def _bootstrap_inner(self) -> None:
+        time.sleep(0.3)
+        super()._bootstrap_inner()  # type: ignore[misc]
+
+
+def _ctrl_c(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_inside_the_watchs_start_leaves_a_thread_stop_can_join(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    watch = MemoryWatch(2**40)
+    previous = signal.signal(signal.SIGALRM, _ctrl_c)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(threading, "Thread", _SlowToSayItRuns)
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            with pytest.raises(KeyboardInterrupt):
+                watch.start()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    thread = watch._thread
+    assert thread is not None and not thread.is_alive()  # not said to run yet
+    watch.stop()  # raised "cannot join thread before it is started"
+    assert not thread.is_alive() and thread.ident is not None  # it ran, and was joined
+    assert not any(t.name == "autoloader-memory" for t in threading.enumerate())

@@ -338,7 +338,7 @@ class MemoryWatch:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            _join(thread)
 
     @property
     def running(self) -> bool:
@@ -507,3 +507,24 @@ def kill(pids: Iterable[int]) -> None:
                 os.kill(target, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 continue
+
+
+# A thread whose start() a Ctrl-C cut short may run without having said so yet:
+# join() refuses it ("cannot join thread before it is started") until it does.
+_START_WAIT = 1.0
+
+
+def _join(thread: threading.Thread) -> None:
+    """Join ``thread``, whose ``start()`` may have been cut short by a Ctrl-C between
+    creating the thread and its saying it runs (a CLI run beside a busy loop turned the
+    interrupt into that RuntimeError): wait up to ``_START_WAIT`` for it to say so,
+    then join it; one that never started is left to the collector."""
+    given_up = time.monotonic() + _START_WAIT
+    while True:
+        try:
+            thread.join()
+            return
+        except RuntimeError:
+            if time.monotonic() > given_up:
+                return
+            time.sleep(0.001)
