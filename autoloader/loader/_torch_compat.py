@@ -159,7 +159,7 @@ def shutdown_workers(
 
 # NOTE [ A half-built iterator ]
 # An exception raised inside iter(loader) while _MultiProcessingDataLoaderIter.__init__
-# starts its workers (Ctrl-C, most often: the start-up is the slow part) leaves the
+# starts its workers (Ctrl-C: the start-up is the slow part of a trial) leaves the
 # iterator half built, reachable only from the traceback, with some workers running.
 # Freed later, its __del__ shuts it down, but before __init__ has set
 # ``_workers_status`` (in ``_reset``, after every worker started) that raises
@@ -167,7 +167,9 @@ def shutdown_workers(
 # saw it on a Ctrl-C beside a busy loop), and a worker started but not yet listed in
 # ``_workers`` is never stopped. So the caller of iter() completes what __init__ did
 # not and shuts it down at once: the started workers listed, each told to stop
-# through its queue as a finished epoch's are.
+# through its queue as a finished epoch's are. Only for an interrupt (a BaseException
+# that is no Exception): an error there (a worker's death) is the trial's failure,
+# whose clean-up knows not to touch the locks a killed worker may hold.
 
 
 def stop_half_built_iterator(error: BaseException) -> None:

@@ -121,10 +121,11 @@ class WorkerDeaths:
             iterator = iter(loader)
             named(iterator)
         except BaseException as error:
-            # Its workers are stopped now, not by a noisy __del__ (NOTE [ A half-built
-            # iterator ]); what raised goes on as it was.
-            with contextlib.suppress(Exception):
-                stop_half_built_iterator(error)
+            # Ctrl-C: its workers are stopped now, not by a noisy __del__ (NOTE [ A
+            # half-built iterator ]); what raised goes on as it was.
+            if not isinstance(error, Exception):
+                with contextlib.suppress(Exception):
+                    stop_half_built_iterator(error)
             raise
         finally:
             self._deferring = False
