@@ -270,9 +270,7 @@ def checked(result: TuneResult, runner: Runner, *, budget: float, path: Path) ->
         return dataclasses.replace(result, notes=(*result.notes, probe.note()))
     seconds = check_seconds(budget, saved)
     workers = int(result.params.get("num_workers") or 0)
-    hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(saved))
-    # Its first step may be the process's first call of step_fn (NOTE [ The first step ]).
-    deadlines = Deadlines.per_batch(hung, workers=workers, first_step=max(hung, FIRST_STEP_TIMEOUT))
+    deadlines = _check_deadlines(seconds, saved, workers=workers)
     cpus = _CpuUse()
     try:
         measured = runner.measure(
@@ -405,6 +403,15 @@ class DefaultsProbe:
         )
 
 
+def _check_deadlines(seconds: float, saved: TrialRecord, *, workers: int) -> Deadlines:
+    """The hang deadlines of a check ``seconds`` long of ``saved``'s setting (or the
+    defaults' loop against it): _HUNG times its batch, _LEAST_HUNG seconds at least,
+    never less than the check; its first step may be the process's first call of
+    step_fn (NOTE [ The first step ])."""
+    hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(saved))
+    return Deadlines.per_batch(hung, workers=workers, first_step=max(hung, FIRST_STEP_TIMEOUT))
+
+
 def _defaults_probe(
     result: TuneResult, runner: Runner, *, budget: float, path: Path
 ) -> DefaultsProbe | None:
@@ -416,18 +423,16 @@ def _defaults_probe(
     if baseline is None or length is None:
         return None
     seconds, timed = length
-    # The search's hang deadlines, as the setting's check: a batch (its step included)
-    # cut short by the probe's own length would be the user's step interrupted.
-    hung = max(seconds, _LEAST_HUNG, _HUNG * _batch_seconds(baseline))
     cpus = _CpuUse()
     try:
         measured = runner.measure(
             baseline.params,
             max_seconds=seconds,
             on_window=lambda window, estimate: decided(baseline, window, estimate),
-            deadlines=Deadlines.per_batch(
-                hung, workers=0, first_step=max(hung, FIRST_STEP_TIMEOUT)
-            ),
+            # The search's hang deadlines, as the setting's check: a batch (its step
+            # included) cut short by the probe's own length would be the user's step
+            # interrupted.
+            deadlines=_check_deadlines(seconds, baseline, workers=0),
             max_batches=timed,
         )
     except (TrialError, MemoryBudgetExceeded) as error:
