@@ -134,8 +134,10 @@ def test_the_first_step_may_take_its_own_deadline_and_later_steps_the_batchs() -
     assert isinstance(error.error, TrialTimeout)
     assert str(error.error) == "no progress for 2 s while running step_fn's first call"
 
-    def blocks_on_its_third_call(batch: object, calls: list[int] = []) -> None:  # noqa: B006
-        calls.append(1)
+    calls: list[object] = []
+
+    def blocks_on_its_third_call(batch: object) -> None:
+        calls.append(batch)
         if len(calls) == 3:
             time.sleep(3600)
 

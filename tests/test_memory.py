@@ -289,8 +289,14 @@ def test_shared_memory_the_tree_fills_grows_between_exact_readings(
 
 
 class _SlowToSayItRuns(threading.Thread):
-    """A thread that runs 0.3 s before it says so (``Thread._started``): a Ctrl-C in
-    the meantime cuts its ``start()`` short, as one did in a CLI run beside a busy loop."""
+    """A thread that runs 0.3 s before it says so (``Thread._started``), and a Ctrl-C
+    (SIGALRM, ``_ctrl_c``) 0.05 s into its ``start()``, which it cuts short, as one did
+    in a CLI run beside a busy loop. Armed in ``start()`` itself: armed before the
+    watch's ``start()``, the interrupt could land in its first sample instead."""
+
+    def start(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        super().start()
 
     def _bootstrap_inner(self) -> None:
         time.sleep(0.3)
@@ -309,7 +315,6 @@ def test_a_ctrl_c_inside_the_watchs_start_leaves_a_thread_stop_can_join(
     try:
         with monkeypatch.context() as patched:
             patched.setattr(threading, "Thread", _SlowToSayItRuns)
-            signal.setitimer(signal.ITIMER_REAL, 0.05)
             with pytest.raises(KeyboardInterrupt):
                 watch.start()
     finally:
