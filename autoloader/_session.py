@@ -127,25 +127,22 @@ class RunSession:
         search: only once every argument was checked, and out of the time budget (see
         NOTE [ Checks before the search ])."""
         problem = self.problem
+        asked = problem.space
         checks = Checks(
             problem.dataset,
             problem.fixed,
             batch_size=problem.batch_size,
             seconds=checks_seconds(problem.budget),
             memory_budget=problem.memory_bytes,
+            processes=asked.num_workers != (0, 0) and asked.worker_kind != ("threads",),
         )
-        asked = problem.space
         if asked.num_workers != (0, 0):  # with no workers, nothing can repeat
             checks.repeated_samples()
         batched_fetch_problem = (
             checks.batched_fetch_problem() if asked.batched_fetch != (False,) else None
         )
         threads_problem = checks.threads_problem() if asked.worker_kind != ("processes",) else None
-        facts = checks.facts(
-            problem.dataset_length,
-            start_method=problem.start_method,
-            processes=asked.num_workers != (0, 0) and asked.worker_kind != ("threads",),
-        )
+        facts = checks.facts(problem.dataset_length, start_method=problem.start_method)
         resolve = functools.partial(
             resolve_space,
             asked,

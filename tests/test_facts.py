@@ -3,6 +3,9 @@ facts they find, the deadlines that bound them, and the datasets they refuse."""
 
 from __future__ import annotations
 
+import multiprocessing
+import re
+import time
 from typing import Any
 
 import numpy as np
@@ -64,7 +67,8 @@ def test_a_workers_start_up_is_measured_for_map_and_iterable_datasets() -> None:
         assert facts["worker_start_seconds"] is not None
         assert facts["worker_start_seconds"] >= 0 and not facts["worker_start_at_least"]
         assert facts["start_method"] == "fork"
-    no_workers = _checks(SleepDataset(64)).facts(64, start_method="fork", processes=False)
+    checks = Checks(SleepDataset(64), {}, batch_size=1, seconds=10.0, processes=False)
+    no_workers = checks.facts(64, start_method="fork")
     assert no_workers["worker_start_seconds"] is None and no_workers["missing"] == {}
 
 
@@ -157,6 +161,62 @@ def test_a_check_that_hangs_costs_its_share_of_the_time_and_no_more(
         assert "s the checks before the search may take" in facts["missing"][check]
     if "batched_fetch" in hung:
         assert problem is not None and problem.startswith("its check was cut short")
+
+
+class SlowToGiveUp(HangsIn):
+    """Hangs in the copy-on-read probe; its read of a list (the batched-fetch check's)
+    blocks, and once its check's time is out takes 1.2 s more to give up."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if isinstance(index, list):
+            try:
+                time.sleep(3600)
+            finally:
+                time.sleep(1.2)
+        return super().__getitem__(index)
+
+
+@pytest.mark.light  # mostly waits
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
+def test_a_checks_clean_up_past_its_time_is_not_charged_to_the_checks_after_it() -> None:
+    checks = _checks(SlowToGiveUp("probe"), seconds=2.0, batch_size=4)
+    problem = checks.batched_fetch_problem()
+    assert problem is not None and problem.startswith("its check was cut short")
+    facts = checks.facts(2048, start_method="fork")
+    # The batched fetch took 1.5 s of the 2.0 s, its 0.3 s share and 1.2 s more: the
+    # probe still gets its 0.9 s share, and what the checks before it left of theirs.
+    found = re.match(
+        r"the check did not finish within (\d\.\d) s", facts["missing"]["copy_on_read"]
+    )
+    assert found is not None, facts["missing"]
+    assert 0.9 <= float(found[1]) <= 1.3
+
+
+class HangsInTheThreadsCheck(SleepDataset):
+    """Reads at once, but hangs in the threads check's forked process."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if multiprocessing.current_process().name == "autoloader-threads-check":
+            time.sleep(3600)
+        return super().__getitem__(index)
+
+
+@pytest.mark.light  # mostly waits
+def test_without_worker_processes_the_probe_is_not_run_and_its_share_goes_before_it() -> None:
+    """The copy-on-read probe's fact is worker processes': searching threads alone, the
+    threads check gets its 0.2 of the checks' time, and the probe's 0.45."""
+    for processes, (least, most) in ((True, (0.2, 0.4)), (False, (0.6, 0.85))):
+        checks = Checks(
+            HangsInTheThreadsCheck(2048, latency=0), {}, batch_size=4, seconds=1.0,
+            processes=processes,
+        )  # fmt: skip
+        checks.batched_fetch_problem()
+        problem = checks.threads_problem()
+        found = re.search(r"did not finish within (\d\.\d) s", problem or "")
+        assert found is not None, problem
+        assert least <= float(found[1]) <= most, (processes, problem)
+    facts = checks.facts(2048, start_method="fork")
+    assert facts["copy_on_read"] is None and "copy_on_read" not in facts["missing"]
 
 
 def test_the_repeated_samples_check_is_held_to_its_time() -> None:

@@ -21,7 +21,7 @@ Measured once, before the search, and saved with the result (``TuneResult.facts`
   item it reads for the first time (``NOTE [ Copy-on-read probe ]``; below what the
   report speaks of, an upper bound), and ``copy_on_read_items``, how many items that
   was measured over; ``None`` if not measured (another start method, an iterable
-  dataset, fewer than 1,000 items);
+  dataset, fewer than 1,000 items, no worker processes searched);
   ``process_bytes``, this process's resident memory then, which bounds the copy.
 - ``missing``: for each fact a check could not establish, why (it ran out of its time,
   or the dataset raised in it).
@@ -39,7 +39,9 @@ trial's watchdog, deadline and clean-up), in a forked process (the threads check
 copy-on-read probe: NOTE [ Checks that can be abandoned ]) by waiting for it no
 longer and killing it. A check that overruns costs its share and no more; its fact is
 recorded missing with the reason, the run goes on, and the report says what was not
-checked.
+checked. Its clean-up past its time (workers stopped, a process killed, slower on a
+busy machine) is not charged to the checks after it, which get their shares all the
+same: it comes out of the search's time.
 
 NOTE [ Worker start-up ]
 Under fork a worker starts in a few milliseconds. Under spawn and forkserver (Windows,
@@ -118,8 +120,10 @@ _SHARES = {
 _THREAD_CHECK_BATCHES = 3
 _THREAD_CHECK_ITEMS = 4
 _THREAD_CHECK_THREADS = 2
-# How the reason of a check that ran out of its time begins.
+# How the reason of a check that ran out of its time begins; the reason of one that had
+# no time to start.
 _OUT_OF_TIME = "the check did not finish within"
+_NO_TIME = "not checked: the checks before the search ran out of time"
 # A check given less time than this is not started.
 _MIN_CHECK_SECONDS = 0.05
 
@@ -140,6 +144,9 @@ class Checks:
         seconds (float): the time all the checks may take together.
         memory_budget (int, optional): bytes the process tree may use while a check runs
             workers; ``None`` means the default budget. (default: ``None``)
+        processes (bool): whether worker processes are searched. Without them no worker
+            is started for them, and the copy-on-read probe, whose fact is theirs, does
+            not run: its share goes to the checks before it. (default: ``True``)
     """
 
     def __init__(
@@ -150,14 +157,17 @@ class Checks:
         batch_size: int,
         seconds: float,
         memory_budget: int | None = None,
+        processes: bool = True,
     ) -> None:
         self.dataset = dataset
         self.fixed = dict(fixed)
         self.batch_size = batch_size
         self.seconds = seconds
         self.missing: dict[str, str] = {}
-        self._ends = time.monotonic() + seconds
-        self._unused = 0.0  # seconds earlier checks left of their shares
+        self._spent = 0.0  # seconds earlier checks took of what they were given
+        self.processes = processes
+        # Seconds earlier checks left of their shares, and the shares of checks not made.
+        self._unused = 0.0 if processes else _SHARES["copy_on_read"] * seconds
         self._item_seconds = 0.0  # to read item 0 here, once read before
         self._allotted = 0.0  # seconds the check under way was given
         self._runner = TrialRunner(
@@ -172,11 +182,11 @@ class Checks:
         """``check(seconds)`` within its share of the checks' time, and what earlier
         checks left of theirs (all that is left, for the ``last``); ``None``, with the
         reason in :attr:`missing`, if it overran it or failed."""
-        left = self._ends - time.monotonic()
+        left = self.seconds - self._spent  # an overrun is not charged to the checks after it
         share = _SHARES[name] * self.seconds + self._unused
         seconds = left if last else min(share, left)
         if seconds < _MIN_CHECK_SECONDS:
-            self.missing[name] = "not checked: the checks before the search ran out of time"
+            self.missing[name] = _NO_TIME
             return None
         started = time.monotonic()
         self._allotted = seconds
@@ -186,7 +196,9 @@ class Checks:
             self.missing[name] = self._why(error, seconds)
             return None
         finally:
-            self._unused = max(0.0, seconds - (time.monotonic() - started))
+            took = time.monotonic() - started
+            self._spent += min(took, seconds)
+            self._unused = max(0.0, seconds - took)
 
     def _why(self, error: Exception, seconds: float) -> str:
         cause = error.error if isinstance(error, TrialError) else error
@@ -211,7 +223,7 @@ class Checks:
 
         problem = self._run("batched_fetch", check)
         if problem is None and "batched_fetch" in self.missing:
-            return f"its check was cut short ({self.missing['batched_fetch']})"
+            return _unfinished(self.missing["batched_fetch"])
         return problem
 
     # NOTE [ Threads check ]
@@ -268,7 +280,7 @@ class Checks:
 
         problem = self._run("threads", check)
         if problem is None and "threads" in self.missing:
-            return f"its check was cut short ({self.missing['threads']})"
+            return _unfinished(self.missing["threads"])
         return problem
 
     def repeated_samples(self) -> None:
@@ -302,20 +314,16 @@ class Checks:
                 "only seem faster. Shard it, then tune again."
             )
 
-    def facts(
-        self, dataset_length: int | None, *, start_method: str, processes: bool = True
-    ) -> dict[str, Any]:
+    def facts(self, dataset_length: int | None, *, start_method: str) -> dict[str, Any]:
         """Measure the facts of the module docstring; none of them raises.
 
         Args:
             dataset_length: items in the dataset, ``None`` without ``__len__``.
             start_method: how the user's loader starts its worker processes.
-            processes: whether worker processes are searched: without them no worker
-                is started.
         """
         random_items = self._random_items(dataset_length)
         start, at_least, repeat = None, False, None
-        if processes or random_items:
+        if self.processes or random_items:
             # Under fork the copy-on-read probe comes next and needs its share.
             start, at_least, repeat = self._workers(
                 bool(random_items), last=start_method != "fork", start_method=start_method
@@ -336,7 +344,7 @@ class Checks:
         """``dataset_length``, ``copy_on_read``, ``copy_on_read_items`` and
         ``process_bytes`` of the module docstring."""
         measured = None
-        if start_method == "fork" and dataset_length:
+        if start_method == "fork" and dataset_length and self.processes:
             measured = self._run(
                 "copy_on_read", lambda seconds: copy_on_read(self.dataset, dataset_length, seconds)
             )
@@ -413,6 +421,13 @@ class Checks:
             f"search takes {seconds:.1f} s as its start-up"
         )
         return seconds, True, None
+
+
+def _unfinished(why: str) -> str:
+    """The problem of a choice whose check did not finish, ``why`` (``Checks.missing``)."""
+    if why.startswith((_OUT_OF_TIME, _NO_TIME)):
+        return f"its check was cut short ({why}; a longer time_budget gives it more)"
+    return f"its check could not be made ({why})"
 
 
 def _threads_verdict(dataset: Dataset[Any], options: dict[str, Any], batches: int) -> str | None:
