@@ -4,7 +4,6 @@ and a run elsewhere holds the study while it beats."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -15,10 +14,11 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 import autoloader
 from autoloader import SearchSpace
@@ -129,13 +129,17 @@ def test_a_killed_run_resumes_from_its_storage(
     orphans = [
         t for t in after if t.number < len(before) and before[t.number].state == TrialState.RUNNING
     ]
-    assert orphans and all(t.state == TrialState.FAIL for t in orphans)
     records = {r.number: r for r in result.trials}
-    assert all(
-        (records[t.number].reason or "").startswith("interrupted: the tuning process")
-        and records[t.number].kind == "interrupted"
-        for t in orphans
-    )
+    assert orphans
+    for trial in orphans:
+        if "outcome" in before[trial.number].user_attrs:  # killed as its trial was told
+            assert (
+                records[trial.number].state == before[trial.number].user_attrs["outcome"]["state"]
+            )
+            continue
+        assert trial.state == TrialState.FAIL
+        assert (records[trial.number].reason or "").startswith("interrupted: the tuning process")
+        assert records[trial.number].kind == "interrupted"
     # The choice is made among every trial of the problem, the killed run's included:
     # its records are in the result, and the chosen setting's median is the best of
     # all complete settings (the killed run's baseline was not measured again).
@@ -150,6 +154,36 @@ def test_a_killed_run_resumes_from_its_storage(
     assert not [t for t in after if t.state == TrialState.WAITING]
 
 
+def _tune_small(url: str) -> autoloader.TuneResult:
+    return autoloader.tune(
+        SleepDataset(512), sleep_step, batch_size=4, time_budget=10, n_trials=1,
+        search_space=SearchSpace(num_workers=(0, 0)), storage=url, show_progress=False,
+    )  # fmt: skip
+
+
+def _left_running_elsewhere(
+    url: str, *, heartbeat_age: float, copied: tuple[str, ...]
+) -> tuple[optuna.Study, FrozenTrial, int, dict[str, Any]]:
+    """What a tuning run on another machine leaves in the study of ``_tune_small``'s run
+    there: its lease, its heartbeat ``heartbeat_age`` s old, and a trial running with
+    the ``copied`` attributes of the study's last trial. The study, that last trial, the
+    running trial's number and the lease."""
+    (summary,) = optuna.get_all_study_summaries(url)
+    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    finished = study.trials[-1]
+    trial = study.ask()
+    for name in copied:
+        trial.set_user_attr(name, finished.user_attrs[name])
+    trial.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 0.0})
+    now = time.time()
+    lease = {
+        "host": "elsewhere", "pid": 1, "started": 0.0, "since": now - 600,
+        "heartbeat": now - heartbeat_age, "token": "theirs", "ended": None,
+    }  # fmt: skip
+    study.set_user_attr("autoloader:run", lease)
+    return study, finished, trial.number, lease
+
+
 @pytest.mark.light  # mostly waits
 def test_a_run_of_another_machine_holds_the_study_until_its_heartbeat_lapses(
     tmp_path: Path,
@@ -158,35 +192,41 @@ def test_a_run_of_another_machine_holds_the_study_until_its_heartbeat_lapses(
     heartbeat is older than the grace period, the next run takes the study over and fails
     the trial it left running."""
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    tune = functools.partial(
-        autoloader.tune, SleepDataset(512), sleep_step, batch_size=4, time_budget=10,
-        n_trials=1, search_space=SearchSpace(num_workers=(0, 0)), storage=url,
-        show_progress=False,
-    )  # fmt: skip
-    tune()
-    (summary,) = optuna.get_all_study_summaries(url)
-    # What a tuning run on another machine leaves: its lease, and a trial it runs.
-    study = optuna.load_study(study_name=summary.study_name, storage=url)
-    finished = study.trials[-1]
-    trial = study.ask()
-    for name in ("phase", "params"):
-        trial.set_user_attr(name, finished.user_attrs[name])
-    trial.set_user_attr("owner", {"host": "elsewhere", "pid": 1, "started": 0.0})
-    now = time.time()
-    lease = {
-        "host": "elsewhere", "pid": 1, "started": 0.0, "since": now - 600,
-        "heartbeat": now - 5, "token": "theirs", "ended": None,
-    }  # fmt: skip
-    study.set_user_attr("autoloader:run", lease)
+    _tune_small(url)
+    study, _, number, lease = _left_running_elsewhere(
+        url, heartbeat_age=5, copied=("phase", "params")
+    )
 
     with pytest.raises(autoloader.StudyInUseError, match="pid 1 on host elsewhere") as refused:
-        tune()
+        _tune_small(url)
     assert "its lease lapses 60 s after its last heartbeat" in str(refused.value)
-    assert study.trials[trial.number].state == TrialState.RUNNING
+    assert study.trials[number].state == TrialState.RUNNING
 
-    study.set_user_attr("autoloader:run", {**lease, "heartbeat": now - 120})
-    result = tune()
-    assert study.trials[trial.number].state == TrialState.FAIL
-    (record,) = [r for r in result.trials if r.number == trial.number]
+    study.set_user_attr("autoloader:run", {**lease, "heartbeat": time.time() - 120})
+    result = _tune_small(url)
+    assert study.trials[number].state == TrialState.FAIL
+    (record,) = [r for r in result.trials if r.number == number]
     assert record.reason == "interrupted: the tuning process (pid 1 on elsewhere) died"
+    assert TrialState.RUNNING not in {t.state for t in study.trials}
+
+
+@pytest.mark.light  # mostly waits
+def test_a_trial_its_dead_run_had_measured_is_kept_as_measured(tmp_path: Path) -> None:
+    """A run killed between storing a trial's outcome and telling Optuna left the trial
+    running with its measurement: the next run tells it as measured, not failed."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first = _tune_small(url)
+    study, finished, number, _ = _left_running_elsewhere(
+        url, heartbeat_age=120, copied=("phase", "params", "measurement", "outcome")
+    )
+    assert finished.state == TrialState.COMPLETE
+
+    result = _tune_small(url)
+    kept = study.trials[number]
+    assert kept.state == TrialState.COMPLETE
+    assert kept.value == finished.value
+    (record,) = [r for r in result.trials if r.number == number]
+    assert record.state == "complete" and record.reason is None
+    assert record.samples_per_second == first.trials[-1].samples_per_second
+    assert record.samples_per_second is not None and record.samples_per_second > 0
     assert TrialState.RUNNING not in {t.state for t in study.trials}

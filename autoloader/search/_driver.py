@@ -17,12 +17,11 @@ import dataclasses
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import FrameType
 from typing import Any
@@ -53,15 +52,16 @@ from autoloader.search._outcome import (
     Trial,
     TrialSpec,
     baseline_measurement,
+    orphan_reason,
     outcome_attrs,
-    outcome_from_attrs,
+    state_of,
+    stored_outcome,
+    told,
 )
 from autoloader.search._policy import Plan, Policy, Stop
 from autoloader.search._reasons import SearchEnd, StopReason, render
 
 _logger = logging.getLogger(__name__)
-
-_MEASUREMENT_FIELDS = frozenset(f.name for f in fields(Measurement))
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,15 +318,11 @@ class Driver:
         measurement = outcome.measurement if isinstance(outcome, (Completed, Pruned)) else None
         if measurement is not None:
             asked.set_user_attr("measurement", asdict(measurement))
-        asked.set_user_attr("outcome", outcome_attrs(outcome))
-        if isinstance(outcome, Completed):
-            self.study.tell(asked, outcome.value)
-        elif isinstance(outcome, Pruned):
-            if measurement is not None:  # the sampler ranks pruned trials by it
-                asked.report(self.policy.value(spec.params, measurement, self.history), 0)
-            self.study.tell(asked, state=TrialState.PRUNED)
-        else:
-            self.study.tell(asked, state=TrialState.FAIL)
+        asked.set_user_attr("outcome", outcome_attrs(outcome))  # then told: _fail_orphans
+        if isinstance(outcome, Pruned) and measurement is not None:
+            # the sampler ranks pruned trials by it
+            asked.report(self.policy.value(spec.params, measurement, self.history), 0)
+        self.study.tell(asked, **told(outcome))
         if self._heartbeat is not None:
             self._heartbeat.beating(None)
         trial = Trial(spec.number, spec.phase, spec.params, outcome)
@@ -381,15 +377,28 @@ class Driver:
         A run killed mid-trial (SIGKILL, the OOM killer, a power cut) leaves its trial
         RUNNING in the storage forever. This run holds the study's lease: no other run
         on it is alive, on this machine or another (``NOTE [ The study's lease ]``), so
-        every trial still RUNNING will never finish. A study in memory has none.
+        every trial still RUNNING will never finish. A study in memory has none. A run
+        killed between storing a trial's outcome and telling it (:meth:`_tell`) had
+        measured the setting: that trial is told its outcome, not failed.
         """
         if self._heartbeat is None:
             return
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         for trial in running:
-            owner = trial.user_attrs.get("owner") or {}
+            with contextlib.suppress(KeyError, TypeError, ValueError):  # unreadable: failed
+                stored = stored_outcome(trial.user_attrs)
+                if stored is not None:
+                    self.study.tell(trial.number, **told(stored))
+                    _logger.info(
+                        "trial %d: its run died once it was measured: kept, %s",
+                        trial.number,
+                        state_of(stored),
+                    )
+                    continue
             self.study.tell(trial.number, state=TrialState.FAIL)
-            _logger.info("trial %d: %s", trial.number, _orphan_reason(owner))
+            _logger.info(
+                "trial %d: %s", trial.number, orphan_reason(trial.user_attrs.get("owner") or {})
+            )
 
     # Helpers ------------------------------------------------------------------------
 
@@ -538,17 +547,10 @@ def _trial_of(frozen: FrozenTrial) -> Trial | None:
     try:
         phase = Phase(attrs["phase"])
         params = normalize_params(attrs["params"])
-        raw = attrs.get("measurement")
-        measurement = (
-            Measurement(**{k: v for k, v in raw.items() if k in _MEASUREMENT_FIELDS})
-            if isinstance(raw, Mapping)
-            else None
-        )
-        if "outcome" in attrs:
-            outcome = outcome_from_attrs(attrs["outcome"], measurement)
-        elif frozen.state == TrialState.FAIL:  # failed by _fail_orphans, or a stale one
-            outcome = Failed(FaultKind.INTERRUPTED, _orphan_reason(attrs.get("owner") or {}))
-        else:
+        outcome = stored_outcome(attrs)
+        if outcome is None and frozen.state == TrialState.FAIL:  # by _fail_orphans, or stale
+            outcome = Failed(FaultKind.INTERRUPTED, orphan_reason(attrs.get("owner") or {}))
+        elif outcome is None:
             return None
     except (KeyError, TypeError, ValueError) as error:
         _logger.warning("trial %d of the study is not readable: %s", frozen.number, error)
@@ -588,9 +590,3 @@ def _frozen(plain: Mapping[str, Any]) -> FrozenTrial:
         user_attrs=plain["user_attrs"],
         intermediate_values={int(step): v for step, v in plain["intermediate_values"].items()},
     )
-
-
-def _orphan_reason(owner: Mapping[str, Any]) -> str:
-    host = owner.get("host")
-    on = f" on {host}" if host is not None and host != socket.gethostname() else ""
-    return f"interrupted: the tuning process (pid {owner.get('pid')}{on}) died"

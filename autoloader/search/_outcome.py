@@ -12,9 +12,12 @@ The kinds are enums, so no rule reads a reason's words back. Reasons are for peo
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
+
+from optuna.trial import TrialState
 
 from autoloader.loader import Params
 from autoloader.measure import Deadlines, Measurement
@@ -186,7 +189,39 @@ def outcome_from_attrs(attrs: dict[str, Any], measurement: Measurement | None) -
     raise ValueError(f"unknown state {state!r}")
 
 
+_MEASUREMENT_FIELDS = frozenset(f.name for f in fields(Measurement))
 _STATE: dict[type, str] = {Completed: "complete", Pruned: "pruned", Failed: "failed"}
+
+
+def stored_outcome(attrs: Mapping[str, Any]) -> Outcome | None:
+    """The outcome ``Driver._tell`` stored in a trial's ``attrs``; ``None`` if none.
+
+    Raises:
+        KeyError, TypeError, ValueError: the attributes are not an outcome.
+    """
+    if "outcome" not in attrs:
+        return None
+    raw = attrs.get("measurement")
+    measurement = (
+        Measurement(**{k: v for k, v in raw.items() if k in _MEASUREMENT_FIELDS})
+        if isinstance(raw, Mapping)
+        else None
+    )
+    return outcome_from_attrs(attrs["outcome"], measurement)
+
+
+def told(outcome: Outcome) -> dict[str, Any]:
+    """How Optuna's ``study.tell()`` is told ``outcome``: a value, or a state."""
+    if isinstance(outcome, Completed):
+        return {"values": outcome.value}
+    return {"state": TrialState.PRUNED if isinstance(outcome, Pruned) else TrialState.FAIL}
+
+
+def orphan_reason(owner: Mapping[str, Any]) -> str:
+    """Why a trial left running by a tuning process that died failed."""
+    host = owner.get("host")
+    on = f" on {host}" if host is not None and host != socket.gethostname() else ""
+    return f"interrupted: the tuning process (pid {owner.get('pid')}{on}) died"
 
 
 def state_of(outcome: Outcome) -> str:
