@@ -158,7 +158,23 @@ ROUTES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Torch's intra-op threads at one while the test runs. Beside three torch processes
+    of two threads each and a busy loop (a full run's neighbours), this GPT-2's step took
+    118-121 ms (median; at most 0.85-1.03 s) on two threads, 26-30 ms (at most 48-58 ms)
+    on one: OpenMP's threads wait for each other where 2 CPUs hold more threads than
+    that. A baseline batch past its 3 s failed the test once in a full run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 # The fast tier keeps the first route; the full suite every one.
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize(
     "route",
     [next(iter(ROUTES)), *(pytest.param(r, marks=pytest.mark.slow) for r in list(ROUTES)[1:])],
