@@ -302,7 +302,10 @@ def test_the_chosen_setting_goes_on_with_the_workers_that_measured_it_last(
     finally:
         loader.close()
     assert tuned_at is not None, report
-    assert history[-1].params["num_workers"] == 2 and history[-1].state == "complete"
+    # The one setting with workers; measured to its end, or pruned once measured (a full
+    # run's last trial was, quiet): its workers delivered either way, and are kept.
+    assert history[-1].params["num_workers"] == 2, report
+    assert history[-1].state in ("complete", "pruned") and history[-1].kind != "memory", report
     last_trial = set(pids[tuned_at - 4 : tuned_at])
     assert os.getpid() not in last_trial  # the last trial's batches came from workers
     assert set(pids[tuned_at:]) <= last_trial, (last_trial, set(pids[tuned_at:]), report)
