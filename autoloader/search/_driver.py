@@ -385,16 +385,18 @@ class Driver:
             return
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         for trial in running:
-            with contextlib.suppress(KeyError, TypeError, ValueError):  # unreadable: failed
+            try:
                 stored = stored_outcome(trial.user_attrs)
-                if stored is not None:
-                    self.study.tell(trial.number, **told(stored))
-                    _logger.info(
-                        "trial %d: its run died once it was measured: kept, %s",
-                        trial.number,
-                        state_of(stored),
-                    )
-                    continue
+            except (KeyError, TypeError, ValueError):  # unreadable: failed, as none stored
+                stored = None
+            if stored is not None:
+                self.study.tell(trial.number, **told(stored))
+                _logger.info(
+                    "trial %d: its run died once it was measured: kept, %s",
+                    trial.number,
+                    state_of(stored),
+                )
+                continue
             self.study.tell(trial.number, state=TrialState.FAIL)
             _logger.info(
                 "trial %d: %s", trial.number, orphan_reason(trial.user_attrs.get("owner") or {})
