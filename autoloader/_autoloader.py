@@ -405,7 +405,10 @@ class AutoLoader(DataLoader[_T_co]):
         for the next epoch, and the chosen setting's persistent ones, which its copies
         share (a later epoch starts new ones; ``NOTE [ A rebuilt AutoLoader ]``). An
         epoch the loop dropped, the loader's garbage collection and the interpreter's
-        exit stop them too (``NOTE [ Nothing outlives the loop ]``)."""
+        exit stop them too (``NOTE [ Nothing outlives the loop ]``). The process's torch
+        threads are put back as they were when the loader was made, where the chosen
+        setting's ``step_threads`` set them (a later epoch sets those again: ``NOTE [
+        Threads put back ]``)."""
         if self.tuning is None:
             # As DataLoader's own: its persistent workers, where it keeps them.
             shutdown = getattr(self._iterator, "_shutdown_workers", None)
@@ -416,6 +419,7 @@ class AutoLoader(DataLoader[_T_co]):
         tuning = self.tuning
         epoch, self._epoch = self._current_epoch(), None
         with contextlib.ExitStack() as stack:
+            stack.callback(tuning.loaders.put_back_threads, tuning.threads)
             stack.callback(tuning.release)
             if epoch is not None:
                 stack.callback(epoch.close)

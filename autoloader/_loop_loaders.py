@@ -47,6 +47,29 @@ class Loaders:
         # made: the chosen setting's, where the search chose it (NOTE [ The last
         # trial's workers kept ]).
         self.parked: tuple[Params, DataLoader[Any], Feed] | None = None
+        # The chosen setting's torch threads, set for training; the process's, found
+        # when the AutoLoader was made, put back by close() (NOTE [ Threads put back ]).
+        self.step_threads: int | None = None
+        self._put_back = False
+
+    # NOTE [ Threads put back ]
+    # The chosen setting's step_threads are the process's while it trains: set when
+    # tuning ends (TUNED), as LoaderTuner sets them for a fit. close() puts back the
+    # threads the process had when the AutoLoader was made, where the chosen ones are
+    # still set (a count the user set since is theirs), so that they do not outlive the
+    # loader; an epoch after close(), which starts the chosen setting's workers anew,
+    # sets them again. A search started again (drift) puts the process's back first.
+    def choose_threads(self, threads: int | None) -> None:
+        """TUNED: the chosen setting's ``threads`` (``None``: leave the process's)."""
+        self.step_threads, self._put_back = threads, False
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+    def put_back_threads(self, found: int) -> None:
+        """close(): the process's ``found`` threads, where the chosen ones are still set."""
+        if self.step_threads is not None and torch.get_num_threads() == self.step_threads:
+            torch.set_num_threads(found)
+            self._put_back = True
 
     def trial(
         self,
@@ -91,6 +114,8 @@ class Loaders:
         """TUNED: the chosen setting, for the rest of training: one loader kept across
         epochs where its workers persist; its first batches timed by ``check`` (a reused
         setting's), else its wait for data told to ``drift`` (``NOTE [ Drift ]``)."""
+        if self._put_back:  # NOTE [ Threads put back ]
+            self.choose_threads(self.step_threads)
         persistent = bool(params.get("persistent_workers"))
         parked, self.parked = self.parked, None
         if persistent and self.kept is None and parked is not None and parked[0] == params:

@@ -489,6 +489,7 @@ class LoopTuning:
         """SEARCHING from here, TUNED no more, as at a first batch with no result."""
         self.loaders.release_kept()
         self.result = self.chosen = None
+        self.loaders.choose_threads(None)
         torch.set_num_threads(self.threads)
         self.started = perf_counter()
         self.search = SoloSearch(self._session(None, None))
@@ -575,8 +576,7 @@ class LoopTuning:
         self.result = result
         self.chosen = normalize_params(result.params) if chosen is None else chosen
         threads = result.params.get("step_threads")
-        if threads is not None:
-            torch.set_num_threads(int(threads))
+        self.loaders.choose_threads(None if threads is None else int(threads))
         for view in list(self._views):
             show_setting(view, self.chosen)
         owner = self.owner

