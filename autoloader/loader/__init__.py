@@ -36,7 +36,7 @@ from autoloader.loader._factory import (
     merge_loader_kwargs,
     new_loader,
 )
-from autoloader.loader._feed import EpochBatches, Feed
+from autoloader.loader._feed import EpochBatches, Feed, handing_out
 from autoloader.loader._params import (
     BASELINE_PARAMS,
     TUNED_KEYS,
@@ -65,6 +65,7 @@ __all__ = [
     "dataloader_kwargs",
     "default_start_method",
     "drawing_as",
+    "handing_out",
     "kept_threads",
     "merge_loader_kwargs",
     "new_loader",

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from autoloader.loader import handing_out
 from autoloader.loader._torch_compat import (
     loader_iterator,
     raise_if_any_worker_failed,
@@ -185,8 +186,8 @@ class WorkerDeaths:
             if callable(self._previous):
                 self._previous(signum, frame)
             return
-        if self._deferring or (self.defer and not self._fetching):
-            self._deferred = True
+        if self._deferring or handing_out() or (self.defer and not self._fetching):
+            self._deferred = True  # handing out: NOTE [ A batch handed out whole ]
             return
         if self.expected:  # NOTE [ Nothing left registered ]
             return
