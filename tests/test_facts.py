@@ -182,6 +182,7 @@ def test_a_checks_clean_up_past_its_time_is_not_charged_to_the_checks_after_it()
     checks = _checks(SlowToGiveUp("probe"), seconds=2.0, batch_size=4)
     problem = checks.batched_fetch_problem()
     assert problem is not None and problem.startswith("its check was cut short")
+    assert problem.endswith("; a longer time_budget gives it more)"), problem  # what to do
     facts = checks.facts(2048, start_method="fork")
     # The batched fetch took 1.5 s of the 2.0 s, its 0.3 s share and 1.2 s more: the
     # probe still gets its 0.9 s share, and what the checks before it left of theirs.
