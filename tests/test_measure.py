@@ -444,7 +444,10 @@ def test_workers_over_the_memory_budget_are_stopped() -> None:
     runner = _runner(MemoryHogDataset(hog), noop_step, memory_budget=budget)
     with pytest.raises(MemoryBudgetExceeded) as info:
         runner.measure(_params(4, persistent_workers=True), max_seconds=20)
-    assert info.value.peak > budget
+    # Stopped where the tree passed the budget, or where its growth would have: a quiet
+    # full run (fresh machine) stopped it at 668 MiB of 892, on its way to 2.6 GiB.
+    stopped = info.value
+    assert stopped.peak > budget or (stopped.projected or 0) > budget, stopped
     assert info.value.budget == budget
 
 

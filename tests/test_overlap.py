@@ -164,6 +164,10 @@ def _draining(loader: AutoLoader[Any]) -> Any:
     return trial if trial is not None and trial.draining else None
 
 
+# Beside a busy loop and three other tests, no drain with a successor came (a full run,
+# 2026-11-29): as for the test above, the drains need their workers to keep up, and the
+# search the time for a second setting with workers.
+@pytest.mark.calm
 def test_a_drain_that_fails_gives_back_its_batches_before_the_next_settings(
     tmp_path: Path,
 ) -> None:
@@ -174,13 +178,14 @@ def test_a_drain_that_fails_gives_back_its_batches_before_the_next_settings(
     loaded yet are still in flight (with a step, they may all be queued already, and
     a drain whose workers die after loading everything it holds loses nothing)."""
     dataset = Stamped(tmp_path / "loads")
-    loader = _autoloader(dataset)
+    loader = _autoloader(dataset, time_budget=9)
     seen: list[list[int]] = []
     killed: list[int] = []
     workers = 0
     epochs = 0
     try:
-        while not loader.tuned and epochs < 200:
+        # Until the epoch in which the setting killed failed ends (or the tuning does).
+        while not loader.tuned and not (killed and loader.failures) and epochs < 200:
             for batch in loader:
                 seen.append([int(i) for i in batch[:, 0]])
                 trial = _draining(loader)

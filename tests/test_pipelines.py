@@ -69,7 +69,20 @@ OWN_TESTS = ("images", "webdataset-unsharded", "webdataset-few-shards")
 BENCHMARK_ONLY = ("cpu-train-small",)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if n not in OWN_TESTS + BENCHMARK_ONLY])
+# cpu-train's step trains a CNN on both cores: beside a busy loop and three other tests
+# its baseline timed one batch in the 5 s budget and no setting with workers finished
+# (a full run, 2026-11-29): its trials need the CPUs that a calm test's neighbours leave.
+CALM = ("cpu-train",)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.calm] if n in CALM else [])
+        for n in NAMES
+        if n not in OWN_TESTS + BENCHMARK_ONLY
+    ],
+)
 def test_a_tuned_loader_yields_every_sample_once(
     corpus: Callable[[str], Pipeline], name: str
 ) -> None:

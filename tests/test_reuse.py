@@ -51,6 +51,10 @@ def _tune(path: Path, step: CountingStep, *, batch_size: int = 8) -> autoloader.
     )
 
 
+# Its check compares the pace of a tune seconds before: beside a busy loop and three other
+# tests, a full run (2026-11-29) read the reused setting at 246 samples/s, 799 when tuned,
+# and tuned again (load that came between the two; steady load beside it, 6 of 6 held).
+@pytest.mark.calm
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_same_problem_reuses_the_file_and_another_tunes_again_saying_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
