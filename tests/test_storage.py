@@ -355,6 +355,28 @@ def test_the_heartbeat_renews_the_lease_and_keeps_the_running_trial_alive(tmp_pa
     assert study.trials[trial.number].state == TrialState.FAIL
 
 
+@pytest.mark.light  # mostly waits
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_trial_beats_once_as_it_is_asked_before_the_thread_runs(tmp_path: Path) -> None:
+    """The first beat is the asking thread's: a run killed before its heartbeat thread
+    ran (a full test run on a slow machine) left a running trial with no beat, which
+    Optuna's fail_stale_trials never fails. Here the thread never runs at all."""
+    from autoloader.search._lease import Heartbeat, Lease
+
+    storage = optuna.storages.RDBStorage(
+        f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1
+    )
+    study = optuna.create_study(storage=storage)
+    heartbeat = Heartbeat(Lease.take(study), storage, interval=0.1)  # not started
+    with pytest.warns(UserWarning, match="Heartbeat"):  # Optuna expects optimize()
+        trial = study.ask()
+    heartbeat.beating(trial._trial_id)
+    time.sleep(2.5)  # the run "killed": past the grace period (whole seconds), no beat
+    optuna.storages.fail_stale_trials(study)
+    assert study.trials[trial.number].state == TrialState.FAIL
+
+
 class _Clock:
     """``time`` as ``_lease`` sees it, its sleeps recorded, not slept."""
 

@@ -57,7 +57,9 @@ _logger = logging.getLogger(__name__)
 # While a run holds the lease no other autoloader run is live on the study, so every
 # trial still RUNNING when it takes the lease is a dead run's (Driver._fail_orphans).
 # Where the storage keeps Optuna's trial heartbeats (an RDB URL), the same thread records
-# the running trial's, so Optuna's own tools (fail_stale_trials) see it alive too.
+# the running trial's, so Optuna's own tools (fail_stale_trials) see it alive too, and
+# stale once its run is dead; its first beat is the asking thread's, as it is asked:
+# those tools never find a running trial with no beat stale.
 _KEY = "autoloader:run"
 HEARTBEAT_SECONDS = 10
 HEARTBEAT_GRACE = 60
@@ -229,11 +231,15 @@ class Heartbeat:
         self._thread.start()
 
     def beating(self, trial_id: int | None) -> None:
-        """Record ``trial_id``'s heartbeats from now on (at once, then every interval);
-        ``None`` once the trial has ended."""
+        """Record ``trial_id``'s heartbeats from now on: the first at once, in the calling
+        thread, then every interval from the thread; ``None`` once the trial has ended.
+
+        Optuna's ``fail_stale_trials`` never fails a running trial with no heartbeat: left
+        to the thread, the first beat came after the run had gone on, and a run killed
+        before the thread ran (a full test run on a slow machine) left its trial so."""
         self._trial = trial_id
         if trial_id is not None:
-            self._woken.set()
+            self._beat(trial_id)
 
     def stop(self) -> None:
         """End the thread: at once, unless a storage call of its own hangs (a database
@@ -257,10 +263,10 @@ class Heartbeat:
             self._woken.clear()
             if self._stopped.is_set():
                 return
+            trial = self._trial
+            if trial is not None:
+                self._beat(trial)
             try:
-                trial = self._trial
-                if trial is not None and self._storage is not None:
-                    self._storage.record_heartbeat(trial)
                 if time.monotonic() >= next_renewal and not self._lost:
                     next_renewal = time.monotonic() + self.interval
                     self._lost = not self.lease.renew()
@@ -273,9 +279,19 @@ class Heartbeat:
                             HEARTBEAT_GRACE,
                         )
             except Exception as error:  # a storage briefly unreachable: beat again later
-                _logger.warning(
-                    "heartbeat of study %s failed: %s", self.lease.study.study_name, error
-                )
+                self._failed(error)
+
+    def _beat(self, trial: int) -> None:
+        """Record ``trial``'s Optuna heartbeat, where the storage keeps them."""
+        if self._storage is None:
+            return
+        try:
+            self._storage.record_heartbeat(trial)
+        except Exception as error:  # a storage briefly unreachable: beat again later
+            self._failed(error)
+
+    def _failed(self, error: Exception) -> None:
+        _logger.warning("heartbeat of study %s failed: %s", self.lease.study.study_name, error)
 
 
 def _holder(study: optuna.Study) -> Holder | None:
