@@ -176,6 +176,10 @@ def _no_step(batch: object) -> None:
     pass
 
 
+# Its three search trials must meet the settings that fail within 8 s: beside a busy loop
+# and three other tests a full run (2026-11-29) met none (its samples check and baseline
+# short of time too), and the report had no failures to name.
+@pytest.mark.calm
 def test_the_report_names_each_failure_with_the_settings_that_met_it(
     corpus: Callable[[str], Pipeline],
 ) -> None:
