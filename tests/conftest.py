@@ -18,6 +18,8 @@ from tests.lazy import LazyModule, imported
 # ``tests/test_alone.py`` starts a pytest-xdist run of its own with these hooks).
 from tests.seats import (  # noqa: F401
     pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_report_header,
     pytest_runtest_protocol,
     pytest_sessionfinish,
     pytest_sessionstart,

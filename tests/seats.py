@@ -6,11 +6,13 @@ cheaply."""
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 # Tests side by side (the full suite runs under pytest-xdist, `-n 4`). The workers share
@@ -35,7 +37,16 @@ import pytest
 # for the last third of a run.
 # Seats are taken before pytest-timeout's clock starts: the wait is not the test's time.
 # The files are in the run's temporary directory, which every worker shares.
+# The seats are the CPUs the suite has: where other processes held CPUs as the run
+# began (a busy loop beside it, a build), each test takes its seats times the CPUs over
+# those left free (`seats_scale`), so that it keeps the share of a CPU it has on a quiet
+# machine and the tests that hold a short budget their neighbours' count (two ordinary
+# tests at once beside one busy loop on two cores, each `calm` test alone).
+# `SUITE_CPUS_TAKEN` (CPUs) says it instead of the reading: `0` seats a quiet run.
 SEATS = 8
+TAKEN = "SUITE_CPUS_TAKEN"
+_READING_SECONDS = 1.0
+_LEAST_TAKEN = 0.5  # a machine's daemons, a shell: below this, the run is quiet
 _ORDINARY = 2
 # `paced` before `light`: a light test whose verdict rests on a pace it measures takes
 # two seats, as an ordinary test does (a light one that compares a reused setting's
@@ -47,7 +58,8 @@ _GATED = _NEEDED["calm"]  # tests needing this many seats or more wait for them 
 class _Seats:
     """The seats of a pytest-xdist run: ``flock``-ed files."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, scale: float = 1.0) -> None:
+        self.scale = scale
         self.gate = os.open(folder / "seats.gate", os.O_CREAT | os.O_RDWR, 0o600)
         self.seats = [
             os.open(folder / f"seat{n}", os.O_CREAT | os.O_RDWR, 0o600) for n in range(SEATS)
@@ -55,10 +67,11 @@ class _Seats:
         self.held: list[int] = []
 
     def needed(self, item: pytest.Item) -> int:
-        for marker, seats in _NEEDED.items():
-            if item.get_closest_marker(marker) is not None:
-                return seats
-        return _ORDINARY
+        seats = next(
+            (n for marker, n in _NEEDED.items() if item.get_closest_marker(marker) is not None),
+            _ORDINARY,
+        )
+        return min(SEATS, math.ceil(seats * self.scale - 1e-9))
 
     def take(self, item: pytest.Item) -> None:
         """Wait for ``item``'s seats, unless they are held on from the test before."""
@@ -123,11 +136,67 @@ def _is_late(item: pytest.Item) -> bool:
 _SEATS = pytest.StashKey[_Seats]()
 
 
+def seats_scale(taken: float, cpus: int) -> float:
+    """How many times its quiet seats a test takes where other processes held ``taken``
+    of the ``cpus`` as the run began: the CPUs over those left free (one at least)."""
+    if taken < _LEAST_TAKEN:
+        return 1.0
+    return cpus / max(1.0, cpus - taken)
+
+
+def cpus_taken(seconds: float = _READING_SECONDS) -> float:
+    """CPUs other processes than this one used over ``seconds``, on average: the
+    machine's busy time (a hypervisor's stolen time included) less this process's."""
+    me = psutil.Process()
+    machine, own, started = _busy_seconds(), _cpu_seconds(me), time.perf_counter()
+    time.sleep(seconds)
+    wall = time.perf_counter() - started
+    others = (_busy_seconds() - machine) - (_cpu_seconds(me) - own)
+    return max(0.0, others / wall)
+
+
+def _busy_seconds() -> float:
+    times = psutil.cpu_times()
+    idle = sum(getattr(times, name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
+    return float(sum(times) - idle)
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system + times.children_user + times.children_system)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist run's controller, before its workers start (they inherit the
+    environment): how many CPUs other processes hold, unless ``SUITE_CPUS_TAKEN``
+    says."""
+    workers = getattr(config.option, "numprocesses", None)
+    if "PYTEST_XDIST_WORKER" in os.environ or not workers or TAKEN in os.environ:
+        return
+    os.environ[TAKEN] = f"{cpus_taken():.2f}"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ:
         temporary = session.config._tmp_path_factory  # type: ignore[attr-defined]
         folder = temporary.getbasetemp().parent  # pytest-N, above popen-gwN
-        session.config.stash[_SEATS] = _Seats(folder)
+        taken = float(os.environ.get(TAKEN, "0"))
+        scale = seats_scale(taken, len(os.sched_getaffinity(0)))
+        session.config.stash[_SEATS] = _Seats(folder, scale)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """The CPUs other processes held as the run began, and what the tests take for it."""
+    if TAKEN not in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return None
+    taken = float(os.environ[TAKEN])
+    scale = seats_scale(taken, len(os.sched_getaffinity(0)))
+    if scale == 1.0:
+        return f"seats: other processes held {taken:.2f} CPUs as the run began: quiet"
+    return (
+        f"seats: other processes held {taken:.2f} CPUs as the run began: each test takes "
+        f"{scale:.2f}x its seats (tests/seats.py)"
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

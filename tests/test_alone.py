@@ -6,9 +6,12 @@ of a few sleeping tests that write when they ran."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from itertools import combinations
 from pathlib import Path
 
@@ -62,15 +65,15 @@ _SEATS = {
 }  # fmt: skip
 
 
-def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
+def _run_inner(tmp_path: Path, *, taken: str = "0") -> dict[str, tuple[float, float]]:
     # The full suite's workers take seconds to collect (torch), by which time all four
     # are up and worksteal hands each its slice; collected at once, the first two split
     # the run between them. A second's sleep stands in for torch.
     (tmp_path / "conftest.py").write_text(
         "import time\n"
         "from tests.seats import (  # noqa: F401\n"
-        "    pytest_collection_modifyitems, pytest_runtest_protocol, pytest_sessionfinish,\n"
-        "    pytest_sessionstart,\n)\n"
+        "    pytest_collection_modifyitems, pytest_configure, pytest_runtest_protocol,\n"
+        "    pytest_sessionfinish, pytest_sessionstart,\n)\n"
         "def pytest_collection_finish(session):\n"
         "    time.sleep(1.0)\n"
     )
@@ -85,7 +88,7 @@ def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
          "--dist", "worksteal",
          "--timeout", "2.5", "--basetemp", str(tmp_path / "temp"), str(tmp_path)],
         cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RAN": str(ran)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RAN": str(ran), seats.TAKEN: taken},
         capture_output=True,
         text=True,
         timeout=120,
@@ -93,6 +96,22 @@ def _run_inner(tmp_path: Path) -> dict[str, tuple[float, float]]:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = ran.read_text().splitlines()
     return {name: (start, end) for name, start, end in map(json.loads, lines)}
+
+
+def _kind(name: str) -> str:
+    return name.rstrip("0123456789")
+
+
+def _most_at_once(spans: dict[str, tuple[float, float]], seats_of: dict[str, int]) -> int:
+    """The most tests running at once, each start checked to find the tests running
+    then holding no more than the seats there are."""
+    most = 0
+    for name, (start, _) in spans.items():
+        running = [other for other, (s, e) in spans.items() if s <= start < e]
+        held = sum(seats_of[_kind(other)] for other in running)
+        assert held <= seats.SEATS, (name, running, spans)
+        most = max(most, len(running))
+    return most
 
 
 def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: Path) -> None:
@@ -104,23 +123,15 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     def overlap(a: str, b: str) -> bool:
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
 
-    def kind(name: str) -> str:
-        return name.rstrip("0123456789")
-
     # An alone test beside no other; a calm one never beside another calm one (nor
     # beside more than one other test's seats: the count below).
     for a, b in combinations(spans, 2):
         if overlap(a, b) and "alone" in a + b:
             raise AssertionError(f"{a} ran beside {b}: {spans}")
         if overlap(a, b) and "calm" in a + b:
-            assert kind(a) != kind(b), (a, b, spans)
+            assert _kind(a) != _kind(b), (a, b, spans)
     # At each start, the tests running then hold no more than the seats there are.
-    most = 0
-    for name, (start, _) in spans.items():
-        running = [other for other, (s, e) in spans.items() if s <= start < e]
-        held = sum(_SEATS[kind(other)] for other in running)
-        assert held <= seats.SEATS, (name, running, spans)
-        most = max(most, len(running))
+    most = _most_at_once(spans, _SEATS)
     # Light tests side by side: more than the two that ordinary tests alone would allow.
     assert most >= 3, spans
     # The alone tests are collected first: the first two, on one worker, ran one after
@@ -131,3 +142,49 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     # came free, they waited while the other workers took turns, to the end of the run.
     last_shared = max(spans[f"shared{n}"][0] for n in range(12))
     assert all(spans[f"calm{n}"][0] < last_shared for n in range(3)), spans
+
+
+def test_beside_a_busy_cpu_each_test_takes_its_seats_times_the_cpus_over_those_free(
+    tmp_path: Path,
+) -> None:
+    """Other processes held a CPU as the run began (``SUITE_CPUS_TAKEN=1``): on two
+    CPUs, a test takes twice its seats, so two ordinary tests run at once at most and
+    a ``calm`` one beside none, each keeping the share of a CPU it has when quiet."""
+    cpus = len(os.sched_getaffinity(0))
+    scale = seats.seats_scale(1.0, cpus)
+    scaled = {kind: min(seats.SEATS, math.ceil(n * scale)) for kind, n in _SEATS.items()}
+    spans = _run_inner(tmp_path, taken="1")
+    assert len(spans) == 26, spans
+    _most_at_once(spans, scaled)
+    if cpus == 2:
+        assert scaled == {"shared": 4, "light": 2, "paced": 4, "calm": 8, "alone": 8}
+        for a, b in combinations(spans, 2):
+            overlap = spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+            assert not (overlap and "calm" in a + b), (a, b, spans)
+
+
+@pytest.mark.parametrize(
+    ("taken", "cpus", "scale"),
+    [
+        (0.0, 2, 1.0),
+        (0.4, 2, 1.0),
+        (1.0, 2, 2.0),
+        (0.6, 2, 2 / 1.4),
+        (3.0, 2, 2.0),
+        (1.0, 8, 8 / 7),
+    ],
+)
+def test_the_seats_scale_by_the_cpus_over_those_left_free(
+    taken: float, cpus: int, scale: float
+) -> None:
+    assert seats.seats_scale(taken, cpus) == pytest.approx(scale)
+
+
+def test_the_cpus_taken_count_another_process_busy_beside_this_one() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started: its interpreter's start-up done
+        assert seats.cpus_taken(0.5) >= 0.5  # its CPU, whoever else ran (a lower bound)
+    finally:
+        busy.kill()
+        busy.wait()
