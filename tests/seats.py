@@ -136,12 +136,21 @@ def _is_late(item: pytest.Item) -> bool:
 _SEATS = pytest.StashKey[_Seats]()
 
 
-def seats_scale(taken: float, cpus: int) -> float:
+def seats_scale(taken: float, cpus: int, machine: int | None = None) -> float:
     """How many times its quiet seats a test takes where other processes held ``taken``
-    of the ``cpus`` as the run began: the CPUs over those left free (one at least)."""
-    if taken < _LEAST_TAKEN:
+    CPUs of the ``machine``'s (``cpus`` when not given) as the run began, the run's
+    ``cpus`` of them: its CPUs over those left free (one at least). In a container whose
+    machine has more CPUs than its affinity, others run on the rest first."""
+    free = min(float(cpus), (machine or cpus) - taken)
+    if taken < _LEAST_TAKEN or free >= cpus:
         return 1.0
-    return cpus / max(1.0, cpus - taken)
+    return cpus / max(1.0, free)
+
+
+def run_cpus() -> tuple[int, int]:
+    """The CPUs this run may use (its affinity) and the machine's."""
+    cpus = len(os.sched_getaffinity(0))
+    return cpus, max(cpus, psutil.cpu_count() or cpus)
 
 
 def cpus_taken(seconds: float = _READING_SECONDS) -> float:
@@ -181,8 +190,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         temporary = session.config._tmp_path_factory  # type: ignore[attr-defined]
         folder = temporary.getbasetemp().parent  # pytest-N, above popen-gwN
         taken = float(os.environ.get(TAKEN, "0"))
-        scale = seats_scale(taken, len(os.sched_getaffinity(0)))
-        session.config.stash[_SEATS] = _Seats(folder, scale)
+        session.config.stash[_SEATS] = _Seats(folder, seats_scale(taken, *run_cpus()))
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -190,7 +198,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if TAKEN not in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
         return None
     taken = float(os.environ[TAKEN])
-    scale = seats_scale(taken, len(os.sched_getaffinity(0)))
+    scale = seats_scale(taken, *run_cpus())
     if scale == 1.0:
         return f"seats: other processes held {taken:.2f} CPUs as the run began: quiet"
     return (

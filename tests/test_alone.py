@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -150,13 +149,13 @@ def test_beside_a_busy_cpu_each_test_takes_its_seats_times_the_cpus_over_those_f
     """Other processes held a CPU as the run began (``SUITE_CPUS_TAKEN=1``): on two
     CPUs, a test takes twice its seats, so two ordinary tests run at once at most and
     a ``calm`` one beside none, each keeping the share of a CPU it has when quiet."""
-    cpus = len(os.sched_getaffinity(0))
-    scale = seats.seats_scale(1.0, cpus)
+    cpus, machine = seats.run_cpus()
+    scale = seats.seats_scale(1.0, cpus, machine)
     scaled = {kind: min(seats.SEATS, math.ceil(n * scale)) for kind, n in _SEATS.items()}
     spans = _run_inner(tmp_path, taken="1")
     assert len(spans) == 26, spans
     _most_at_once(spans, scaled)
-    if cpus == 2:
+    if (cpus, machine) == (2, 2):
         assert scaled == {"shared": 4, "light": 2, "paced": 4, "calm": 8, "alone": 8}
         for a, b in combinations(spans, 2):
             overlap = spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
@@ -164,20 +163,22 @@ def test_beside_a_busy_cpu_each_test_takes_its_seats_times_the_cpus_over_those_f
 
 
 @pytest.mark.parametrize(
-    ("taken", "cpus", "scale"),
+    ("taken", "cpus", "machine", "scale"),
     [
-        (0.0, 2, 1.0),
-        (0.4, 2, 1.0),
-        (1.0, 2, 2.0),
-        (0.6, 2, 2 / 1.4),
-        (3.0, 2, 2.0),
-        (1.0, 8, 8 / 7),
+        (0.0, 2, 2, 1.0),
+        (0.4, 2, 2, 1.0),  # a machine's daemons
+        (1.0, 2, 2, 2.0),  # one busy loop: twice the seats
+        (0.6, 2, 2, 2 / 1.4),
+        (3.0, 2, 2, 2.0),  # one CPU at least
+        (1.0, 8, 8, 8 / 7),
+        (30.0, 2, 64, 1.0),  # a container's two CPUs on a machine of 64, half of it busy
+        (63.0, 2, 64, 2.0),
     ],
 )
 def test_the_seats_scale_by_the_cpus_over_those_left_free(
-    taken: float, cpus: int, scale: float
+    taken: float, cpus: int, machine: int, scale: float
 ) -> None:
-    assert seats.seats_scale(taken, cpus) == pytest.approx(scale)
+    assert seats.seats_scale(taken, cpus, machine) == pytest.approx(scale)
 
 
 def test_the_cpus_taken_count_another_process_busy_beside_this_one() -> None:
