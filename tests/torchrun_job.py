@@ -17,6 +17,7 @@ the scenario's time budget.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import signal
 import socket
@@ -188,6 +189,8 @@ def autoloader_job(out: Path, scenario: str) -> int:
 
 
 def main(out: Path, scenario: str, budget: float | None = None) -> int:
+    # A test may ask a rank for its threads' stacks (SIGUSR1), one that does not stop.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if scenario.startswith("autoloader"):
         return autoloader_job(out, scenario)
     init_process_group(scenario)
