@@ -235,6 +235,13 @@ class RunSession:
         with quiet_optuna():
             self.driver.resume(state)
 
+    def stop_if_interrupted(self) -> None:
+        """Raise the run's KeyboardInterrupt (or SIGTERM's ``Terminated``) where Ctrl-C or
+        SIGTERM was noted, its own exception lost or not (a rank that follows rank 0's
+        trials looks at it where the driver does)."""
+        if self.interruption is not None and self.interruption.is_set():
+            raise self.interruption.error()
+
     # The loop: the driver's own (tune()), or the caller's, one trial at a time ------------
 
     def run(self) -> bool:

@@ -53,7 +53,7 @@ from autoloader.distributed import JointRunner, Ranks, follow, spare_batch
 from autoloader.loader import BASELINE_PARAMS, build_loader, kept_threads, merge_loader_kwargs
 from autoloader.measure import Runner, SubprocessRunner, TrialRunner, format_bytes
 from autoloader.results import Progress, TuneResult, in_memory_kwargs
-from autoloader.search import SearchSpace, quiet_optuna
+from autoloader.search import SearchSpace, quiet_optuna, remember_ctrl_c
 
 _logger = logging.getLogger(__name__)
 
@@ -280,7 +280,11 @@ def _tuned(session: RunSession) -> TuneResult:
         )[0],
     )
     if not ranks.drives:
-        found: TuneResult = follow(in_process, ranks, spare=spare)
+        # Ctrl-C noted as on rank 0 (remember_ctrl_c), and looked at where it looks.
+        with remember_ctrl_c(session.interruption):
+            found: TuneResult = follow(
+                in_process, ranks, spare=spare, stop_if_interrupted=session.stop_if_interrupted
+            )
         return dataclasses.replace(found, _in_memory_kwargs=in_memory_kwargs(problem.fixed))
     return _lead(session, JointRunner(in_process, ranks, spare=spare))
 

@@ -26,8 +26,11 @@ from autoloader import Environment, EnvironmentMismatchWarning, RankError
 from autoloader.checks._environment import usable_cpus
 from autoloader.distributed._joint import (
     JointLockstep,
+    _Done,
+    _Measure,
     agree_on_arguments,
     checkpoint_spacing,
+    follow,
     job_measurement,
     job_outcome,
     next_stride,
@@ -41,6 +44,7 @@ from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
+from autoloader.search import Interruption
 from autoloader.search._faults import classify
 from tests.workloads import FailingDataset, LeakingDataset, SleepDataset
 
@@ -277,6 +281,83 @@ def test_a_rank_stops_with_the_others_when_another_fails() -> None:
     with pytest.raises(PeerFailed):
         runner.measure({"num_workers": 0}, max_seconds=5.0, lockstep=lockstep)
     assert len(step.batches) == 1 + 2 * 4  # stopped at the third checkpoint, with the rest
+
+
+class _Rank0:
+    """Rank 0 as a following rank sees it: it sends ``commands`` one by one, lets each
+    trial go on at every timing window, and says what it measured as this rank did."""
+
+    def __init__(self, commands: Sequence[Any]) -> None:
+        self.commands = list(commands)
+        self.exchanges: list[str] = []
+        self.hosts = ("node", "node")
+        self.rank = 1
+        self.exchange_seconds = 0.001
+
+    def within_trial(self) -> _Rank0:
+        return self
+
+    def broadcast(self, value: Any, *, during: str) -> Any:
+        self.exchanges.append(during)
+        return self.commands.pop(0) if during == "waiting for the next trial" else False
+
+    def gather(self, value: Any, *, during: str) -> list[Any]:
+        self.exchanges.append(during)
+        return [value, value]
+
+    def maximum(self, values: Sequence[float], *, during: str) -> list[float]:
+        self.exchanges.append(during)
+        return list(values)
+
+
+class _InterruptedAfter(_CountingStep):
+    """A step during which Ctrl-C comes, its KeyboardInterrupt lost (raised in a fork's
+    at-fork hook, say): only the run's interruption notes it."""
+
+    def __init__(self, batches: int, interruption: Interruption) -> None:
+        super().__init__()
+        self.after = batches
+        self.interruption = interruption
+
+    def __call__(self, batch: torch.Tensor) -> None:
+        super().__call__(batch)
+        if len(self.batches) == self.after:
+            self.interruption.note("Ctrl-C")
+
+
+def _stop_if(interruption: Interruption) -> Any:
+    def stop() -> None:
+        if interruption.is_set():
+            raise interruption.error()
+
+    return stop
+
+
+def test_a_following_rank_stops_at_the_timing_window_after_a_lost_ctrl_c() -> None:
+    """It stops where rank 0 looks at its own Ctrl-C, a window's decision, not going on
+    with the trial alone to its end's exchange (which rank 0, stopped, never makes)."""
+    interruption = Interruption()
+    step = _InterruptedAfter(6, interruption)
+    runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
+    trial = _Measure({"num_workers": 0}, 30.0, None, None)
+    ranks = _Rank0([trial, _Done(result="never")])
+    with pytest.raises(KeyboardInterrupt):
+        follow(runner, ranks, spare=torch.zeros(4, 8), stop_if_interrupted=_stop_if(interruption))  # type: ignore[arg-type]
+    # At the first window, once the ranks combined their figures (rank 0 looks at its own
+    # Ctrl-C there too), before rank 0's decision: the trial of 30 s cut short.
+    assert ranks.exchanges.count("a trial's timing window") == 1, ranks.exchanges
+    assert "the end of a trial" not in ranks.exchanges
+
+
+def test_a_following_rank_interrupted_between_trials_measures_no_more() -> None:
+    interruption = Interruption()
+    interruption.note("Ctrl-C")
+    step = _CountingStep()
+    runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
+    ranks = _Rank0([_Measure({"num_workers": 0}, 30.0, None, None)])
+    with pytest.raises(KeyboardInterrupt):
+        follow(runner, ranks, spare=None, stop_if_interrupted=_stop_if(interruption))  # type: ignore[arg-type]
+    assert step.batches == [] and ranks.exchanges == ["waiting for the next trial"]
 
 
 @pytest.mark.alone  # the memory watch must see the tree grow before the hang deadline

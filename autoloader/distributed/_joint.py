@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,18 +279,36 @@ class JointRunner:
         self.ranks.broadcast(_Done(result, error), during="the end of the run")
 
 
-def follow(local: TrialRunner, ranks: Ranks, *, spare: Any) -> Any:
+def follow(
+    local: TrialRunner,
+    ranks: Ranks,
+    *,
+    spare: Any,
+    stop_if_interrupted: Callable[[], None] = lambda: None,
+) -> Any:
     """A rank other than 0: measure each setting rank 0 sends, until it sends the
-    result, which is returned (or the error, which is raised)."""
+    result, which is returned (or the error, which is raised).
+
+    ``stop_if_interrupted`` raises where Ctrl-C was noted on this rank: it is
+    called at each setting sent and at each timing window, where rank 0 looks at its
+    own, so that a rank whose KeyboardInterrupt was lost on its way (raised in a fork's
+    at-fork hook as a worker started) stops at the same window as rank 0 rather than
+    going on with the trial alone."""
     lockstep = JointLockstep(ranks, spare=spare)
+
+    def on_window(window: int, estimate: Measurement) -> bool:
+        stop_if_interrupted()
+        return False  # rank 0 decides when the trial stops
+
     while True:
         command = ranks.broadcast(None, during="waiting for the next trial")
         if isinstance(command, _Done):
             if command.error is not None:
                 raise command.error
             return command.result
+        stop_if_interrupted()
         try:
-            measure_together(local, lockstep, command)
+            measure_together(local, lockstep, command, on_window)
         except RankError:
             raise
         except Exception:  # rank 0 saw the same and decides what it means
