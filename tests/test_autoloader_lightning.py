@@ -306,7 +306,13 @@ CONTEXT_SCRIPT = textwrap.dedent(
 
 
 # Beside two other tests (three at once), the spawned workers of its 6 s budget once
-# delivered no batch before their trial ended.
+# delivered no batch before their trial ended. Epochs enough for spawn's two workers to
+# start while the loop loads in-process (0.4 s an epoch): in a quiet full run, beside
+# one other test, 4 ended before they did (2026-11-29); alone, they took over within
+# the second epoch. 10 epochs took 11.9 s alone, 4 took 7.5 s.
+_CONTEXT_EPOCHS = 10
+
+
 @pytest.mark.calm
 def test_a_multiprocessing_context_starts_every_settings_worker_processes(
     tmp_path: Path,
@@ -337,13 +343,13 @@ def test_a_multiprocessing_context_starts_every_settings_worker_processes(
     script.write_text(CONTEXT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, str(script), "spawn", "6", "4"], cwd=ROOT, env=env,
+        [sys.executable, str(script), "spawn", "6", str(_CONTEXT_EPOCHS)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     said = json.loads(done.stdout.splitlines()[-1])
     rows = said["rows"]
-    assert sorted(index for index, _, _ in rows) == sorted(list(range(96)) * 4)
+    assert sorted(index for index, _, _ in rows) == sorted(list(range(96)) * _CONTEXT_EPOCHS)
     by_workers = [mark for _, in_worker, mark in rows if in_worker]
     assert by_workers, f"no setting with workers loaded a batch: {said['trials']}"
     assert set(by_workers) == {0}, "a worker was forked, not spawned"
