@@ -239,8 +239,8 @@ class RunSession:
         """Raise the run's KeyboardInterrupt (or SIGTERM's ``Terminated``) where Ctrl-C or
         SIGTERM was noted, its own exception lost or not (a rank that follows rank 0's
         trials looks at it where the driver does)."""
-        if self.interruption is not None and self.interruption.is_set():
-            raise self.interruption.error()
+        if self.interruption is not None:
+            self.interruption.stop_if_set()
 
     # The loop: the driver's own (tune()), or the caller's, one trial at a time ------------
 

@@ -325,14 +325,6 @@ class _InterruptedAfter(_CountingStep):
             self.interruption.note("Ctrl-C")
 
 
-def _stop_if(interruption: Interruption) -> Any:
-    def stop() -> None:
-        if interruption.is_set():
-            raise interruption.error()
-
-    return stop
-
-
 def test_a_following_rank_stops_at_the_timing_window_after_a_lost_ctrl_c() -> None:
     """It stops where rank 0 looks at its own Ctrl-C, a window's decision, not going on
     with the trial alone to its end's exchange (which rank 0, stopped, never makes)."""
@@ -342,7 +334,7 @@ def test_a_following_rank_stops_at_the_timing_window_after_a_lost_ctrl_c() -> No
     trial = _Measure({"num_workers": 0}, 30.0, None, None)
     ranks = _Rank0([trial, _Done(result="never")])
     with pytest.raises(KeyboardInterrupt):
-        follow(runner, ranks, spare=torch.zeros(4, 8), stop_if_interrupted=_stop_if(interruption))  # type: ignore[arg-type]
+        follow(runner, ranks, spare=torch.zeros(4, 8), stop_if_interrupted=interruption.stop_if_set)  # type: ignore[arg-type]
     # At the first window, once the ranks combined their figures (rank 0 looks at its own
     # Ctrl-C there too), before rank 0's decision: the trial of 30 s cut short.
     assert ranks.exchanges.count("a trial's timing window") == 1, ranks.exchanges
@@ -356,7 +348,7 @@ def test_a_following_rank_interrupted_between_trials_measures_no_more() -> None:
     runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
     ranks = _Rank0([_Measure({"num_workers": 0}, 30.0, None, None)])
     with pytest.raises(KeyboardInterrupt):
-        follow(runner, ranks, spare=None, stop_if_interrupted=_stop_if(interruption))  # type: ignore[arg-type]
+        follow(runner, ranks, spare=None, stop_if_interrupted=interruption.stop_if_set)  # type: ignore[arg-type]
     assert step.batches == [] and ranks.exchanges == ["waiting for the next trial"]
 
 

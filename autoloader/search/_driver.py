@@ -435,8 +435,8 @@ class Driver:
         return measured.batch_bytes if measured is not None else 0
 
     def _stop_if_interrupted(self) -> None:
-        if self.interrupted is not None and self.interrupted.is_set():
-            raise self.interrupted.error()
+        if self.interrupted is not None:
+            self.interrupted.stop_if_set()
 
     def _seconds_left(self) -> float:
         return max(0.0, self.deadline - self._clock())
@@ -463,6 +463,12 @@ class Interruption(threading.Event):
     def error(self) -> KeyboardInterrupt:
         """The exception that stops the run: :class:`Terminated` for SIGTERM."""
         return Terminated() if self.by == "SIGTERM" else KeyboardInterrupt()
+
+    def stop_if_set(self) -> None:
+        """Raise :meth:`error` once Ctrl-C or SIGTERM was noted, whether its own exception
+        reached the run or was lost on its way."""
+        if self.is_set():
+            raise self.error()
 
 
 @contextlib.contextmanager
