@@ -227,6 +227,10 @@ def _two_node_job(
     return job.returncodes, job.output(), _reports(out)
 
 
+# Rank 3's third worker must fill node-b past its budget before its late batch passes
+# the siblings' pace deadline (1-1.5 s): beside three other tests at a full run's end
+# the 1 GiB filled slower, and the trial failed as a hang (2026-11-29).
+@pytest.mark.calm
 @pytest.mark.usefixtures("two_nodes")
 def test_two_nodes_agree_and_a_memory_fault_on_one_node_is_its_own(tmp_path: Path) -> None:
     codes, output, reports = _two_node_job(tmp_path, "faults-on-last-rank")

@@ -81,8 +81,10 @@ class FaultsOnOneRank(SleepDataset):
 
     Filling memory is slow on the development VM (page faults: 2 GiB took 2.3-4.6 s), and
     the item's batch is late all the while: the node (about 550 MiB without it) must pass
-    its budget well before that batch passes the 3 s hang deadline, or the trial fails as
-    a hang (it did once in CI, with 2 GiB over a budget of 1.5 GiB).
+    its budget, or be seen growing past it, before that batch passes the siblings' pace
+    deadline (``NOTE [ Sibling pace ]``: 1-1.5 s here), or the trial fails as a hang (it
+    did once in CI, with 2 GiB over a budget of 1.5 GiB, and once in a full run beside
+    three other tests: the test is `calm` since).
     """
 
     def __init__(self) -> None:
