@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import optuna
-import sqlalchemy.exc
 import torch
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from torch.utils.data import (
@@ -179,6 +178,10 @@ def open_storage(storage: object) -> str | optuna.storages.BaseStorage | None:
     if storage is None or isinstance(storage, optuna.storages.BaseStorage):
         return storage
     if isinstance(storage, str) and "://" in storage:
+        # Only a database needs SQLAlchemy (Optuna's RDBStorage imports it as it opens
+        # one): imported at the top, every process that imports autoloader paid for it.
+        import sqlalchemy.exc
+
         try:
             try:
                 return _database(storage)
