@@ -34,7 +34,11 @@ import pytest
 # While an `alone` or a `calm` test waits for its seats it holds a gate that the others
 # pass to take theirs, so none comes in first: taking seats as they came free, `calm`
 # tests waited up to 273 s while the others took turns, two of the four workers idle
-# for the last third of a run.
+# for the last third of a run. But not while another `alone` or `calm` test is seated
+# (it holds `seats.gated`, shared): the seats it waits for are that test's, and the
+# others take the seats left beside it meanwhile. Holding the gate then, a `late` calm
+# test waiting for the calm ones' chain left two seats unused for 70 s, three workers
+# idle (a quiet full run, 2026-11-29).
 # Seats are taken before pytest-timeout's clock starts: the wait is not the test's time.
 # The files are in the run's temporary directory, which every worker shares.
 # The seats are the CPUs the suite has: where other processes held CPUs as the run
@@ -61,6 +65,7 @@ class _Seats:
     def __init__(self, folder: Path, scale: float = 1.0) -> None:
         self.scale = scale
         self.gate = os.open(folder / "seats.gate", os.O_CREAT | os.O_RDWR, 0o600)
+        self.gated = os.open(folder / "seats.gated", os.O_CREAT | os.O_RDWR, 0o600)
         self.seats = [
             os.open(folder / f"seat{n}", os.O_CREAT | os.O_RDWR, 0o600) for n in range(SEATS)
         ]
@@ -79,16 +84,28 @@ class _Seats:
         if len(self.held) == count:
             return
         self.give_back()  # held on for an `alone` test that another worker took
+        gated = count >= _GATED
         while True:
             fcntl.flock(self.gate, fcntl.LOCK_EX)
             try:
-                while not self._try(count) and count >= _GATED:
+                while not self._try(count) and gated and not self._gated_elsewhere():
                     time.sleep(0.02)  # an `alone` or `calm` test waits at the gate
                 if self.held:
+                    if gated:  # taken before the gate is let go: no waiter misses it
+                        fcntl.flock(self.gated, fcntl.LOCK_SH)
                     return
             finally:
                 fcntl.flock(self.gate, fcntl.LOCK_UN)
             time.sleep(0.02)  # the others pass it, and ask again
+
+    def _gated_elsewhere(self) -> bool:
+        """Whether another worker's `alone` or `calm` test is seated."""
+        try:
+            fcntl.flock(self.gated, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self.gated, fcntl.LOCK_UN)
+        return False
 
     def _try(self, count: int) -> bool:
         for seat in self.seats:
@@ -115,9 +132,10 @@ class _Seats:
         for seat in self.held:
             fcntl.flock(seat, fcntl.LOCK_UN)
         self.held = []
+        fcntl.flock(self.gated, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        for fd in (self.gate, *self.seats):
+        for fd in (self.gate, self.gated, *self.seats):
             os.close(fd)
 
 

@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from itertools import combinations
 from pathlib import Path
@@ -141,6 +142,50 @@ def test_tests_take_their_seats_and_the_alone_ones_run_with_no_other(tmp_path: P
     # came free, they waited while the other workers took turns, to the end of the run.
     last_shared = max(spans[f"shared{n}"][0] for n in range(12))
     assert all(spans[f"calm{n}"][0] < last_shared for n in range(3)), spans
+
+
+class _Item:
+    """A test's markers, as the seats ask for them."""
+
+    def __init__(self, *markers: str) -> None:
+        self.markers = markers
+
+    def get_closest_marker(self, name: str) -> str | None:
+        return name if name in self.markers else None
+
+
+def _take_in_thread(held: seats._Seats, item: _Item) -> threading.Event:
+    seated = threading.Event()
+
+    def take() -> None:
+        held.take(item)  # type: ignore[arg-type]
+        seated.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    return seated
+
+
+def test_a_calm_test_waiting_for_another_leaves_the_seats_beside_it_to_the_others(
+    tmp_path: Path,
+) -> None:
+    """Waiting while another calm test is seated, a calm test does not hold the gate:
+    an ordinary test takes the two seats left beside the first (before, it waited for
+    the first to end), and the waiting one is seated as the first gives its seats back."""
+    first, waiting, other = (seats._Seats(tmp_path) for _ in range(3))
+    try:
+        first.take(_Item("calm"))  # type: ignore[arg-type]
+        calm = _take_in_thread(waiting, _Item("calm"))
+        time.sleep(0.5)  # at the gate
+        assert not calm.is_set()
+        assert _take_in_thread(other, _Item()).wait(5), "the waiting calm test held the gate"
+        assert len(other.held) == 2
+        first.give_back()
+        assert calm.wait(5)
+        assert len(waiting.held) == seats.SEATS - 2
+    finally:
+        for held in (first, waiting, other):
+            held.give_back()
+            held.close()  # a thread still waiting fails on its closed files, and ends
 
 
 def test_beside_a_busy_cpu_each_test_takes_its_seats_times_the_cpus_over_those_free(
