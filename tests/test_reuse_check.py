@@ -72,8 +72,12 @@ def _without_baseline(result: autoloader.TuneResult) -> autoloader.TuneResult:
     )
 
 
-@pytest.mark.light  # mostly waits
-@pytest.mark.paced  # its verdict rests on a pace it measures
+# Beside three tests, one starting a torchrun job (three processes importing torch),
+# the unchanged dataset was tuned again (a quiet full run, 2026-11-29): the defaults'
+# loop could not settle the check (0.1 of 2 CPUs free), and the setting's check, with
+# the CPUs read free, found loading 47x slower (18 samples/s, 835 when tuned). Beside
+# one other test at most since; the product's side is in the issue's notes.
+@pytest.mark.calm
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
