@@ -34,6 +34,7 @@ from .workloads import (
     LeakingDataset,
     MemoryHogDataset,
     SleepDataset,
+    SlowFirstItemInWorkers,
     failing_step,
     noop_step,
     oom_step,
@@ -297,6 +298,52 @@ def test_the_sibling_rule_waits_from_the_first_later_delivery_and_for_later_star
     out_of_order = _Iterator({3: (3,), 5: (1, "data")}, awaited=3)
     out_of_order._in_order = False
     assert awaited_batch(out_of_order) is None
+
+
+def test_a_late_worker_that_uses_cpu_is_waited_for_and_one_that_stops_is_hung() -> None:
+    """Late by its siblings' pace, a worker whose process keeps using CPU is working
+    (starting, filling memory on a loaded machine), not hung: the rule waits for it
+    until its CPU stops moving for a second (NOTE [ A late worker that works ])."""
+    now, cpu = [0.0], [0.0]
+    iterator = _Iterator({2: (2,), 3: (0, "data")}, awaited=2)
+    pace = SiblingPace(
+        iterator, 1.0, start_each=0, workers=4, clock=lambda: now[0], cpu_seconds=lambda w: cpu[0]
+    )
+    pace()
+    for tick in range(1, 25):  # polled every 0.25 s, 5 s late: a tenth of a CPU in use
+        now[0], cpu[0] = tick * 0.25, cpu[0] + 0.025
+        pace()
+    hung_at = None
+    for tick in range(1, 9):  # then none: hung once the last second used too little
+        now[0] = 6.0 + tick * 0.25
+        try:
+            pace()
+        except TrialTimeout as timeout:
+            hung_at = now[0]
+            assert str(timeout).startswith("worker 2 is hung while loading a batch")
+            break
+    assert hung_at is not None and 6.5 < hung_at <= 7.0, hung_at
+    # Where the worker's CPU cannot be read, its siblings' pace alone decides.
+    unknown = SiblingPace(
+        iterator, 1.0, start_each=0, workers=4, clock=lambda: now[0], cpu_seconds=lambda w: None
+    )
+    now[0] = 0.0
+    unknown()
+    now[0] = 1.0
+    with pytest.raises(TrialTimeout, match=r"^worker 2 is hung"):
+        unknown()
+
+
+def test_a_worker_busy_past_its_siblings_pace_is_measured_not_called_hung() -> None:
+    """Workers 2 and up compute for 2 s of CPU on their first item, beyond a 0.3 s
+    sibling pace: no hang, the trial is measured (NOTE [ A late worker that works ])."""
+    dataset = SlowFirstItemInWorkers(cpu_seconds=2.0, from_worker=2, length=4096)
+    m = _runner(dataset).measure(
+        _params(4),
+        max_seconds=4,
+        deadlines=Deadlines(first=60, each=60, sibling=0.3, start_each=0.1),
+    )
+    assert m.batches > 0
 
 
 def test_siblings_that_deliver_do_not_call_a_hang_on_a_slow_but_working_worker() -> None:

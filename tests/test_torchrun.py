@@ -227,9 +227,10 @@ def _two_node_job(
     return job.returncodes, job.output(), _reports(out)
 
 
-# Rank 3's third worker must fill node-b past its budget before its late batch passes
-# the siblings' pace deadline (1-1.5 s): beside three other tests at a full run's end
-# the 1 GiB filled slower, and the trial failed as a hang (2026-11-29).
+# Rank 3's third worker fills node-b past its budget while its batch is late by its
+# siblings' pace (1-1.5 s): beside three other tests at a full run's end the 1 GiB
+# filled slower, and the trial failed as a hang (2026-11-29; a working worker is now
+# waited for: NOTE [ A late worker that works ]). Four ranks' trials on two cores.
 @pytest.mark.calm
 @pytest.mark.usefixtures("two_nodes")
 def test_two_nodes_agree_and_a_memory_fault_on_one_node_is_its_own(tmp_path: Path) -> None:

@@ -80,11 +80,12 @@ class FaultsOnOneRank(SleepDataset):
     """Worker 2 fills 1 GiB as it loads its first item; worker 3 segfaults.
 
     Filling memory is slow on the development VM (page faults: 2 GiB took 2.3-4.6 s), and
-    the item's batch is late all the while: the node (about 550 MiB without it) must pass
-    its budget, or be seen growing past it, before that batch passes the siblings' pace
-    deadline (``NOTE [ Sibling pace ]``: 1-1.5 s here), or the trial fails as a hang (it
-    did once in CI, with 2 GiB over a budget of 1.5 GiB, and once in a full run beside
-    three other tests: the test is `calm` since).
+    the item's batch is late all the while, past the siblings' pace (``NOTE [ Sibling
+    pace ]``: 1-1.5 s here): the trial failed as a hang once in CI, with 2 GiB over a
+    budget of 1.5 GiB, and once in a full run beside three other tests (the test is
+    `calm` since). A worker filling memory uses CPU, and is now waited for (``NOTE [ A
+    late worker that works ]``) until the node (about 550 MiB without it) passes its
+    budget, or the batch's own deadline.
     """
 
     def __init__(self) -> None:

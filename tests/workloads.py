@@ -508,6 +508,27 @@ class GetItemsDataset(SleepDataset):
         return [self[i] for i in indices]
 
 
+class SlowFirstItemInWorkers(SleepDataset):
+    """A worker with an id of ``from_worker`` or more computes for ``cpu_seconds`` of its
+    CPU on its first item, in Python, as a slow first decode or a cache it builds would;
+    the other reads are ``SleepDataset``'s."""
+
+    def __init__(self, cpu_seconds: float, from_worker: int, length: int = 512) -> None:
+        super().__init__(length, latency=0.001)
+        self.cpu_seconds = cpu_seconds
+        self.from_worker = from_worker
+        self._first = True
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = get_worker_info()
+        if self._first and info is not None and info.id >= self.from_worker:
+            self._first = False
+            until = time.process_time() + self.cpu_seconds
+            while time.process_time() < until:
+                pass
+        return super().__getitem__(index)
+
+
 class GrowsWhileHanging(SleepDataset):
     """A worker's first item never returns: it keeps ``bytes_per_second`` more memory
     every second, as a decoder stuck filling a buffer would."""

@@ -3,6 +3,7 @@ it when it overruns."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import signal
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from autoloader.loader._torch_compat import awaited_batch
+import psutil
+
+from autoloader.loader._torch_compat import awaited_batch, worker_processes
 
 
 class TrialTimeout(Exception):
@@ -108,6 +111,21 @@ class Deadlines:
 # _POLL seconds by the trial's alarm, in the main thread: nothing runs on the side.
 _POLL = 0.25
 
+# NOTE [ A late worker that works ]
+# Late by its siblings' pace is not hung where the worker is working: on a loaded
+# machine a worker's fork, its start and its first item take longer than the start-up
+# measured before the search, and a worker filling memory toward the budget is slower
+# still (beside three other tests' processes, a two-node job's third worker, filling
+# 1 GiB, was called hung 1.5 s after its siblings delivered, before the memory watch
+# saw the budget passed). A hung worker uses no CPU: it waits on a lock, a read, a
+# sleep. So a batch late by its siblings' pace is called hung only if its worker's
+# process used under _WORKING_CPU seconds of CPU over the last _WORKING_WINDOW seconds
+# (at least one poll apart); a worker that used more is waited for, up to the stage's
+# own deadline, which still finds a worker that spins forever. Where the CPU cannot be
+# read (the process is gone, or no process: thread workers), the pace alone decides.
+_WORKING_WINDOW = 1.0
+_WORKING_CPU = 0.05
+
 # NOTE [ A swallowed timeout ]
 # The alarm's TrialTimeout is raised in whatever code the main thread runs, and code
 # that catches every Exception swallows it: torch logs and goes on when a lazy import
@@ -129,6 +147,8 @@ class SiblingPace:
         start_each: ``Deadlines.start_each``.
         workers: the trial's worker count.
         clock: seconds (a fake one in tests).
+        cpu_seconds: the CPU seconds a worker (by its index) has used, or ``None`` where
+            they cannot be read (a fake in tests; by default its process's).
     """
 
     def __init__(
@@ -139,14 +159,17 @@ class SiblingPace:
         start_each: float,
         workers: int,
         clock: Callable[[], float] = time.monotonic,
+        cpu_seconds: Callable[[int], float | None] | None = None,
     ) -> None:
         self.iterator = iterator
         self.seconds = seconds
         self.start_each = start_each
         self.workers = workers
         self._clock = clock
+        self._cpu_seconds = cpu_seconds or _WorkerCpu(iterator)
         self._index: int | None = None
         self._since = 0.0
+        self._cpu: collections.deque[tuple[float, float]] = collections.deque()
 
     def __call__(self) -> None:
         found = awaited_batch(self.iterator)
@@ -157,12 +180,15 @@ class SiblingPace:
         now = self._clock()
         if self._index != index:
             self._index, self._since = index, now
+            self._cpu.clear()
+            self._note_cpu(worker, now)
             return
+        self._note_cpu(worker, now)
         allowed = self.seconds
         if index < self.workers and worker > max(later):  # its first batch; started later
             allowed += self.start_each * (worker - max(later))
         waited = now - self._since
-        if waited < allowed:
+        if waited < allowed or self._working():
             return
         names = ", ".join(map(str, sorted(later)))
         raise TrialTimeout(
@@ -172,6 +198,47 @@ class SiblingPace:
             f"{waited:.1f} s overdue while worker{'s' if len(later) > 1 else ''} {names} "
             f"delivered {sum(later.values())} batches given out after it",
         )
+
+    def _note_cpu(self, worker: int, now: float) -> None:
+        """Keep the awaited worker's CPU seconds at ``now``, and the newest reading at
+        least ``_WORKING_WINDOW`` older (or the oldest): see ``NOTE [ A late worker
+        that works ]``."""
+        used = self._cpu_seconds(worker)
+        if used is None:
+            self._cpu.clear()
+            return
+        self._cpu.append((now, used))
+        while len(self._cpu) > 2 and now - self._cpu[1][0] >= _WORKING_WINDOW:
+            self._cpu.popleft()
+
+    def _working(self) -> bool:
+        """Whether the awaited worker used ``_WORKING_CPU`` seconds of CPU or more over
+        the readings kept."""
+        if len(self._cpu) < 2:
+            return False
+        return self._cpu[-1][1] - self._cpu[0][1] >= _WORKING_CPU
+
+
+class _WorkerCpu:
+    """The CPU seconds a worker process of ``iterator`` has used (its threads'), by its
+    index; ``None`` where there is no such process or it is gone."""
+
+    def __init__(self, iterator: object) -> None:
+        self._iterator = iterator
+        self._processes: dict[int, psutil.Process] = {}
+
+    def __call__(self, worker: int) -> float | None:
+        workers = worker_processes(self._iterator)
+        pid = workers[worker].pid if 0 <= worker < len(workers) else None
+        if pid is None:
+            return None
+        try:
+            if pid not in self._processes:
+                self._processes[pid] = psutil.Process(pid)
+            times = self._processes[pid].cpu_times()
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            return None
+        return float(times.user + times.system)
 
 
 class Alarm:
