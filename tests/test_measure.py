@@ -335,12 +335,12 @@ def test_a_late_worker_that_uses_cpu_is_waited_for_and_one_that_stops_is_hung() 
 
 
 def test_a_worker_busy_past_its_siblings_pace_is_measured_not_called_hung() -> None:
-    """Workers 2 and up compute for 2 s of CPU on their first item, beyond a 0.3 s
+    """Workers 2 and up compute for 1 s of CPU on their first item, beyond a 0.3 s
     sibling pace: no hang, the trial is measured (NOTE [ A late worker that works ])."""
-    dataset = SlowFirstItemInWorkers(cpu_seconds=2.0, from_worker=2, length=4096)
+    dataset = SlowFirstItemInWorkers(cpu_seconds=1.0, from_worker=2, length=4096)
     m = _runner(dataset).measure(
         _params(4),
-        max_seconds=4,
+        max_seconds=2,
         deadlines=Deadlines(first=60, each=60, sibling=0.3, start_each=0.1),
     )
     assert m.batches > 0
