@@ -287,6 +287,7 @@ def test_show_prints_a_lone_surrogate_escaped(tmp_path: Path) -> None:
     assert "read \\ud800 then stopped" in done.stdout
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_show_refuses_facts_of_the_wrong_type_naming_them(tmp_path: Path) -> None:
     """The report's arithmetic on a fact that is a string raised TypeError."""
     facts = {"dataset_length": 100_000, "copy_on_read": 50_000.0, "copy_on_read_items": "lots"}
@@ -383,6 +384,7 @@ def test_a_bad_rank_does_not_fail_an_autoloader_at_the_end_of_its_tuning(
 
 
 @pytest.mark.late  # imports Lightning (tests/seats.py)
+@pytest.mark.slow  # over 2.5 s here (importing Lightning): the full suite's
 def test_a_bad_pl_seed_workers_is_named_before_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Read after the tuning run, to seed the tuned loader's workers: int("yes") raised
     ValueError once the tuning was spent."""

@@ -250,6 +250,7 @@ def test_sigterm_saves_the_finished_trials_to_out_and_exits_143(tmp_path: Path) 
     assert result.trials[0].state == "complete"
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_an_out_holding_another_file_is_refused_before_any_trial(tmp_path: Path) -> None:
     """``--out`` naming a file that is not an autoloader result (a mistyped config
     path) is refused at once, as ``tune(path=...)`` refuses it, and the file is left as

@@ -102,6 +102,7 @@ def test_the_version_is_kept_in_one_place() -> None:
     assert version("torch-autoloader") == autoloader.__version__
 
 
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_importing_the_package_imports_a_part_when_it_is_asked_for() -> None:
     """``import autoloader`` imports torch's DataLoader and no search: a spawned worker
     that unpickles autoloader's worker code pays for the loader alone (NOTE [ A package

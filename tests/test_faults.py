@@ -121,6 +121,7 @@ class _SetsUpOnFirstCall:
 
 
 @pytest.mark.light  # mostly waits
+@pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
 def test_the_first_step_may_take_its_own_deadline_and_later_steps_the_batchs() -> None:
     """NOTE [ The first step ]: a first call of 1.5 s passes where a batch's deadline is
     1 s; a step that blocks on its first call times out at the first step's deadline,
