@@ -4,6 +4,7 @@ and a run elsewhere holds the study while it beats."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import signal
@@ -43,12 +44,18 @@ SCRIPT = textwrap.dedent(
 )
 
 
+_FRESH = 0.3
+
+
 def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int) -> None:
     """Until the storage holds a trial numbered past ``after`` that has started and not
     finished, its setting written (``owner``, the last of its attributes the driver
     sets after ``params``): a run killed between Optuna's ``ask()`` and that
     leaves a trial of no setting, which the next run fails and does not report (a full
-    run beside a busy loop killed one there)."""
+    run beside a busy loop killed one there). Started within the last _FRESH seconds, so
+    that it is still running at the kill: a trial seen running as it neared its end
+    ended before the kill once, in a quiet full run (2026-11-29), and none was left
+    running (a trial measures for a second at least)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert child.poll() is None, "the tuning run ended before it could be killed"
@@ -56,7 +63,14 @@ def _wait_for_a_running_trial(url: str, child: subprocess.Popen[str], after: int
             (summary,) = optuna.get_all_study_summaries(url)
             study = optuna.load_study(study_name=summary.study_name, storage=url)
             running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if any(t.number > after and "owner" in t.user_attrs for t in running):
+            fresh = datetime.datetime.now() - datetime.timedelta(seconds=_FRESH)
+            if any(
+                t.number > after
+                and "owner" in t.user_attrs
+                and t.datetime_start is not None
+                and t.datetime_start > fresh
+                for t in running
+            ):
                 return
         time.sleep(0.02)
     raise AssertionError("no trial started within 60 s")
