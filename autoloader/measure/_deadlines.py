@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import signal
 import threading
@@ -166,7 +167,7 @@ class SiblingPace:
         self.start_each = start_each
         self.workers = workers
         self._clock = clock
-        self._cpu_seconds = cpu_seconds or _WorkerCpu(iterator)
+        self._cpu_seconds = cpu_seconds or functools.partial(_worker_cpu_seconds, iterator)
         self._index: int | None = None
         self._since = 0.0
         self._cpu: collections.deque[tuple[float, float]] = collections.deque()
@@ -219,26 +220,18 @@ class SiblingPace:
         return self._cpu[-1][1] - self._cpu[0][1] >= _WORKING_CPU
 
 
-class _WorkerCpu:
-    """The CPU seconds a worker process of ``iterator`` has used (its threads'), by its
-    index; ``None`` where there is no such process or it is gone."""
-
-    def __init__(self, iterator: object) -> None:
-        self._iterator = iterator
-        self._processes: dict[int, psutil.Process] = {}
-
-    def __call__(self, worker: int) -> float | None:
-        workers = worker_processes(self._iterator)
-        pid = workers[worker].pid if 0 <= worker < len(workers) else None
-        if pid is None:
-            return None
-        try:
-            if pid not in self._processes:
-                self._processes[pid] = psutil.Process(pid)
-            times = self._processes[pid].cpu_times()
-        except psutil.Error:  # gone, a zombie, or not ours to read
-            return None
-        return float(times.user + times.system)
+def _worker_cpu_seconds(iterator: object, worker: int) -> float | None:
+    """The CPU seconds worker process ``worker`` of ``iterator`` has used (its threads'),
+    or ``None`` where there is no such process or it is gone."""
+    workers = worker_processes(iterator)
+    pid = workers[worker].pid if 0 <= worker < len(workers) else None
+    if pid is None:
+        return None
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:  # gone, a zombie, or not ours to read
+        return None
+    return float(times.user + times.system)
 
 
 class Alarm:
