@@ -62,7 +62,8 @@ class LoopError(AutoloaderError):
 
 
 class IsolationError(AutoloaderError):
-    """Under ``isolation="subprocess"``, a trial's process died before it could run.
+    """Under ``isolation="subprocess"``, a trial's process, or the helper that forks
+    them, died before it could run.
 
     Nothing about a setting was learnt: the process could not start (a script without
     an ``if __name__ == "__main__":`` guard) or load what it was sent.

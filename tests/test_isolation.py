@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -22,6 +30,7 @@ from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._process_memory import process_memory, tree_memory
 from autoloader.measure._runner import TrialRunner
+from autoloader.measure._trial_processes import ForkingHelper, HelperGone, Spawner, pidfds_work
 from autoloader.search._faults import classify
 from autoloader.search._outcome import state_of
 
@@ -30,10 +39,12 @@ from .workloads import (
     ExitOnLoadDataset,
     FailsInWorkersDataset,
     MemoryHogDataset,
+    ProcessRecordingStep,
     SleepDataset,
     StartMethodCheckingStep,
     StepWithFault,
     UnloadableDataset,
+    ended,
     noop_step,
     sleep_step,
 )
@@ -47,9 +58,33 @@ def _params(workers: int) -> dict[str, Any]:
     return normalize_params({"num_workers": workers, "prefetch_factor": 2})
 
 
-def _isolated(dataset: Any, step: Any = noop_step, **kwargs: Any) -> SubprocessRunner:
+ROOT = Path(__file__).resolve().parents[1]
+forking = pytest.mark.skipif(not pidfds_work(), reason="no pidfds: each trial is spawned")
+
+_RUNNERS: list[SubprocessRunner] = []
+
+
+@pytest.fixture(autouse=True)
+def helpers_stopped() -> Iterator[None]:
+    """Each test's runners stop their helpers before conftest looks for processes left
+    (a runner an exception's traceback holds would stop its helper only when collected)."""
+    yield
+    while _RUNNERS:
+        _RUNNERS.pop().close()
+
+
+def _isolated(
+    dataset: Any, step: Any = noop_step, *, spawned: bool = False, **kwargs: Any
+) -> SubprocessRunner:
     kwargs.setdefault("memory_budget", tree_memory() + 4 * 1024**3)
-    return SubprocessRunner(TrialRunner(dataset, step, batch_size=2, **kwargs))
+    starter = Spawner() if spawned else None
+    runner = SubprocessRunner(TrialRunner(dataset, step, batch_size=2, **kwargs), starter=starter)
+    _RUNNERS.append(runner)
+    return runner
+
+
+def _recorded(folder: Path) -> list[dict[str, int]]:
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
 
 
 def test_a_trial_in_its_own_process_is_measured_and_relayed_window_by_window() -> None:
@@ -105,6 +140,18 @@ def test_the_death_of_the_trial_process_is_recorded(fault: str, state: str, reas
     assert re.search(reason, fault_.reason), fault_.reason
 
 
+def test_a_spawned_trial_process_is_measured_and_its_death_recorded() -> None:
+    """Where pidfds are missing, each trial's process is spawned (``Spawner``)."""
+    runner = _isolated(SleepDataset(512), StepWithFault("SIGSEGV", from_workers=2), spawned=True)
+    assert runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS).batches > 0
+    with pytest.raises(TrialError) as info:
+        runner.measure(_params(2), max_seconds=5, deadlines=GENEROUS)
+    assert isinstance(info.value.error, TrialProcessDied)
+    assert classify(info.value, params=_params(2)).reason == (
+        "trial process crashed (SIGSEGV) with this setting"
+    )
+
+
 @pytest.mark.light  # mostly waits
 def test_a_hang_the_trial_cannot_break_is_killed_from_outside() -> None:
     with pytest.raises(TrialError) as info:
@@ -156,11 +203,12 @@ def test_an_exception_from_on_window_stops_the_trial_process() -> None:
         raise KeyboardInterrupt
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    runner = _isolated(SleepDataset(4096), sleep_step)
     with pytest.raises(KeyboardInterrupt):
-        _isolated(SleepDataset(4096), sleep_step).measure(
-            _params(2), max_seconds=10, on_window=interrupt
-        )
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+        runner.measure(_params(2), max_seconds=10, on_window=interrupt)
+    # Only the helper is left, for the next trial, until the runner is closed.
+    helper = getattr(runner._starter, "pid", None)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before | {helper}
 
 
 def test_the_memory_budget_covers_both_processes() -> None:
@@ -231,3 +279,134 @@ def test_a_trial_process_may_stay_silent_through_its_first_steps_deadline() -> N
     plain = silence(Deadlines(first=3.0, each=3.0))
     assert silence(Deadlines(first=3.0, each=3.0, first_step=10.0)) == pytest.approx(plain + 7)
     assert silence(Deadlines(first=3.0, each=3.0, first_step=1.0)) == pytest.approx(plain)
+
+
+@forking
+def test_each_trial_is_forked_from_one_helper_into_a_group_of_its_own(tmp_path: Path) -> None:
+    """NOTE [ A helper forks the trials ]: one helper a runner, this process's child;
+    each trial's process its child, leading its own group; close() ends the helper."""
+    runner = _isolated(SleepDataset(512), ProcessRecordingStep(str(tmp_path)))
+    for workers in (1, 2):
+        assert runner.measure(_params(workers), max_seconds=0.3, deadlines=GENEROUS).batches
+    first, second = _recorded(tmp_path)
+    helper = runner._starter
+    assert isinstance(helper, ForkingHelper) and helper.pid is not None
+    assert first["pid"] != second["pid"]
+    assert first["ppid"] == second["ppid"] == helper.pid
+    assert helper.pid in {child.pid for child in psutil.Process().children()}
+    assert first["pgid"] == first["pid"] and second["pgid"] == second["pid"]
+    pid = helper.pid
+    runner.close()
+    assert helper.pid is None and ended(pid, within=1)
+
+
+@forking
+def test_a_helper_killed_between_trials_is_started_again(tmp_path: Path) -> None:
+    runner = _isolated(SleepDataset(512), ProcessRecordingStep(str(tmp_path)))
+    runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS)
+    helper = runner._starter
+    assert isinstance(helper, ForkingHelper) and helper.pid is not None
+    os.kill(helper.pid, signal.SIGKILL)
+    assert ended(helper.pid, within=5)
+    assert runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS).batches > 0
+    parents = [record["ppid"] for record in _recorded(tmp_path)]
+    assert len(set(parents)) == 2 and parents[1] == helper.pid
+
+
+@forking
+def test_a_helper_killed_during_a_trial_fails_that_trial_and_the_next_one_runs(
+    tmp_path: Path,
+) -> None:
+    runner = _isolated(SleepDataset(512), ProcessRecordingStep(str(tmp_path), kill_parent=True))
+    with pytest.raises(TrialError) as info:
+        runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS)
+    assert isinstance(info.value.error, HelperGone)
+    assert "killed by SIGKILL while asked to reap a trial's process" in str(info.value.error)
+    (killed,) = _recorded(tmp_path)
+    assert ended(killed["pid"], within=5)  # its group killed
+    assert state_of(classify(info.value, params=_params(1))) == "failed"
+    # A new helper, whose trial kills it too: the runner starts one each time.
+    with pytest.raises(TrialError):
+        runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS)
+    assert len({record["ppid"] for record in _recorded(tmp_path)}) == 2
+
+
+_KILLED_MID_TRIAL = textwrap.dedent(
+    """
+    import sys
+    from autoloader.measure._isolation import SubprocessRunner
+    from autoloader.measure._runner import TrialRunner
+    from autoloader.loader._params import normalize_params
+    from tests.workloads import ProcessRecordingStep, SleepDataset
+
+    if __name__ == "__main__":
+        step = ProcessRecordingStep(sys.argv[1])
+        runner = SubprocessRunner(
+            TrialRunner(SleepDataset(4096, latency=0.01), step, batch_size=2, memory_budget=2**40)
+        )
+        runner.measure(normalize_params({"num_workers": 2}), max_seconds=60)
+    """
+)
+
+
+@forking
+@pytest.mark.light  # mostly waits for its trial
+def test_the_helper_ends_its_trials_when_the_tuning_process_is_killed(tmp_path: Path) -> None:
+    """SIGKILL of the tuning process mid-trial: its helper sees its pipe close, kills
+    the trial's group, workers included, and exits; nothing is left."""
+    script = tmp_path / "tuning.py"
+    script.write_text(_KILLED_MID_TRIAL)
+    tuning = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        give_up = time.monotonic() + 60
+        while not _recorded(tmp_path) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        (trial,) = _recorded(tmp_path)
+        processes = [psutil.Process(trial["ppid"]), psutil.Process(trial["pid"])]
+        processes += processes[1].children(recursive=True)
+        assert len(processes) == 4  # the helper, the trial, its two workers
+    finally:
+        tuning.kill()
+        tuning.wait()
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+_NO_MAIN_GUARD = textwrap.dedent(
+    """
+    import autoloader
+    from tests.workloads import SleepDataset, noop_step
+
+    autoloader.tune(
+        SleepDataset(64), noop_step, batch_size=4, time_budget=5, isolation="subprocess",
+        show_progress=False,
+    )
+    """
+)
+
+
+@forking
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    """The helper, spawned, imports the script as spawn does: unguarded, the script
+    calls tune() again there, and the helper dies before it is ready."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_NO_MAIN_GUARD)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "autoloader._exceptions.IsolationError: The process that starts "
+        "each trial's process exited with code 1 before it was ready"
+    ), last
+    assert "`if __name__ == '__main__':`" in last

@@ -300,6 +300,30 @@ class StepWithFault:
         _fault(self.fault)
 
 
+class ProcessRecordingStep:
+    """At its first step, writes its process's pid, parent's pid and process group to
+    ``folder/<pid>.json``; with ``kill_parent``, then SIGKILLs its parent (under
+    isolation, the helper that forked the trial's process)."""
+
+    def __init__(self, folder: str, *, kill_parent: bool = False) -> None:
+        self.folder = folder
+        self.kill_parent = kill_parent
+        self.recorded = False
+
+    def __call__(self, batch: object) -> None:
+        import json
+        import signal
+
+        if self.recorded:
+            return
+        self.recorded = True
+        me = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0)}
+        with open(os.path.join(self.folder, f"{me['pid']}.json"), "w") as out:
+            json.dump(me, out)
+        if self.kill_parent:
+            os.kill(me["ppid"], signal.SIGKILL)
+
+
 class UnloadableDataset(SleepDataset):
     """Pickles, but raises when unpickled: a class that only the tuning process knows."""
 

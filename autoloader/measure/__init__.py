@@ -3,6 +3,7 @@
 Modules, from the top down, one job each::
 
     _isolation     SubprocessRunner: each trial in a fresh process of its own
+    _trial_processes  how those processes start: forked from a helper, or spawned
     _runner        TrialRunner: builds a setting's loader and times it under guard
     _live          LiveTrial: a trial timed by the user's own training loop (AutoLoader's)
     _timing_loop   TimingLoop: one trial's loop that calls the step (checkpoints, epochs)

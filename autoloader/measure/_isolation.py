@@ -1,7 +1,9 @@
 """Each trial in a fresh process of its own (``isolation="subprocess"``).
 
-The tuning process spawns one process per trial. That process loads the dataset,
-step_fn and loader options from their pickles, measures the one setting with a
+Each trial runs in a process of its own, forked from a helper the run spawns once, or
+spawned where the platform cannot watch a forked one (``NOTE [ A helper forks the
+trials ]`` in ``_trial_processes.py``). That process loads the dataset, step_fn and
+loader options from their pickles, measures the one setting with a
 :class:`~autoloader.measure._runner.TrialRunner` (its own memory watch and deadlines included)
 and sends the outcome back through a pipe. Whatever the trial does to its process
 (a crash in native code, the OOM killer, a hang that signals cannot break), the tuning
@@ -21,9 +23,11 @@ import os
 import pickle
 import signal
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from types import TracebackType
 from typing import Any
 
 import psutil
@@ -37,10 +41,18 @@ from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._pickling import describe_unpicklable
 from autoloader.measure._process_memory import process_memory
 from autoloader.measure._runner import TrialRunner
+from autoloader.measure._trial_processes import (
+    GUARD_ADVICE,
+    START_TIMEOUT,
+    HelperGone,
+    TrialProcess,
+    TrialStarter,
+    trial_starter,
+)
 
-# Seconds a new trial process may take to import torch and load the dataset (about 2 s
-# on a 2-core machine, mostly importing torch).
-_START_TIMEOUT = 120.0
+# Seconds a new trial process may take to load the dataset (and, spawned, to import
+# torch: about 2 s on a 2-core machine).
+_START_TIMEOUT = START_TIMEOUT
 # Beyond the trial's own deadlines, how long the tuning process waits for news from a
 # trial process before killing it as hung: only a hang the trial's own alarm cannot
 # break (native code that blocks signals) gets this far.
@@ -60,17 +72,23 @@ class _Request:
 
 
 class SubprocessRunner:
-    """Measures each setting in a freshly spawned process, like ``runner`` would here.
+    """Measures each setting in a fresh process of its own, like ``runner`` would here.
+
+    The processes are forked from a helper spawned at the first trial, which
+    :meth:`close` (or leaving a ``with`` block) stops (``NOTE [ A helper forks the
+    trials ]``).
 
     Args:
         runner (TrialRunner): the in-process runner whose dataset, step_fn, options
             and memory budget each trial process rebuilds.
+        starter (TrialStarter, optional): what starts each trial's process; by
+            default a helper that forks them where the platform allows, else a spawner.
 
     Raises:
         UnpicklableError: the dataset, step_fn or a loader option cannot be pickled.
     """
 
-    def __init__(self, runner: TrialRunner) -> None:
+    def __init__(self, runner: TrialRunner, *, starter: TrialStarter | None = None) -> None:
         self.batch_size = runner.batch_size
         self.memory_budget = runner.memory_budget
         self._settings = {
@@ -99,7 +117,23 @@ class SubprocessRunner:
                     "open files and connections lazily, or keep the default "
                     "isolation='in-process'."
                 ) from None
-        self._context = multiprocessing.get_context("spawn")
+        self._starter = starter if starter is not None else trial_starter()
+        self._close = weakref.finalize(self, self._starter.close)
+
+    def close(self) -> None:
+        """Stop the helper that forks the trials' processes, if one was started."""
+        self._close()
+
+    def __enter__(self) -> SubprocessRunner:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def measure(
         self,
@@ -121,7 +155,8 @@ class SubprocessRunner:
             IsolationError: the trial's process died before it could run the trial.
         """
         started = time.perf_counter()
-        own = process_memory(psutil.Process())
+        # The tree the budget is for: this process, the helper, the trial's.
+        own = process_memory(psutil.Process()) + self._starter.ready()
         request = _Request(
             params=dict(params),
             max_seconds=max_seconds,
@@ -130,14 +165,27 @@ class SubprocessRunner:
             memory_budget=max(1, self.memory_budget - own),
             start_method=default_start_method(),
         )
-        ours, theirs = self._context.Pipe(duplex=True)
-        process = self._context.Process(
-            target=_trial_process,
-            args=(theirs, self._parts, self._settings, request),
-            name="autoloader-trial",
-        )
-        process.start()
-        theirs.close()
+        try:
+            outcome = self._run(request, on_window, own)
+        except HelperGone as error:
+            raise TrialError("running the trial", error, own) from None
+        measurement = self._result(outcome, own)
+        # The whole trial, as the run's time budget pays for it: starting its process too.
+        return dataclasses.replace(measurement, duration=time.perf_counter() - started)
+
+    def _run(
+        self, request: _Request, on_window: WindowCallback | None, own: int
+    ) -> tuple[Any, ...]:
+        """Start the trial's process, hear it out, and end it and its workers."""
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        try:
+            process = self._starter.start(
+                _trial_process, theirs, (self._parts, self._settings, request)
+            )
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
         outcome: tuple[Any, ...] = ("interrupted",)
         try:
             outcome = self._converse(ours, process, request, on_window, own)
@@ -147,16 +195,17 @@ class SubprocessRunner:
             outcome = ("stopped",)
             raise
         finally:
-            _end(process, graceful=outcome[0] not in ("interrupted", "silent"))
-            ours.close()
-        measurement = self._result(outcome, own)
-        # The whole trial, as the run's time budget pays for it: starting its process too.
-        return dataclasses.replace(measurement, duration=time.perf_counter() - started)
+            try:
+                _end(process, graceful=outcome[0] not in ("interrupted", "silent"))
+            finally:
+                process.close()
+                ours.close()
+        return outcome
 
     def _converse(
         self,
         connection: Connection,
-        process: multiprocessing.process.BaseProcess,
+        process: TrialProcess,
         request: _Request,
         on_window: WindowCallback | None,
         own: int,
@@ -171,10 +220,7 @@ class SubprocessRunner:
                 if not started:
                     raise IsolationError(
                         f"A trial's process {_death(process)} before it could load the "
-                        "dataset. Under isolation='subprocess' the script that calls "
-                        "tune() must guard it with `if __name__ == '__main__':`, and "
-                        "every class and function it sends must be importable from a "
-                        "module; see the trial process's own output above."
+                        f"dataset. {GUARD_ADVICE}"
                     )
                 if process.exitcode is not None:
                     return ("died", TrialProcessDied(process.exitcode))
@@ -234,7 +280,7 @@ def _silence_limit(request: _Request) -> float:
 
 
 def _receive(
-    connection: Connection, process: multiprocessing.process.BaseProcess, give_up: float
+    connection: Connection, process: TrialProcess, give_up: float
 ) -> tuple[Any, ...] | None:
     """The next message, or ``None`` if the process died or ``give_up`` passed first."""
     ready = wait([connection, process.sentinel], timeout=max(0.0, give_up - time.monotonic()))
@@ -243,13 +289,16 @@ def _receive(
             message: tuple[Any, ...] = connection.recv()
             return message
         except (EOFError, OSError):
-            pass
+            # The pipe closes as the process exits, a moment before its exit shows on
+            # its sentinel (a pidfd's shows only once every file is closed).
+            process.join(_EXIT_GRACE)
+            return None
     if process.sentinel in ready or process.exitcode is not None:
         process.join()
     return None
 
 
-def _death(process: multiprocessing.process.BaseProcess) -> str:
+def _death(process: TrialProcess) -> str:
     code = process.exitcode
     if code is None:
         return "stopped answering"
@@ -261,17 +310,19 @@ def _with_memory(measurement: Measurement, own: int) -> Measurement:
     return dataclasses.replace(measurement, peak_memory=measurement.peak_memory + own)
 
 
-def _end(process: multiprocessing.process.BaseProcess, *, graceful: bool) -> None:
+def _end(process: TrialProcess, *, graceful: bool) -> None:
     """Make sure the trial's process and every worker it started are gone.
 
     Its group is killed before the process is reaped: until then its pid, and so the
     group id, cannot be reused by an unrelated process.
     """
-    if graceful:
-        process.join(_EXIT_GRACE)
-    if process.pid is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+    try:
+        if graceful:
+            process.join(_EXIT_GRACE)
+    finally:
+        if process.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
     process.join()
 
 
