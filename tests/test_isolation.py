@@ -89,7 +89,7 @@ def _isolated(
     return runner
 
 
-def _recorded(folder: Path) -> list[dict[str, int]]:
+def _recorded(folder: Path) -> list[dict[str, Any]]:
     """What each trial's ProcessRecordingStep wrote, in the order the trials ran."""
     return [
         json.loads(path.read_text())
@@ -318,6 +318,10 @@ def test_each_trial_is_forked_from_one_helper_into_a_group_of_its_own(tmp_path: 
     assert first["ppid"] == second["ppid"] == helper.pid
     assert helper.pid in {child.pid for child in psutil.Process().children()}
     assert first["pgid"] == first["pid"] and second["pgid"] == second["pid"]
+    # The helper leaves Ctrl-C and SIGTERM to the tuning process; a trial, as spawned.
+    ignored = int(Path(f"/proc/{helper.pid}/status").read_text().split("SigIgn:")[1].split()[0], 16)
+    assert all(ignored & 1 << (sig - 1) for sig in (signal.SIGINT, signal.SIGTERM))
+    assert first["sigterm"] == second["sigterm"] == str(signal.SIG_DFL)
     pid = helper.pid
     runner.close()
     assert helper.pid is None and ended(pid, within=1)
@@ -433,3 +437,60 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> Non
         "each trial's process exited with code 1 before it was ready"
     ), last
     assert "`if __name__ == '__main__':`" in last
+
+
+_TUNED_UNTIL_SIGTERM = textwrap.dedent(
+    """
+    import sys
+    import autoloader
+    from tests.workloads import ProcessRecordingStep, SleepDataset
+
+    if __name__ == "__main__":
+        autoloader.tune(
+            SleepDataset(100_000, latency=0.002), ProcessRecordingStep(sys.argv[1]),
+            batch_size=4, time_budget=60, isolation="subprocess", show_progress=False,
+            path=sys.argv[2],
+        )
+    """
+)
+
+
+@forking
+@pytest.mark.light  # mostly waits for its trials
+def test_sigterm_to_the_runs_process_group_stops_it_and_no_trial_fails_for_it(
+    tmp_path: Path,
+) -> None:
+    """``kill -TERM -PGID`` (a terminal's job, a process manager) reaches the helper too,
+    which is in the run's group: it stays up for the run to stop its trial in order
+    (``NOTE [ SIGTERM while tuning ]``), then ends with it."""
+    records, saved = tmp_path / "records", tmp_path / "best.json"
+    records.mkdir()
+    script = tmp_path / "tuning.py"
+    script.write_text(_TUNED_UNTIL_SIGTERM)
+    tuning = subprocess.Popen(
+        [sys.executable, str(script), str(records), str(saved)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        give_up = time.monotonic() + 60
+        while len(_recorded(records)) < 3 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        started = _recorded(records)
+        assert len(started) == 3, "three trials' processes started"
+        processes = [psutil.Process(started[-1]["ppid"]), psutil.Process(started[-1]["pid"])]
+        os.killpg(tuning.pid, signal.SIGTERM)
+        _, err = tuning.communicate(timeout=60)
+    finally:
+        if tuning.poll() is None:
+            os.killpg(tuning.pid, signal.SIGKILL)
+            tuning.wait()
+    assert tuning.returncode == -signal.SIGTERM, err
+    trials = json.loads(saved.read_text())["trials"]
+    assert len(trials) >= 2, trials
+    assert not [t for t in trials if "HelperGone" in (t.get("reason") or "")], trials
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]

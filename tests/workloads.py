@@ -301,8 +301,8 @@ class StepWithFault:
 
 
 class ProcessRecordingStep:
-    """At its first step, writes its process's pid, parent's pid and process group to
-    ``folder/<pid>.json``; with ``kill_parent``, then SIGKILLs its parent (under
+    """At its first step, writes its process's pid, parent's pid, process group and
+    SIGTERM handler to ``folder/<pid>.json``; with ``kill_parent``, then SIGKILLs its parent (under
     isolation, the helper that forked the trial's process)."""
 
     def __init__(self, folder: str, *, kill_parent: bool = False) -> None:
@@ -317,7 +317,12 @@ class ProcessRecordingStep:
         if self.recorded:
             return
         self.recorded = True
-        me = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0)}
+        me = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "pgid": os.getpgid(0),
+            "sigterm": str(signal.getsignal(signal.SIGTERM)),
+        }
         with open(os.path.join(self.folder, f"{me['pid']}.json"), "w") as out:
             json.dump(me, out)
         if self.kill_parent:

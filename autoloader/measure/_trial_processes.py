@@ -23,9 +23,10 @@ pipe of its own. What isolation promises stays:
   its pid is known here, so the group the tuning process kills is there;
 - the helper reaps a trial only when asked, after the tuning process saw it exit or
   killed its group, and gives back its exit code;
-- the helper ignores Ctrl-C (it is the tuning process's to act on), and ends when its
-  pipe closes, at the run's end or when the tuning process dies, killing the groups of
-  any trials it still holds.
+- the helper ignores Ctrl-C and SIGTERM (in the run's process group, it gets what a
+  terminal or a process manager sends the group: the tuning process acts on them, and
+  stops the trial under way in order), and ends when its pipe closes, at the run's end
+  or when the tuning process dies, killing the groups of any trials it still holds.
 
 Where ``os.pidfd_open`` is missing or refused (macOS, older kernels), each trial's
 process is spawned (``Spawner``), as before.
@@ -303,7 +304,10 @@ def _died(code: int) -> str:
 def serve(connection: Connection, preload: Sequence[str]) -> None:
     """The helper's entry point: import ``preload``, then fork each trial asked for and
     reap each when asked, until ``connection`` closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuning process's
+    # Ctrl-C, and a SIGTERM to the run's process group, are the tuning process's to act
+    # on: it stops the trial under way and then closes the pipe, which ends the helper.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for name in preload:
         importlib.import_module(name)
     context = multiprocessing.get_context("fork")
@@ -348,5 +352,6 @@ def _forked(helper: Connection, target: Callable[..., None], fd: int, args: Sequ
     """A trial's process, forked: its own group first, then ``target`` as a spawned
     process would run it."""
     os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a spawned process has it
     helper.close()  # the helper's pipe is the helper's
     target(Connection(fd), *args)
