@@ -9,12 +9,16 @@ fresh processes, so neither inherits the other's imports or page cache alone:
   first apart (a forked run's first trial also waits for its helper), and the CPU the
   run used (this process and its children, ``getrusage``);
 - ``tune``: ``autoloader.tune(..., isolation="subprocess", time_budget=--budget)`` over
-  the same dataset and a 2 ms step: how many trials it finished, the speed-up it found.
+  the same dataset and a 2 ms step: how many trials it finished, the speed-up it found;
+  with ``--pipelines``, over those of the real-pipelines corpus too
+  (``benchmarks/pipelines.py``: JPEG files and PIL, HF ``datasets`` with a tokenizer,
+  h5py), then one epoch of the tuned loader against the dataset (every sample once).
 
 The spawned runs replace ``trial_starter`` with ``Spawner``, as on a platform without
 pidfds (``NOTE [ A helper forks the trials ]``).
 
     python benchmarks/isolation_start.py [--rounds 3] [--trials 6] [--budget 15]
+        [--pipelines images,hf-text,hdf5 --data /tmp/benchdata]
 """
 
 from __future__ import annotations
@@ -61,11 +65,22 @@ if __name__ == "__main__":
                 for i in range(trials)
             ]
         out = {"durations": durations}
-    else:
+    elif measure == "tune":
         result = autoloader.tune(dataset, step_2ms, batch_size=16, time_budget=budget,
                                  isolation="subprocess", show_progress=False)
         out = {"trials": sum(t.state == "complete" for t in result.trials),
                "speedup": result.speedup, "params": result.params}
+    else:  # a pipeline of the corpus, its data under sys.argv[5]
+        from benchmarks.pipelines import build, train_epoch
+        pipeline = build(measure, sys.argv[5])
+        result = autoloader.tune(pipeline.dataset, pipeline.step,
+                                 batch_size=pipeline.batch_size, time_budget=budget,
+                                 loader_kwargs=pipeline.loader_kwargs,
+                                 isolation="subprocess", show_progress=False)
+        seconds, samples, check = train_epoch(result.make_loader(pipeline.dataset), pipeline)
+        out = {"trials": sum(t.state == "complete" for t in result.trials),
+               "speedup": result.speedup, "params": result.params,
+               "epoch": f"{samples / seconds:.0f}/s {check}"}
     out |= {"wall": time.perf_counter() - began, "cpu": cpu() - used}
     print(json.dumps(out))
 """
@@ -88,9 +103,10 @@ def step_2ms(batch: object) -> None:
     time.sleep(0.002)
 
 
-def _run(kind: str, measure: str, trials: int, budget: float) -> dict[str, Any]:
+def _run(kind: str, measure: str, trials: int, budget: float, data: str) -> dict[str, Any]:
     ran = subprocess.run(
-        [sys.executable, "-c", _CHILD, kind, measure, str(trials), str(budget)],
+        [sys.executable, "-W", "ignore", "-c", _CHILD,
+         kind, measure, str(trials), str(budget), data],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return dict(json.loads(ran.stdout.splitlines()[-1]))
@@ -101,13 +117,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--budget", type=float, default=15.0)
+    parser.add_argument("--pipelines", default="", help="comma-separated names of the corpus")
+    parser.add_argument("--data", default="/tmp/benchdata", help="where the corpus's data is")
     args = parser.parse_args()
     kinds = ("forked", "spawned")
+    pipelines = [name for name in args.pipelines.split(",") if name]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for measure in ("trial", "tune"):
+    for measure in ("trial", "tune", *pipelines):
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
-                out = _run(kind, measure, args.trials, args.budget)
+                out = _run(kind, measure, args.trials, args.budget, args.data)
                 runs.setdefault((kind, measure), []).append(out)
                 print(measure, kind, round_, json.dumps(out), flush=True)
     print(f"\nisolation='subprocess', {args.rounds} rounds each, interleaved")
@@ -126,6 +145,18 @@ def main() -> None:
             f"| {statistics.median(cpus):.1f} | {', '.join(map(str, counts))} "
             f"| {', '.join(speedups)} |"
         )
+    if pipelines:
+        print(f"\nreal pipelines, tune(isolation='subprocess', time_budget={args.budget:.0f})")
+        print("| pipeline | starter | trials | speed-up | chosen | one epoch after |")
+        print("|---|---|---|---|---|---|")
+    for name in pipelines:
+        for kind in kinds:
+            for run in runs[(kind, name)]:
+                chosen = {k: v for k, v in run["params"].items() if v not in (None, False)}
+                print(
+                    f"| {name} | {kind} | {run['trials']} | {run['speedup']:.2f} "
+                    f"| {chosen} | {run['epoch']} |"
+                )
 
 
 if __name__ == "__main__":
