@@ -47,12 +47,10 @@ from autoloader.measure._trial_processes import (
     HelperGone,
     TrialProcess,
     TrialStarter,
+    death,
     trial_starter,
 )
 
-# Seconds a new trial process may take to load the dataset (and, spawned, to import
-# torch: about 2 s on a 2-core machine).
-_START_TIMEOUT = START_TIMEOUT
 # Beyond the trial's own deadlines, how long the tuning process waits for news from a
 # trial process before killing it as hung: only a hang the trial's own alarm cannot
 # break (native code that blocks signals) gets this far.
@@ -152,7 +150,8 @@ class SubprocessRunner:
             TrialError: user code raised or hung, a worker died, or the trial's process
                 died (:class:`TrialProcessDied`) or stopped answering.
             UnpicklableError: the trial's process could not load what it was sent.
-            IsolationError: the trial's process died before it could run the trial.
+            IsolationError: the trial's process died before it could run the trial,
+                or the helper that forks them before it was ready.
         """
         started = time.perf_counter()
         # The tree the budget is for: this process, the helper, the trial's.
@@ -197,6 +196,10 @@ class SubprocessRunner:
         finally:
             try:
                 _end(process, graceful=outcome[0] not in ("interrupted", "silent"))
+            except HelperGone:
+                if outcome[0] != "stopped":
+                    raise
+                # Stopping already (Ctrl-C): that exception, under way, goes on.
             finally:
                 process.close()
                 ours.close()
@@ -212,14 +215,14 @@ class SubprocessRunner:
     ) -> tuple[Any, ...]:
         """Relay the trial's windows to ``on_window`` until its outcome arrives."""
         silence = _silence_limit(request)
-        give_up = time.monotonic() + _START_TIMEOUT
+        give_up = time.monotonic() + START_TIMEOUT
         started = False
         while True:
             message = _receive(connection, process, give_up)
             if message is None:
                 if not started:
                     raise IsolationError(
-                        f"A trial's process {_death(process)} before it could load the "
+                        f"A trial's process {death(process.exitcode)} before it could load the "
                         f"dataset. {GUARD_ADVICE}"
                     )
                 if process.exitcode is not None:
@@ -274,7 +277,7 @@ def _by_value(obj: object) -> bytes:
 def _silence_limit(request: _Request) -> float:
     """How long a running trial may stay silent: its whole length plus its deadlines
     (the first step's where longer than a batch's: NOTE [ The first step ])."""
-    deadlines = request.deadlines or Deadlines(first=_START_TIMEOUT, each=_START_TIMEOUT)
+    deadlines = request.deadlines or Deadlines(first=START_TIMEOUT, each=START_TIMEOUT)
     step = max(deadlines.each, deadlines.first_step or 0.0)
     return request.max_seconds + deadlines.first + step + _SILENCE_MARGIN
 
@@ -296,13 +299,6 @@ def _receive(
     if process.sentinel in ready or process.exitcode is not None:
         process.join()
     return None
-
-
-def _death(process: TrialProcess) -> str:
-    code = process.exitcode
-    if code is None:
-        return "stopped answering"
-    return str(TrialProcessDied(code)).removeprefix("the trial's process ")
 
 
 def _with_memory(measurement: Measurement, own: int) -> Measurement:

@@ -193,10 +193,9 @@ class ForkingHelper:
         process.join(_EXIT_GRACE if ready else 0)  # its pipe closes a moment before it ends
         code = process.exitcode
         self.close()
-        death = "stopped answering" if code is None else _died(code)
         raise IsolationError(
-            f"The process that starts each trial's process {death} before it was ready. "
-            + GUARD_ADVICE
+            f"The process that starts each trial's process {death(code)} before it was "
+            "ready. " + GUARD_ADVICE
         )
 
     def start(
@@ -237,7 +236,7 @@ class ForkingHelper:
         self.close()  # the next trial starts another
         raise HelperGone(
             "The process that starts each trial's process "
-            f"{'stopped answering' if code is None else _died(code)} while asked to "
+            f"{death(code)} while asked to "
             f"{request[0]} a trial's process (the OOM killer, or autoloader's bug)."
         )
 
@@ -294,7 +293,11 @@ class ForkedTrial:
             self._pidfd = None
 
 
-def _died(code: int) -> str:
+def death(code: int | None) -> str:
+    """How a process with exit code ``code`` ended, to follow "the process ...":
+    "was killed by SIGKILL", "exited with code 1"; "stopped answering" if it runs on."""
+    if code is None:
+        return "stopped answering"
     return str(TrialProcessDied(code)).removeprefix("the trial's process ")
 
 
