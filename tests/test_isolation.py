@@ -161,6 +161,25 @@ def test_the_death_of_the_trial_process_is_recorded(fault: str, state: str, reas
     assert re.search(reason, fault_.reason), fault_.reason
 
 
+@forking
+def test_a_trials_death_is_recorded_where_the_tuning_process_ignores_sigchld() -> None:
+    """With SIGCHLD ignored the kernel reaps a process's children: the helper, its own
+    reaper, still gives each trial's exit code, and ends unreadable but closed."""
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        runner = _isolated(SleepDataset(512), StepWithFault("SIGSEGV", from_workers=2))
+        assert runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS).batches > 0
+        with pytest.raises(TrialError) as info:
+            runner.measure(_params(2), max_seconds=5, deadlines=GENEROUS)
+        assert isinstance(info.value.error, TrialProcessDied)
+        assert info.value.error.exit_code == -signal.SIGSEGV
+        helper = runner._starter.pid  # type: ignore[attr-defined]
+        runner.close()
+        assert helper is not None and ended(helper, within=1)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 def test_a_spawned_trial_process_is_measured_and_its_death_recorded() -> None:
     """Where pidfds are missing, each trial's process is spawned (``Spawner``)."""
     runner = _isolated(SleepDataset(512), StepWithFault("SIGSEGV", from_workers=2), spawned=True)

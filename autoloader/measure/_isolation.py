@@ -48,6 +48,7 @@ from autoloader.measure._trial_processes import (
     TrialProcess,
     TrialStarter,
     death,
+    release,
     trial_starter,
 )
 
@@ -201,7 +202,7 @@ class SubprocessRunner:
                     raise
                 # Stopping already (Ctrl-C): that exception, under way, goes on.
             finally:
-                process.close()
+                release(process)
                 ours.close()
         return outcome
 

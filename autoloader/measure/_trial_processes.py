@@ -22,7 +22,8 @@ pipe of its own. What isolation promises stays:
   process group is made by the helper (``setpgid`` in both, as a shell does), before
   its pid is known here, so the group the tuning process kills is there;
 - the helper reaps a trial only when asked, after the tuning process saw it exit or
-  killed its group, and gives back its exit code;
+  killed its group, and gives back its exit code (its SIGCHLD is the default whatever
+  the tuning process's: an ignored one would have the kernel reap the trials);
 - the helper ignores Ctrl-C and SIGTERM (in the run's process group, it gets what a
   terminal or a process manager sends the group: the tuning process acts on them, and
   stops the trial under way in order), and ends when its pipe closes, at the run's end
@@ -250,7 +251,7 @@ class ForkingHelper:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-            process.close()
+            release(process)
 
 
 class ForkedTrial:
@@ -293,6 +294,14 @@ class ForkedTrial:
             self._pidfd = None
 
 
+def release(process: TrialProcess | multiprocessing.process.BaseProcess) -> None:
+    """Close ``process``'s handles once it has ended. Where this process ignores
+    SIGCHLD the kernel reaps its children, their exit codes are lost, and
+    ``multiprocessing`` takes one that ended for one still running: nothing to close."""
+    with contextlib.suppress(ValueError):
+        process.close()
+
+
 def death(code: int | None) -> str:
     """How a process with exit code ``code`` ended, to follow "the process ...":
     "was killed by SIGKILL", "exited with code 1"; "stopped answering" if it runs on."""
@@ -311,6 +320,9 @@ def serve(connection: Connection, preload: Sequence[str]) -> None:
     # on: it stops the trial under way and then closes the pipe, which ends the helper.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The helper reaps its trials for their exit codes: an ignored SIGCHLD, inherited
+    # through exec from a tuning process that ignores it, would have the kernel reap them.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for name in preload:
         importlib.import_module(name)
     context = multiprocessing.get_context("fork")
