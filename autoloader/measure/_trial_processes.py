@@ -248,7 +248,9 @@ class ForkingHelper:
             connection.close()  # the helper ends its trials and exits
         if process is not None:
             process.join(_EXIT_GRACE)
-            if process.exitcode is None:
+            # Its sentinel says it ended where its exit code is lost (SIGCHLD ignored
+            # here): its pid may be another process's by now, not to be killed.
+            if process.exitcode is None and not wait([process.sentinel], 0):
                 process.kill()
                 process.join()
             release(process)
