@@ -191,9 +191,7 @@ class ForkingHelper:
             with contextlib.suppress(EOFError, OSError):
                 if ours.recv() == ("ready",):
                     return
-        process.join(_EXIT_GRACE if ready else 0)  # its pipe closes a moment before it ends
-        code = process.exitcode
-        self.close()
+        code = self._lost(process, ending=bool(ready))
         raise IsolationError(
             f"The process that starts each trial's process {death(code)} before it was "
             "ready. " + GUARD_ADVICE
@@ -228,18 +226,24 @@ class ForkingHelper:
             if connection.poll(_REPLY_TIMEOUT):
                 return connection.recv()
         except (EOFError, OSError):
-            closed = True  # its pipe closes a moment before it ends
+            closed = True
         except BaseException:
             self.close()  # Ctrl-C mid-request: a reply left unread would answer the next
             raise
-        process.join(_EXIT_GRACE if closed else 0)
-        code = process.exitcode
-        self.close()  # the next trial starts another
+        code = self._lost(process, ending=closed)  # the next trial starts another
         raise HelperGone(
             "The process that starts each trial's process "
             f"{death(code)} while asked to "
             f"{request[0]} a trial's process (the OOM killer, or autoloader's bug)."
         )
+
+    def _lost(self, process: multiprocessing.process.BaseProcess, *, ending: bool) -> int | None:
+        """The exit code of a helper that stopped answering, once stopped: waited for
+        where its pipe closed (``ending``: the pipe closes a moment before it ends)."""
+        process.join(_EXIT_GRACE if ending else 0)
+        code = process.exitcode
+        self.close()
+        return code
 
     def close(self) -> None:
         process, connection = self._process, self._connection
