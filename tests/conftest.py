@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing.resource_tracker
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,17 @@ from tests.seats import (  # noqa: F401
     pytest_sessionfinish,
     pytest_sessionstart,
 )
+
+# The suite starts hundreds of Python processes that import autoloader (torchrun ranks
+# and agents, the command line, the examples, spawned workers and trials) and four
+# pytest-xdist workers that rewrite every test module's asserts. Where the environment
+# says not to write bytecode (PYTHONDONTWRITEBYTECODE, as in many container images),
+# each of them compiled those sources again: the workers and every process this
+# session starts cache it, in the checkout's `__pycache__` folders (git ignores them),
+# as Python does by default. Set here, as the controller loads this file, before it
+# starts the workers, which inherit the environment.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # Spawning a process (isolation="subprocess", the spawn start method) starts the
 # standard library's resource tracker once, for the rest of the test session: it is not
