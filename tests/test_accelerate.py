@@ -7,6 +7,7 @@ and in a Hugging Face Trainer's ``get_train_dataloader()``; accelerate's own
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,14 +22,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-accelerate = pytest.importorskip("accelerate")
+import autoloader
+import autoloader.accelerate
+from autoloader import AutoLoader, InvalidInputError
+from tests.lazy import LazyModule
 
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DataLoaderConfiguration  # noqa: E402
-
-import autoloader  # noqa: E402
-import autoloader.accelerate  # noqa: E402
-from autoloader import AutoLoader, InvalidInputError  # noqa: E402
+# Imported by the first test that uses it, not at collection (tests/lazy.py): each
+# worker process a test forks copies fewer page tables.
+accelerate = LazyModule("accelerate")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Items of 3 ms, batches of 4: 24 batches an epoch in one process, 12 in each of two.
@@ -56,8 +60,9 @@ class Stream(IterableDataset[torch.Tensor]):
         return iter(torch.arange(ITEMS).view(-1, 1))
 
 
-def _accelerator(**config: Any) -> Accelerator:
-    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+def _accelerator(**config: Any) -> Any:
+    configuration = accelerate.utils.DataLoaderConfiguration(**config)
+    return accelerate.Accelerator(cpu=True, dataloader_config=configuration)
 
 
 def _epoch(loader: Any) -> list[list[int]]:
@@ -157,7 +162,9 @@ def test_an_autoloader_told_of_another_device_than_accelerates_is_refused(
     """On a GPU (faked: the check comes before accelerate uses the device), an
     AutoLoader must be told the device accelerate moves its batches to."""
     accelerator = _accelerator()
-    monkeypatch.setattr(Accelerator, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(
+        accelerate.Accelerator, "device", property(lambda self: torch.device("cuda", 0))
+    )
     loader = AutoLoader(Items(), batch_size=BATCH, verbose=False)
     with pytest.raises(InvalidInputError, match=r"device=accelerator\.device"):
         autoloader.accelerate.prepare(accelerator, loader)

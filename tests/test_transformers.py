@@ -9,6 +9,7 @@ matters), the items are made from their index, nothing is downloaded.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -22,14 +23,21 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+import autoloader
+import autoloader.transformers as hf
+from autoloader import InvalidInputError
+from autoloader.loader._torch_compat import shutdown_workers
+from autoloader.transformers import tune_trainer
+from tests.lazy import LazyModule
 
-import autoloader  # noqa: E402
-import autoloader.transformers as hf  # noqa: E402
-from autoloader import InvalidInputError  # noqa: E402
-from autoloader.loader._torch_compat import shutdown_workers  # noqa: E402
-from autoloader.transformers import tune_trainer  # noqa: E402
+# Imported by the first test that uses it, not at collection, where every pytest-xdist
+# worker would hold it (and accelerate, which the Trainer needs) for the whole run, and
+# each DataLoader worker it forks would copy their page tables (tests/lazy.py).
+transformers = LazyModule("transformers")
+pytestmark = pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in ("transformers", "accelerate")),
+    reason="the Trainer needs transformers and accelerate",
+)
 
 # Items of 4 ms, batches of 4: loading a batch takes about as long as a step here, so
 # workers pay; 24 batches an epoch, so a trial has batches to time.
@@ -64,7 +72,7 @@ class Stream(IterableDataset[dict[str, torch.Tensor]]):
             yield {"input_ids": ids, "labels": ids}
 
 
-class Spy(transformers.TrainerCallback):
+class _SpyEvents:
     """The loader train() iterates, and the processes it starts while it does."""
 
     def __init__(self) -> None:
@@ -80,8 +88,13 @@ class Spy(transformers.TrainerCallback):
         self.workers |= {p.pid for p in psutil.Process().children()} - self.before
 
 
+def _spy() -> Any:
+    """A ``TrainerCallback`` that records as :class:`_SpyEvents` says."""
+    return type("Spy", (_SpyEvents, transformers.TrainerCallback), {})()
+
+
 def _trainer(
-    tmp_path: Path, dataset: Any = None, *, spy: Spy | None = None, **arguments: Any
+    tmp_path: Path, dataset: Any = None, *, spy: _SpyEvents | None = None, **arguments: Any
 ) -> Any:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -120,7 +133,7 @@ def _untuned(arguments: dict[str, Any], tmp_path: Path) -> dict[str, torch.Tenso
     """The weights train() ends with, without tune_trainer(); once per arguments."""
     key = repr(sorted(arguments.items()))
     if key not in _UNTUNED:
-        spy = Spy()
+        spy = _spy()
         trainer = _trainer(tmp_path, spy=spy, **arguments)
         start = _weights(trainer)
         trainer.train()
@@ -184,7 +197,7 @@ def test_training_after_tuning_is_bit_identical_and_uses_the_tuned_loader(
 ) -> None:
     space, arguments = ROUTES[route]
     untuned = _untuned(arguments, tmp_path_factory.mktemp("untuned"))
-    spy = Spy()
+    spy = _spy()
     trainer = _trainer(tmp_path_factory.mktemp("tuned"), spy=spy, **arguments)
     before = _weights(trainer)
     threads = torch.get_num_threads()
@@ -248,7 +261,7 @@ def test_a_saved_result_is_reused_without_tuning(tmp_path: Path) -> None:
     )
     assert path.exists()
 
-    spy = Spy()
+    spy = _spy()
     trainer = _trainer(tmp_path, SlowTokens(_REUSED_LATENCY), spy=spy)
     again = tune_trainer(
         trainer, time_budget=BUDGET, path=path, search_space=space, show_progress=False
