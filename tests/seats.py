@@ -232,25 +232,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the `alone` tests first, then the `calm` ones (their `late`
-    ones last), then the others, the `late` ones last; the `slow` ones before the
-    others in each group, each in their order. The gated tests are one chain on the
-    first worker (``--dist worksteal`` hands each worker a slice of the collection in
-    order, and the idle ones take from the end of the others'). A `late` test imports
-    Lightning, which stays in its worker: every DataLoader worker forked there after it
-    costs twice the CPU (``tests/lazy.py``), so the workers take those last; but the
-    `late` `calm` ones end the chain: taken with the other `late` ones, they gated the
-    run a second time, for 37-41 s, a minute after the chain (three quiet runs,
-    2026-11-29)."""
+    """Under pytest-xdist, the `alone` tests first, then the `calm` ones, and the
+    `late` ones last (their `calm` ones first), the `slow` ones before the others in
+    each group (`_later`), each in their order. A `late` test
+    imports Lightning, which stays in its worker: every DataLoader worker forked there
+    after it costs twice the CPU (``tests/lazy.py``), and the workers take the
+    collection's last tests last (``--dist worksteal`` hands each a slice of it in
+    order, and the idle ones take from the end of the others'). Where the tests that
+    need nearly every seat are last, the run ends with one of them at a time."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(
-            key=lambda item: (
-                not _is_alone(item),
-                not _is_calm(item),
-                _is_late(item),
-                item.get_closest_marker("slow") is None,
-            )
-        )
+        items.sort(key=lambda item: (not _is_alone(item), _is_late(item), *_later(item)))
+
+
+def _later(item: pytest.Item) -> tuple[bool, bool]:
+    """Within a group, `calm` tests first, then the `slow` ones: the run ends with
+    short tests on every worker, not with one long test on one."""
+    return not _is_calm(item), item.get_closest_marker("slow") is None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # around pytest-timeout's
