@@ -13,6 +13,7 @@ is skipped where it is not installed, as ``pytest.importorskip`` skips a module.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from typing import Any, ClassVar
@@ -46,3 +47,10 @@ class LazyModule:
 def imported(names: set[str]) -> set[str]:
     """Those of ``names`` imported already."""
     return {name for name in names if name in sys.modules}
+
+
+def skip_unless_installed(*names: str) -> pytest.MarkDecorator:
+    """A test module's ``pytestmark`` where its tests need ``names`` and import them as
+    they run: skipped where one is not installed, found without importing it."""
+    absent = [name for name in names if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(bool(absent), reason=f"not installed: {', '.join(absent)}")

@@ -7,7 +7,6 @@ and in a Hugging Face Trainer's ``get_train_dataloader()``; accelerate's own
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,14 +24,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 import autoloader
 import autoloader.accelerate
 from autoloader import AutoLoader, InvalidInputError
-from tests.lazy import LazyModule
+from tests.lazy import LazyModule, skip_unless_installed
 
-# Imported by the first test that uses it, not at collection (tests/lazy.py): each
-# worker process a test forks copies fewer page tables.
+# Imported by the first test that uses it, not at collection, where every pytest-xdist
+# worker would hold it for the whole run (tests/lazy.py).
 accelerate = LazyModule("accelerate")
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed"
-)
+pytestmark = skip_unless_installed("accelerate")
 
 ROOT = Path(__file__).resolve().parents[1]
 # Items of 3 ms, batches of 4: 24 batches an epoch in one process, 12 in each of two.

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import IMPORTED_AT_COLLECTION
-from tests.lazy import LazyModule
+from tests.lazy import LazyModule, skip_unless_installed
 
 
 def test_collecting_imported_no_module_the_tests_import_when_they_run(
@@ -40,3 +40,13 @@ def test_a_test_using_a_module_that_is_not_installed_is_skipped() -> None:
     lazy = LazyModule("a_module_that_is_not_installed")
     with pytest.raises(pytest.skip.Exception, match="a_module_that_is_not_installed"):
         lazy.anything  # noqa: B018
+
+
+def test_a_module_whose_tests_need_a_module_not_installed_is_skipped_without_importing() -> None:
+    name = "tests.lazy_target"
+    sys.modules.pop(name, None)
+    needed = skip_unless_installed(name)
+    assert needed.args == (False,) and name not in sys.modules
+    missing = skip_unless_installed(name, "a_module_that_is_not_installed")
+    assert missing.args == (True,)
+    assert missing.kwargs["reason"] == "not installed: a_module_that_is_not_installed"

@@ -9,7 +9,6 @@ matters), the items are made from their index, nothing is downloaded.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -28,16 +27,12 @@ import autoloader.transformers as hf
 from autoloader import InvalidInputError
 from autoloader.loader._torch_compat import shutdown_workers
 from autoloader.transformers import tune_trainer
-from tests.lazy import LazyModule
+from tests.lazy import LazyModule, skip_unless_installed
 
 # Imported by the first test that uses it, not at collection, where every pytest-xdist
-# worker would hold it (and accelerate, which the Trainer needs) for the whole run, and
-# each DataLoader worker it forks would copy their page tables (tests/lazy.py).
+# worker would hold it for the whole run (tests/lazy.py). The Trainer needs accelerate.
 transformers = LazyModule("transformers")
-pytestmark = pytest.mark.skipif(
-    not all(importlib.util.find_spec(name) for name in ("transformers", "accelerate")),
-    reason="the Trainer needs transformers and accelerate",
-)
+pytestmark = skip_unless_installed("transformers", "accelerate")
 
 # Items of 4 ms, batches of 4: loading a batch takes about as long as a step here, so
 # workers pay; 24 batches an epoch, so a trial has batches to time.
