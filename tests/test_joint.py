@@ -44,6 +44,7 @@ from autoloader.measure._measurement import Measurement
 from autoloader.measure._memory import MemoryBudgetExceeded
 from autoloader.measure._process_memory import tree_memory
 from autoloader.measure._runner import TrialRunner
+from autoloader.measure._supervision import Guard
 from autoloader.search import Interruption
 from autoloader.search._faults import classify
 from tests.workloads import FailingDataset, LeakingDataset, SleepDataset
@@ -272,6 +273,32 @@ def test_a_rank_that_fails_to_load_steps_the_spare_batch_until_the_checkpoint() 
     last_good = step.batches[1]
     assert last_good is not spare and all(b is last_good for b in step.batches[2:])
     assert [c.failed for c in lockstep.checkpoints] == [False, True]
+
+
+def test_a_rank_whose_workers_fail_to_start_steps_the_spare_batch_to_the_first_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker dead as the trial's iterator started (Ctrl-C reaches the whole job's
+    process group as workers fork) fails the trial at the first checkpoint, the spare
+    batch stepped first: the others' first step waits in its collectives for this one's.
+    Raised at once, the other rank of a DDP step waited in its first backward until
+    torchrun killed it."""
+    started: list[bool] = []
+
+    def dead_as_it_starts(guard: Guard) -> Any:
+        started.append(True)
+        raise RuntimeError("DataLoader worker (pid 12345) exited unexpectedly")
+
+    monkeypatch.setattr(Guard, "start", dead_as_it_starts)
+    step = _CountingStep()
+    spare = torch.full((4, 8), -1.0)
+    runner = TrialRunner(SleepDataset(latency=0.0), step, batch_size=4, memory_budget=1 << 40)
+    lockstep = _FakeLockstep(spare)
+    with pytest.raises(TrialError, match="exited unexpectedly"):
+        runner.measure({"num_workers": 0}, max_seconds=5.0, lockstep=lockstep)
+    assert started == [True]
+    assert len(step.batches) == 1 and step.batches[0] is spare
+    assert [c.failed for c in lockstep.checkpoints] == [True]
 
 
 def test_a_rank_stops_with_the_others_when_another_fails() -> None:

@@ -207,6 +207,7 @@ class TimingLoop:
         )
         self.warming = True  # the warm-up went on at the last batch counted
         self.restarts: list[float] = []
+        self.iterator: Iterator[Any] = iter(())  # the loader's, from _begin on
         # A joint trial's failure waits for the next checkpoint (NOTE [ Joint trials ]).
         self.failure: TrialError | MemoryBudgetExceeded | None = None
         # Since the last checkpoint: when it was, and batches.
@@ -257,7 +258,10 @@ class TimingLoop:
 
     def _begin(self) -> None:
         """Start the loader's iterator, and fetch and step the first batch."""
-        self.iterator = self.guard.start()
+        # Joint, a failure to start it (a worker dead as it started: Ctrl-C reaches the
+        # job's process group) is kept for the first checkpoint, as at an epoch's
+        # restart: the others' first step waits in its collectives for this one's.
+        self.iterator = self._restart() if self.lockstep.joint else self.guard.start()
         self.lockstep.begin(loader_length(self.loader))
         self.batch = self._first_fetch()
         first = perf_counter()
@@ -503,8 +507,9 @@ class TimingLoop:
         return self.lockstep.spare
 
     def _restart(self) -> Iterator[Any]:
-        """A new iterator for the next epoch; the current one if that failed in a joint
-        trial (the failure kept for the next checkpoint)."""
+        """A new iterator for the next epoch (or the trial's first, in a joint trial);
+        the current one if that failed in a joint trial (the failure kept for the next
+        checkpoint, the spare batch stepped meanwhile)."""
         try:
             return self.guard.start()
         except Exception as error:
