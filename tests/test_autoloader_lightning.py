@@ -77,6 +77,11 @@ DDP_SCRIPT = textwrap.dedent(
     first = fit(model, max_epochs=100, callbacks=[StopWhenTuned()])
     out["first"] = said(model, first, model.loader)
     out["chosen"] = model.loader.result.params
+    out["trials"] = [
+        (t.phase, t.params["num_workers"], t.state, t.epoch_samples_per_second,
+         t.relative_error, t.reason)
+        for t in model.loader.history
+    ]
     second = fit(model, max_epochs=2)
     out["second"] = said(model, second, model.loader)
     # Made in the hooks: Lightning rebuilds them from the arguments it recorded.
@@ -104,7 +109,6 @@ def _distributed_order(length: int, rank: int, epoch: int) -> list[int]:
     return list(sampler)
 
 
-# Beside a busy loop and two other tests its AutoLoader chose no workers.
 @pytest.mark.calm
 def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
     tmp_path: Path,
@@ -146,7 +150,9 @@ def test_a_ddp_fit_rebuilds_an_autoloader_as_a_copy_that_shares_its_tuning(
         # (and given back by Lightning as an argument).
         assert out["second"]["trials"] == out["first"]["trials"]
         chosen = out["chosen"]["num_workers"]
-        assert chosen > 0, "a latency-bound dataset wants workers"
+        # The defaults win a tie within a short trial's error (NOTE [ A tie within the
+        # best's error ]): the items wait long enough that workers lead by more.
+        assert chosen > 0, ("a latency-bound dataset wants workers", out["trials"])
         assert out["first"]["workers"] == out["second"]["workers"] == [chosen, chosen]
 
 
