@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -192,6 +193,29 @@ def test_a_spawned_trial_process_is_measured_and_its_death_recorded() -> None:
     )
 
 
+def test_a_spawned_trials_death_is_a_death_where_the_tuning_process_ignores_sigchld() -> None:
+    """With SIGCHLD ignored the kernel reaps a spawned trial's process at once, and its
+    exit code is lost: its end is still a death, said to have lost its code, not a hang."""
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        runner = _isolated(
+            SleepDataset(512), StepWithFault("SIGSEGV", from_workers=2), spawned=True
+        )
+        assert runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS).batches > 0
+        with pytest.raises(TrialError) as info:
+            runner.measure(_params(2), max_seconds=5, deadlines=GENEROUS)
+        assert isinstance(info.value.error, TrialProcessDied), repr(info.value.error)
+        assert info.value.error.exit_code is None
+        copied = pickle.loads(pickle.dumps(info.value.error))  # between processes
+        assert str(copied) == str(info.value.error) and copied.lost_to == info.value.error.lost_to
+        assert classify(info.value, params=_params(2)).reason == (
+            "trial process ended with this setting, its exit code lost: this process "
+            "ignores SIGCHLD, and the kernel reaped it"
+        )
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 @pytest.mark.light  # mostly waits
 def test_a_hang_the_trial_cannot_break_is_killed_from_outside() -> None:
     with pytest.raises(TrialError) as info:
@@ -371,14 +395,34 @@ def test_a_helper_killed_between_trials_is_started_again(tmp_path: Path) -> None
 
 
 @forking
+@pytest.mark.parametrize(
+    ("sigchld", "how"),
+    [
+        (signal.SIG_DFL, "was killed by SIGKILL"),
+        # The kernel reaps the helper: it ended, not "stopped answering".
+        (
+            signal.SIG_IGN,
+            "ended, its exit code lost: this process ignores SIGCHLD, and the kernel reaped it",
+        ),
+    ],
+    ids=["sigchld-default", "sigchld-ignored"],
+)
 def test_a_helper_killed_during_a_trial_fails_that_trial_and_the_next_one_runs(
-    tmp_path: Path,
+    tmp_path: Path, sigchld: signal.Handlers, how: str
 ) -> None:
+    previous = signal.signal(signal.SIGCHLD, sigchld)
+    try:
+        _helper_killed_during_a_trial(tmp_path, how)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def _helper_killed_during_a_trial(tmp_path: Path, how: str) -> None:
     runner = _isolated(SleepDataset(512), ProcessRecordingStep(str(tmp_path), kill_parent=True))
     with pytest.raises(TrialError) as info:
         runner.measure(_params(1), max_seconds=0.3, deadlines=GENEROUS)
     assert isinstance(info.value.error, HelperGone)
-    assert "killed by SIGKILL while asked to reap a trial's process" in str(info.value.error)
+    assert f"{how} while asked to reap a trial's process" in str(info.value.error)
     (killed,) = _recorded(tmp_path)
     assert ended(killed["pid"], within=5)  # its group killed
     assert state_of(classify(info.value, params=_params(1))) == "failed"

@@ -104,20 +104,33 @@ class TrialProcessDied(Exception):
     """The process running the trial died (``isolation="subprocess"``).
 
     Attributes:
-        exit_code: its exit code; negative for the signal that killed it.
+        exit_code: its exit code; negative for the signal that killed it; ``None``
+            where another reaped the process before ``multiprocessing`` could, and its
+            exit code is lost (``lost_to`` says who).
+        lost_to: who reaped the process where its exit code is lost: the kernel, where
+            this process ignores SIGCHLD, or another part of this process; else ``""``.
     """
 
-    def __init__(self, exit_code: int) -> None:
-        how = (
-            f"was killed by {signal.Signals(-exit_code).name}"
-            if exit_code < 0
-            else f"exited with code {exit_code}"
-        )
+    def __init__(self, exit_code: int | None, lost_to: str | None = None) -> None:
+        if exit_code is None:
+            lost_to = lost_to or _reaper()
+            how = f"ended, its exit code lost: {lost_to}"
+        elif exit_code < 0:
+            how = f"was killed by {signal.Signals(-exit_code).name}"
+        else:
+            how = f"exited with code {exit_code}"
         super().__init__(f"the trial's process {how}")
-        self.exit_code = exit_code
+        self.exit_code, self.lost_to = exit_code, lost_to or ""
 
-    def __reduce__(self) -> tuple[type[TrialProcessDied], tuple[int]]:
-        return type(self), (self.exit_code,)
+    def __reduce__(self) -> tuple[type[TrialProcessDied], tuple[int | None, str]]:
+        return type(self), (self.exit_code, self.lost_to)
+
+
+def _reaper() -> str:
+    """Who reaped a child of this process before ``multiprocessing`` could."""
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+        return "this process ignores SIGCHLD, and the kernel reaped it"
+    return "another part of this process reaped it (a SIGCHLD handler that waits for any child?)"
 
 
 _WORKER_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')

@@ -48,6 +48,7 @@ from autoloader.measure._trial_processes import (
     TrialProcess,
     TrialStarter,
     death,
+    reaped_elsewhere,
     release,
     trial_starter,
 )
@@ -221,13 +222,17 @@ class SubprocessRunner:
         while True:
             message = _receive(connection, process, give_up)
             if message is None:
+                code = process.exitcode
+                # Ended before its time was up, and reaped by another where its exit
+                # code is missing (a spawned one, where this process ignores SIGCHLD).
+                lost = code is None and time.monotonic() < give_up and reaped_elsewhere(process.pid)
                 if not started:
                     raise IsolationError(
-                        f"A trial's process {death(process.exitcode)} before it could load the "
-                        f"dataset. {GUARD_ADVICE}"
+                        f"A trial's process {death(code, lost=lost)} before it could load "
+                        f"the dataset. {GUARD_ADVICE}"
                     )
-                if process.exitcode is not None:
-                    return ("died", TrialProcessDied(process.exitcode))
+                if code is not None or lost:
+                    return ("died", TrialProcessDied(code))
                 return ("silent", TrialTimeout("waiting for the trial's process", silence))
             kind = message[0]
             if kind == "ready":

@@ -42,6 +42,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
@@ -60,6 +61,7 @@ START_TIMEOUT = 120.0
 _REPLY_TIMEOUT = 60.0
 # Seconds the helper gets to end its trials and exit once its pipe closes.
 _EXIT_GRACE = 5.0
+_GONE_WITHIN = 1.0  # an exiting process's pid, gone once it is reaped
 # What the helper imports before it forks a trial: everything a trial's process runs.
 _PRELOAD = ("autoloader.measure._isolation",)
 
@@ -191,10 +193,10 @@ class ForkingHelper:
             with contextlib.suppress(EOFError, OSError):
                 if ours.recv() == ("ready",):
                     return
-        code = self._lost(process, ending=bool(ready))
+        how = self._lost(process, ending=bool(ready))
         raise IsolationError(
-            f"The process that starts each trial's process {death(code)} before it was "
-            "ready. " + GUARD_ADVICE
+            f"The process that starts each trial's process {how} before it was ready. "
+            + GUARD_ADVICE
         )
 
     def start(
@@ -230,20 +232,21 @@ class ForkingHelper:
         except BaseException:
             self.close()  # Ctrl-C mid-request: a reply left unread would answer the next
             raise
-        code = self._lost(process, ending=closed)  # the next trial starts another
+        how = self._lost(process, ending=closed)  # the next trial starts another
         raise HelperGone(
-            "The process that starts each trial's process "
-            f"{death(code)} while asked to "
+            f"The process that starts each trial's process {how} while asked to "
             f"{request[0]} a trial's process (the OOM killer, or autoloader's bug)."
         )
 
-    def _lost(self, process: multiprocessing.process.BaseProcess, *, ending: bool) -> int | None:
-        """The exit code of a helper that stopped answering, once stopped: waited for
-        where its pipe closed (``ending``: the pipe closes a moment before it ends)."""
+    def _lost(self, process: multiprocessing.process.BaseProcess, *, ending: bool) -> str:
+        """How a helper that stopped answering ended (:func:`death`), once stopped:
+        waited for where its pipe closed (``ending``: the pipe closes a moment before
+        it ends)."""
         process.join(_EXIT_GRACE if ending else 0)
         code = process.exitcode
+        lost = ending and code is None and reaped_elsewhere(process.pid)
         self.close()
-        return code
+        return death(code, lost=lost)
 
     def close(self) -> None:
         process, connection = self._process, self._connection
@@ -308,12 +311,36 @@ def release(process: TrialProcess | multiprocessing.process.BaseProcess) -> None
         process.close()
 
 
-def death(code: int | None) -> str:
+def death(code: int | None, *, lost: bool = False) -> str:
     """How a process with exit code ``code`` ended, to follow "the process ...":
-    "was killed by SIGKILL", "exited with code 1"; "stopped answering" if it runs on."""
-    if code is None:
+    "was killed by SIGKILL", "exited with code 1", "ended, its exit code lost: ..."
+    where it ended and another reaped it (``lost``, :func:`reaped_elsewhere`);
+    "stopped answering" if it runs on."""
+    if code is None and not lost:
         return "stopped answering"
     return str(TrialProcessDied(code)).removeprefix("the trial's process ")
+
+
+def reaped_elsewhere(pid: int | None, within: float = _GONE_WITHIN) -> bool:
+    """Whether the process ``pid``, a child of this one whose exit code
+    ``multiprocessing`` does not have, has ended all the same: another reaped it (the
+    kernel, where this process ignores SIGCHLD; a handler that waits for any child),
+    and its pid is gone. Asked once its pipe closed: a process that is exiting keeps
+    its pid a moment after it closed its files, so the pid is looked for ``within``
+    seconds."""
+    if pid is None:
+        return False
+    give_up = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # the pid is another user's process by now
+            return True
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(0.01)
 
 
 # The helper's side.

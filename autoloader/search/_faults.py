@@ -35,8 +35,9 @@ _SHM = "/dev/shm"
 def _signal_of(error: TrialError) -> str | None:
     """The signal that killed a worker (or the trial's process): from its exit code,
     else from torch's message."""
-    if isinstance(error.error, TrialProcessDied) and error.error.exit_code < 0:
-        return signal.Signals(-error.error.exit_code).name
+    code = error.error.exit_code if isinstance(error.error, TrialProcessDied) else None
+    if code is not None and code < 0:
+        return signal.Signals(-code).name
     if error.worker_signals:
         return signal.Signals(error.worker_signals[0]).name
     for link in exception_chain(error.error):
@@ -138,6 +139,11 @@ def _classify(
         if name is not None:
             return _failed(
                 FaultKind.PROCESS_DIED, f"trial process crashed ({name}) with this setting"
+            )
+        if cause.exit_code is None:
+            return _failed(
+                FaultKind.PROCESS_DIED,
+                f"trial process ended with this setting, its exit code lost: {cause.lost_to}",
             )
         return _failed(FaultKind.PROCESS_DIED, f"trial process exited with code {cause.exit_code}")
     if name is not None:
