@@ -334,9 +334,7 @@ def reaped_elsewhere(pid: int | None, within: float = _GONE_WITHIN) -> bool:
     while True:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # the pid is another user's process by now
+        except (ProcessLookupError, PermissionError):  # gone, or another user's by now
             return True
         if time.monotonic() >= give_up:
             return False
