@@ -9,6 +9,7 @@ matters), the items are made from their index, nothing is downloaded.
 from __future__ import annotations
 
 import functools
+import logging
 import subprocess
 import sys
 import threading
@@ -244,7 +245,12 @@ _REUSED_LATENCY = 0.0005
 
 @pytest.mark.alone
 @pytest.mark.slow  # over 2.5 s here: the full suite's (docs/development/checks.md)
-def test_a_saved_result_is_reused_without_tuning(tmp_path: Path) -> None:
+def test_a_saved_result_is_reused_without_tuning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The reuse check's readings (the defaults' loop, the CPUs others used) are logged
+    # at INFO: a failure shows them.
+    caplog.set_level(logging.INFO, logger="autoloader")
     path = tmp_path / "loader.json"
     space = {"worker_kind": "threads"}
     first = tune_trainer(
