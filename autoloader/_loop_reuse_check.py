@@ -65,7 +65,8 @@ class FirstBatchesCheck:
         not known yet, the next epoch's first batches are timed too), said in the log."""
         if self.check is None:
             self.epochs += 1
-            if measured.batches == 0 or not measured.samples_per_second > 0:
+            timed = measured.batches > 0 and measured.samples_per_second > 0
+            if not timed or measured.batches <= measured.burst_left:  # only queued ones
                 if self.epochs < _EPOCHS:
                     return None
                 _logger.info(

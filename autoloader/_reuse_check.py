@@ -9,13 +9,21 @@ compared with the saved trial of the same setting:
 
 - ``tune()`` runs one short trial of it, through the runner its search would use:
   ``_SHARE`` of the time budget, or where that is shorter, what an unchanged setting
-  needs to deliver batches to time (the saved trial's start-up twice over and
-  ``_BATCHES`` batches at its pace), stopped at the first window where the verdict is
-  clear. A check in which no batch came at all waited longer than that for the first:
-  the setting does not hold. (With a floor of 1 s, the check cost 5.8% of a 20 s
-  budget, benchmarks/reuse_check.py.)
+  needs to deliver batches to time (the saved trial's start-up twice over, and at its
+  pace the batches its workers queue as they start and two timing windows' more:
+  ``measurable_batches``), stopped at the first window where the verdict is clear. A
+  check in which no batch came at all waited longer than that for the first, and one
+  that timed only batches queued as its workers started (``NOTE [ Warm-up ]``) saw none
+  loaded at the setting's pace in that time: the setting does not hold. (With a floor
+  of 1 s, the check cost 5.8% of a 20 s budget, benchmarks/reuse_check.py.) Timing
+  the queued batches as the setting's loading, a check of 3 workers x prefetch 2 on
+  storage 20x slower held in 2 of 5 runs (1,138-1,156 samples/s, 597 when tuned: one
+  queued batch timed), where its length fit 4 batches and no burst.
 - ``AutoLoader`` times the first batches it loads with it (:class:`FirstBatchesCheck`):
-  the training's own batches, at no cost but the timing.
+  the training's own batches, at no cost but the timing. An epoch that ends before
+  they go past the queued ones is too short to time, as one with none is.
+
+Neither check decides while every batch it timed was queued as its workers started.
 
 What counts is the loop's wait for data, a batch: it may grow by the saved trial's
 own error (its 95% interval) plus the check's, as a share of a batch's time when
@@ -91,6 +99,7 @@ from autoloader.measure import (
     Runner,
     TrialError,
     format_seconds,
+    measurable_batches,
 )
 from autoloader.results import TrialRecord, TuneResult
 
@@ -100,7 +109,7 @@ _logger = logging.getLogger("autoloader")
 # start-ups and batches at the saved trial's); and the least seconds, for the clock.
 _SHARE = 0.02
 _START_UPS = 2.0
-_BATCHES = 4
+_WINDOWS = 2
 _LEAST_SECONDS = 0.2
 # The band: the loop's wait for data may grow by this share of a batch's time when
 # tuned (NOTE [ A reused setting checked ]).
@@ -145,7 +154,10 @@ class ReuseCheck:
         delivered: whether a batch came in the check at all (none: the first took
             longer than the check's seconds, which an unchanged setting's start-up
             fits twice over).
-        first_then: seconds the saved trial waited for its first batch.
+        first_then: seconds the saved trial waited for its first batch, and
+            ``first_now``: the check.
+        timed: batches the check timed, of which ``queued`` were queued as its workers
+            started (``Measurement.burst_left``).
     """
 
     then: float
@@ -158,13 +170,24 @@ class ReuseCheck:
     seconds: float
     delivered: bool = True
     first_then: float = 0.0
+    first_now: float = 0.0
+    timed: int = 0
+    queued: int = 0
+
+    @property
+    def past_burst(self) -> bool:
+        """Whether the check timed a batch its workers loaded at their pace, after those
+        they queued as they started (``NOTE [ Warm-up ]``)."""
+        return self.queued == 0 or self.timed > self.queued
 
     @property
     def holds(self) -> bool:
-        """Whether the setting still feeds the loop as it did: a batch came, and its wait
-        for data grew by no more than the band's share of a batch's time when tuned."""
+        """Whether the setting still feeds the loop as it did: a batch came, one loaded
+        at the setting's pace among them, and its wait for data grew by no more than the
+        band's share of a batch's time when tuned."""
         grew = self.load_now - self.load_then
-        return self.delivered and grew <= self.band * (self.load_then + self.step_then)
+        batch = self.load_then + self.step_then
+        return self.delivered and self.past_burst and grew <= self.band * batch
 
     def moved(self) -> str:
         """What moved, in words: loading or the step, whichever added or saved more
@@ -173,6 +196,13 @@ class ReuseCheck:
             return (
                 f"no batch came in the check's {format_seconds(self.seconds)}, the first "
                 f"in {format_seconds(self.first_then)} when tuned"
+            )
+        if not self.past_burst:
+            return (
+                f"only batches queued as its workers started came in the check's "
+                f"{format_seconds(self.seconds)}, none at its loading pace (the first in "
+                f"{format_seconds(self.first_now)}, {format_seconds(self.first_then)} "
+                "when tuned)"
             )
         if abs(self.load_now - self.load_then) < abs(self.step_now - self.step_then):
             return f"the step {_factor(self.step_then, self.step_now)} than when tuned"
@@ -224,6 +254,9 @@ def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> Re
         seconds=seconds,
         delivered=measured.batches > 0 or measured.samples_per_second > 0,
         first_then=saved.time_to_first_batch or 0.0,
+        first_now=measured.time_to_first_batch,
+        timed=measured.batches,
+        queued=measured.burst_left,
     )
 
 
@@ -238,8 +271,11 @@ def saved_trial(result: TuneResult) -> TrialRecord | None:
 
 def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
     """Whether the check can stop at this timing window: its wait for data known well
-    enough to be within its band, or beyond it."""
+    enough to be within its band, or beyond it; never while every batch it timed was
+    queued as its workers started (``NOTE [ A reused setting checked ]``)."""
     if window < 2 or not math.isfinite(measured.relative_error):
+        return False
+    if measured.batches <= measured.burst_left:
         return False
     check = compared(saved, measured, seconds=0.0)
     margin = check.band * (check.load_then + check.step_then) - (check.load_now - check.load_then)
@@ -248,9 +284,11 @@ def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
 
 def check_seconds(budget: float, saved: TrialRecord) -> float:
     """Seconds ``tune()``'s check of ``saved``'s setting may take: its share of the
-    budget, or what the setting needs unchanged where that is longer (``NOTE [ A reused
+    budget, or what the setting needs unchanged where that is longer: its start-up twice
+    over, and its start-up burst and two windows' batches at its pace (``NOTE [ A reused
     setting checked ]``)."""
-    needed = _START_UPS * (saved.time_to_first_batch or 0.0) + _BATCHES * _batch_seconds(saved)
+    batches = measurable_batches(saved.params, _WINDOWS)
+    needed = _START_UPS * (saved.time_to_first_batch or 0.0) + batches * _batch_seconds(saved)
     return max(_SHARE * budget, needed, _LEAST_SECONDS)
 
 
