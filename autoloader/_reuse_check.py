@@ -106,7 +106,8 @@ from autoloader.results import TrialRecord, TuneResult
 _logger = logging.getLogger("autoloader")
 
 # tune(): the check's share of the time budget; what an unchanged setting needs (its
-# start-ups and batches at the saved trial's); and the least seconds, for the clock.
+# start-ups, and at the saved trial's pace its burst and the batches of _WINDOWS timing
+# windows); and the least seconds, for the clock.
 _SHARE = 0.02
 _START_UPS = 2.0
 _WINDOWS = 2
@@ -275,11 +276,17 @@ def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
     queued as its workers started (``NOTE [ A reused setting checked ]``)."""
     if window < 2 or not math.isfinite(measured.relative_error):
         return False
-    if measured.batches <= measured.burst_left:
+    if timed_only_queued(measured):
         return False
     check = compared(saved, measured, seconds=0.0)
     margin = check.band * (check.load_then + check.step_then) - (check.load_now - check.load_then)
     return abs(margin) > measured.relative_error * (check.load_now + check.step_now)
+
+
+def timed_only_queued(measured: Measurement) -> bool:
+    """Whether every batch ``measured`` timed was queued as its workers started, the
+    clock started by the warm-up's cap (``NOTE [ Warm-up ]``): none at their pace."""
+    return measured.burst_left > 0 and measured.batches <= measured.burst_left
 
 
 def check_seconds(budget: float, saved: TrialRecord) -> float:
