@@ -110,10 +110,14 @@ def test_a_dataset_that_slowed_down_is_tuned_again_and_an_unchanged_one_reused(
     with caplog.at_level(logging.INFO, logger="autoloader"):
         slowed = _tune(path, 0.02)  # 20 ms a read, where it was 2
     (warning,) = [r.getMessage() for r in caplog.records if "not reusing" in r.getMessage()]
-    assert warning.startswith(f"not reusing {path}: loading ")
-    assert (
-        "x slower than when tuned" in warning and "re-tuning; the file will be replaced" in warning
-    )
+    # Loading slower, or in a check too short for the 20 ms reads to come past the
+    # batches the workers queued as they started, none at its pace (NOTE [ A reused
+    # setting checked ]).
+    moved = warning.removeprefix(f"not reusing {path}: ")
+    assert (moved.startswith("loading ") and "x slower than when tuned" in moved) or (
+        moved.startswith("only batches queued as its workers started came in the check's ")
+    ), warning
+    assert "re-tuning; the file will be replaced" in warning
     assert next(r for r in caplog.records if "not reusing" in r.getMessage()).levelname == "WARNING"
     assert slowed.trials != first.trials and slowed.trials[0].phase == "baseline"
     assert autoloader.load(path).trials == slowed.trials  # the file holds the new run
