@@ -20,7 +20,6 @@ from autoloader._reuse_check import (
     compared,
     decided,
     saved_trial,
-    timed_only_queued,
 )
 from autoloader.measure import Measurement
 from autoloader.results import TrialRecord, TuneResult
@@ -67,7 +66,7 @@ class FirstBatchesCheck:
         if self.check is None:
             self.epochs += 1
             timed = measured.batches > 0 and measured.samples_per_second > 0
-            if not timed or timed_only_queued(measured):
+            if not timed or measured.only_queued:
                 if self.epochs < _EPOCHS:
                     return None
                 _logger.info(

@@ -157,8 +157,8 @@ class ReuseCheck:
             fits twice over).
         first_then: seconds the saved trial waited for its first batch, and
             ``first_now``: the check.
-        timed: batches the check timed, of which ``queued`` were queued as its workers
-            started (``Measurement.burst_left``).
+        past_burst: whether the check timed a batch its workers loaded at their pace,
+            not only those they queued as they started (``Measurement.only_queued``).
     """
 
     then: float
@@ -172,14 +172,7 @@ class ReuseCheck:
     delivered: bool = True
     first_then: float = 0.0
     first_now: float = 0.0
-    timed: int = 0
-    queued: int = 0
-
-    @property
-    def past_burst(self) -> bool:
-        """Whether the check timed a batch its workers loaded at their pace, after those
-        they queued as they started (``NOTE [ Warm-up ]``)."""
-        return self.queued == 0 or self.timed > self.queued
+    past_burst: bool = True
 
     @property
     def holds(self) -> bool:
@@ -256,8 +249,7 @@ def compared(saved: TrialRecord, measured: Measurement, *, seconds: float) -> Re
         delivered=measured.batches > 0 or measured.samples_per_second > 0,
         first_then=saved.time_to_first_batch or 0.0,
         first_now=measured.time_to_first_batch,
-        timed=measured.batches,
-        queued=measured.burst_left,
+        past_burst=not measured.only_queued,
     )
 
 
@@ -276,17 +268,11 @@ def decided(saved: TrialRecord, window: int, measured: Measurement) -> bool:
     queued as its workers started (``NOTE [ A reused setting checked ]``)."""
     if window < 2 or not math.isfinite(measured.relative_error):
         return False
-    if timed_only_queued(measured):
+    if measured.only_queued:
         return False
     check = compared(saved, measured, seconds=0.0)
     margin = check.band * (check.load_then + check.step_then) - (check.load_now - check.load_then)
     return abs(margin) > measured.relative_error * (check.load_now + check.step_now)
-
-
-def timed_only_queued(measured: Measurement) -> bool:
-    """Whether every batch ``measured`` timed was queued as its workers started, the
-    clock started by the warm-up's cap (``NOTE [ Warm-up ]``): none at their pace."""
-    return measured.burst_left > 0 and measured.batches <= measured.burst_left
 
 
 def check_seconds(budget: float, saved: TrialRecord) -> float:

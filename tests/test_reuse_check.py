@@ -322,7 +322,7 @@ def test_a_check_that_timed_only_batches_queued_at_start_up_does_not_hold() -> N
     """NOTE [ A reused setting checked ]: the batches the workers queued as they
     started come with no wait, whatever the storage's pace now."""
     queued = dataclasses.replace(
-        _check(load=(0.01, 0.0001)), timed=1, queued=6, first_then=0.36, first_now=0.89
+        _check(load=(0.01, 0.0001)), past_burst=False, first_then=0.36, first_now=0.89
     )
     assert not queued.holds
     assert queued.moved() == (
@@ -330,8 +330,7 @@ def test_a_check_that_timed_only_batches_queued_at_start_up_does_not_hold() -> N
         "its loading pace (the first in 890.0 ms, 360.0 ms when tuned)"
     )
     # One batch past them: the wait is the setting's, and it holds.
-    assert dataclasses.replace(queued, timed=7).holds
-    assert dataclasses.replace(queued, timed=0, queued=0).holds  # no workers: no burst
+    assert dataclasses.replace(queued, past_burst=True).holds
 
 
 def _measurement(*, batches: int, queued: int, error: float = 0.01) -> Measurement:
@@ -351,6 +350,10 @@ def test_no_check_decides_while_it_has_timed_only_queued_batches() -> None:
     )  # fmt: skip
     assert not decided(saved, 2, _measurement(batches=6, queued=6))
     assert decided(saved, 2, _measurement(batches=7, queued=6))
+    # The rule both go by: Measurement.only_queued.
+    assert _measurement(batches=6, queued=6).only_queued
+    assert not _measurement(batches=7, queued=6).only_queued
+    assert not _measurement(batches=1, queued=0).only_queued  # no workers: no burst
 
 
 class _Seen:

@@ -99,6 +99,13 @@ class Measurement:
         undrained = self.burst_left > 0 and self.burst_left >= 0.5 * self.batches
         return undrained and self.epochs_samples_per_second is None
 
+    @property
+    def only_queued(self) -> bool:
+        """Whether every batch timed was queued as the workers started, the clock started
+        by the warm-up's cap (``NOTE [ Warm-up ]``): none came at the loader's own pace,
+        and the wait for data says nothing of it."""
+        return self.burst_left > 0 and self.batches <= self.burst_left
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
